@@ -1,0 +1,3 @@
+from flodl_run.cli import main
+
+main()

@@ -1,0 +1,75 @@
+"""`python -m flodl_run`: compose with Hydra, materialize once, train, write the run dir.
+
+The only place that turns errors into exit codes and prints: 0 done, 2 bad config (no
+traceback; FLODL_RUN_TRACEBACK=1 shows one), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+
+from flodl_run.config.compose import conf_dir, experiment_to_yaml, register_schemas
+from flodl_run.config.materialize import ConfigError, materialize
+
+EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
+
+
+def fail_config(message: str, console: Console) -> NoReturn:
+    """Print a user error without a traceback and exit 2."""
+    console.print(f"[bold red]flodl_run:[/] {message}", highlight=False)
+    sys.exit(EXIT_CONFIG)
+
+
+def run_job(cfg: Any) -> None:
+    """The body of one Hydra job (also one job of a multirun sweep)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from flodl_run.launcher import launch
+
+    err = Console(stderr=True)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        materialized = materialize(cfg, run_dir=str(run_dir), outputs_dir=str(Path.cwd() / "outputs"))
+    except ConfigError as exc:
+        fail_config(str(exc), err)
+    for warning in materialized.warnings:
+        err.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
+    status = launch(materialized.config, run_dir, Console())
+    if status == "interrupted":
+        sys.exit(EXIT_INTERRUPTED)
+    if status not in ("completed",):
+        sys.exit(1)
+
+
+def main() -> None:
+    """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
+    import hydra
+
+    if os.environ.get("FLODL_RUN_TRACEBACK"):
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    register_schemas()
+    entered = []
+
+    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+    def _app(cfg: Any) -> None:
+        entered.append(True)
+        run_job(cfg)
+
+    try:
+        _app()
+    except SystemExit as exc:
+        # Hydra exits 1 for overrides it cannot compose (unknown key, wrong type, missing
+        # option) before our job starts: that is a config error, so exit 2 like ours.
+        if exc.code == 1 and not entered:
+            sys.exit(EXIT_CONFIG)
+        raise
+    except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there
+        fail_config(str(exc), Console(stderr=True))
+

@@ -1,0 +1,153 @@
+"""Hydra at the edge: schema registration, composition of the `conf/` tree, and conversion
+of a composed DictConfig into a typed ExperimentConfig.
+
+Owns every contact with hydra/omegaconf below the CLI. It does not validate values
+(`config.validate`) or import recipes (`config.materialize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from flodl_run.config.schema import (
+    ClusterConfig,
+    DataConfig,
+    ElCheConfig,
+    ExperimentConfig,
+    OuterConfig,
+    RecipeConfig,
+    TrackingConfig,
+)
+from flodl_run.config.validate import Problem
+
+# (group, schema name, dataclass): every YAML option of a group lists its schema first in
+# `defaults`, so an unknown key or a wrong type fails at compose time.
+SCHEMAS = (
+    (None, "base_experiment", ExperimentConfig),
+    ("elche", "base_elche", ElCheConfig),
+    ("outer", "base_outer", OuterConfig),
+    ("cluster", "base_cluster", ClusterConfig),
+    ("data", "base_data", DataConfig),
+    ("recipe", "base_recipe", RecipeConfig),
+    ("tracking", "base_tracking", TrackingConfig),
+)
+
+GROUPS = ("elche", "outer", "cluster", "data", "recipe", "tracking")
+
+
+class ComposeError(Exception):
+    """Hydra refused the overrides (unknown key, wrong type, missing option)."""
+
+
+def conf_dir() -> Path:
+    """The `conf/` tree: FLODL_RUN_CONF if set, else the one beside the package."""
+    override = os.environ.get("FLODL_RUN_CONF")
+    if override:
+        return Path(override).resolve()
+    return Path(__file__).resolve().parents[2] / "conf"
+
+
+def register_schemas(extra: Sequence[tuple] = ()) -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent; call before composing)."""
+    store = ConfigStore.instance()
+    for group, name, node in (*SCHEMAS, *extra):
+        store.store(group=group, name=name, node=node)
+
+
+def compose(overrides: Sequence[str] = (), config_dir: Optional[Path] = None,
+            config_name: str = "config") -> DictConfig:
+    """Compose the tree with command-line style overrides; raises ComposeError on bad input."""
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir or conf_dir())):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except Exception as exc:  # Hydra raises several unrelated types for user errors
+        raise ComposeError(_first_lines(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _first_lines(exc: BaseException) -> str:
+    text = str(exc).strip()
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip() and str(cause).strip() not in text:
+        text = f"{text}\n{str(cause).strip()}"
+    return text
+
+
+def to_experiment(cfg: DictConfig) -> tuple[Optional[ExperimentConfig], List[Problem]]:
+    """Typed object from a composed config; unset mandatory values come back as problems."""
+    missing = [Problem(key, "???", "is required") for key in _missing_keys(cfg)]
+    if missing:
+        return None, missing
+    plain = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) \
+        if "hydra" in cfg else cfg
+    try:
+        return OmegaConf.to_object(plain), []
+    except (MissingMandatoryValue, OmegaConfBaseException) as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        return None, [Problem(key, getattr(exc, "value", None), str(exc).splitlines()[0])]
+
+
+def _missing_keys(cfg: Any, prefix: str = "") -> List[str]:
+    keys: List[str] = []
+    if isinstance(cfg, DictConfig):
+        for key in cfg.keys():
+            if prefix == "" and key == "hydra":
+                continue
+            dotted = f"{prefix}{key}"
+            if OmegaConf.is_missing(cfg, key):
+                keys.append(dotted)
+            else:
+                keys.extend(_missing_keys(cfg._get_node(key), dotted + "."))
+    return keys
+
+
+def experiment_to_yaml(cfg: ExperimentConfig) -> str:
+    """The resolved config as YAML (the run dir's run.yaml)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def experiment_from_yaml(text: str) -> ExperimentConfig:
+    """Inverse of experiment_to_yaml: ranks read run.yaml this way (no Hydra composition)."""
+    merged = OmegaConf.merge(OmegaConf.structured(ExperimentConfig), OmegaConf.create(text))
+    return OmegaConf.to_object(merged)
+
+
+def choices(overrides: Sequence[str]) -> List[str]:
+    """The group selections among overrides (`elche=cpu_async`), i.e. which presets apply."""
+    picked = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if sep and key.lstrip("+~") in GROUPS:
+            picked.append(item)
+    return picked
+
+
+def dotted_items(obj: Any, prefix: str = "") -> Dict[str, Any]:
+    """Flatten a dataclass tree into {dotted key: leaf value} (lists and dicts stay leaves)."""
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(dotted_items(value, key + "."))
+        elif hasattr(value, "value") and hasattr(type(value), "__members__"):
+            out[key] = value.value
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                out.update(dotted_items(item, f"{key}.{i}."))
+        else:
+            out[key] = value
+    return out

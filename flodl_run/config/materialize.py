@@ -1,0 +1,64 @@
+"""The materializer: composed config -> resolved, validated, typed ExperimentConfig.
+
+Owns the one pass that gathers every problem (compose-time conversion, value rules, the recipe
+contract) into a single ConfigError. Printing and exit codes belong to the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from omegaconf import DictConfig
+
+from flodl_run.config.compose import to_experiment
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.validate import Problem, Report, resolve, validate
+from flodl_run.recipe import RecipeError, load_recipe
+
+
+class ConfigError(Exception):
+    """The config breaks one or more rules; str() lists them all, one per line."""
+
+    def __init__(self, problems: List[Problem], warnings: Optional[List[str]] = None):
+        self.problems = list(problems)
+        self.warnings = list(warnings or [])
+        count = len(self.problems)
+        lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
+        lines += [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class Materialized:
+    """A config ready to run: resolved values plus the warnings found on the way."""
+
+    config: ExperimentConfig
+    warnings: List[str]
+
+
+def materialize(cfg: DictConfig | ExperimentConfig, run_dir: Optional[str] = None,
+                world_size: Optional[int] = None, check_recipe: bool = True,
+                outputs_dir: Optional[str] = None) -> Materialized:
+    """Validate and resolve; raises ConfigError listing every problem at once."""
+    if isinstance(cfg, ExperimentConfig):
+        typed, problems = cfg, []
+    else:
+        typed, problems = to_experiment(cfg)
+    if typed is None:
+        raise ConfigError(problems)
+    report: Report = validate(typed, world_size)
+    problems = list(report.problems)
+    if check_recipe:
+        problems += _recipe_problems(typed)
+    if problems:
+        raise ConfigError(problems, report.warnings)
+    return Materialized(resolve(typed, run_dir, outputs_dir), report.warnings)
+
+
+def _recipe_problems(cfg: ExperimentConfig) -> List[Problem]:
+    try:
+        load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform)
+    except RecipeError as exc:
+        return [Problem(exc.key, exc.value, exc.rule)]
+    return []

@@ -1,0 +1,352 @@
+"""Typed configuration: the dataclass schemas behind every `conf/` group.
+
+Owns the shape, types, defaults and units of every config key. It does not
+validate values (see `config.validate`) or talk to Hydra (see `config.compose`);
+plain Python users build these objects directly (`ElCheConfig.cpu_async()`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class Mode(str, enum.Enum):
+    """The five sync/cadence/async modes (DESIGN §5). Member names are the YAML spelling."""
+
+    nccl_sync = "nccl_sync"
+    nccl_cadence = "nccl_cadence"
+    cpu_sync = "cpu_sync"
+    cpu_cadence = "cpu_cadence"
+    cpu_async = "cpu_async"
+
+    @property
+    def is_collective(self) -> bool:
+        """Ranks average among themselves (NCCL on CUDA, Gloo on CPU)."""
+        return self.name.startswith("nccl_")
+
+    @property
+    def is_sync(self) -> bool:
+        return self.name.endswith("_sync")
+
+    @property
+    def is_progressive(self) -> bool:
+        """Cadence and async stream throughput-proportional chunks (DESIGN §8)."""
+        return not self.is_sync
+
+
+class GuardKind(str, enum.Enum):
+    """Convergence guard (DESIGN §6.6)."""
+
+    none = "none"
+    trend = "trend"
+    rate = "rate"
+
+
+class OuterKind(str, enum.Enum):
+    """Outer optimizer applied to the consensus (DESIGN §7.4)."""
+
+    none = "none"
+    slowmo = "slowmo"
+    diloco = "diloco"
+
+
+class Topology(str, enum.Enum):
+    """How ranks are laid out (DESIGN §3.2, §12)."""
+
+    auto = "auto"
+    solo = "solo"
+    cpu = "cpu"
+    local_gpus = "local_gpus"
+    hosts = "hosts"
+
+
+class TrackingKind(str, enum.Enum):
+    mlflow = "mlflow"
+    mlflow_server = "mlflow_server"
+    off = "off"
+
+
+class Reduction(str, enum.Enum):
+    """How a user scalar rolls up across ranks (DESIGN §11.2)."""
+
+    mean = "mean"
+    sum = "sum"
+    min = "min"
+    max = "max"
+    last = "last"
+
+
+class Theme(str, enum.Enum):
+    auto = "auto"
+    light = "light"
+    dark = "dark"
+
+
+@dataclass
+class ElCheConfig:
+    """The cadence balancer and its guards (DESIGN §4.2). Defaults are the nccl_cadence preset."""
+
+    mode: Mode = Mode.nccl_cadence
+    """One of the five modes (DESIGN §5)."""
+    anchor: int = 10
+    """Initial anchor: batches the slowest rank runs per window; >= 1."""
+    min_anchor: Optional[int] = None
+    """Floor for auto-tune shrink, in batches; null = `anchor`. Nudges may go below, to 1."""
+    max_anchor: int = 1000
+    """Ceiling for the anchor, in batches; >= min_anchor."""
+    overhead_target: float = 0.05
+    """Target share of compute time spent in reduces; in [0.01, 0.50]."""
+    max_batch_diff: Optional[int] = None
+    """Max lead in batches of the fastest over the slowest rank; 0 = lockstep; null = unbounded."""
+    max_overshoot: Optional[int] = None
+    """cpu_async lookahead in batches past the window; null = auto (start 3, ceiling 15)."""
+    relax_up: bool = False
+    """Grow the anchor by 1 on each Stable verdict."""
+    partition_ratios: Optional[List[float]] = None
+    """Per-rank data shares (normalized); length = world size; null = by measured throughput."""
+    convergence_guard: GuardKind = GuardKind.trend
+    """Divergence guard: none, trend (default) or rate (DESIGN §6.6)."""
+    divergence_threshold: Optional[float] = None
+    """Relative divergence D that counts as rising; > 0; null = 0.05, or 0.3 with easgd_alpha."""
+    easgd_alpha: Optional[float] = None
+    """EASGD elastic weight in (0, 1]; honoured on cpu_async only; null = plain overwrite."""
+    gamma: float = 1.0
+    """Consensus weight exponent: w_k = n_k ** gamma; >= 0."""
+    meta_controller: bool = True
+    """LR-aware meta-controller above ElChe (DESIGN §6.7)."""
+
+    @classmethod
+    def nccl_sync(cls) -> "ElCheConfig":
+        return cls(mode=Mode.nccl_sync, anchor=1)
+
+    @classmethod
+    def nccl_cadence(cls) -> "ElCheConfig":
+        return cls(mode=Mode.nccl_cadence)
+
+    @classmethod
+    def cpu_sync(cls) -> "ElCheConfig":
+        return cls(mode=Mode.cpu_sync, anchor=1)
+
+    @classmethod
+    def cpu_cadence(cls) -> "ElCheConfig":
+        return cls(mode=Mode.cpu_cadence)
+
+    @classmethod
+    def cpu_async(cls) -> "ElCheConfig":
+        return cls(mode=Mode.cpu_async, easgd_alpha=0.5)
+
+    @classmethod
+    def preset(cls, mode: Mode | str) -> "ElCheConfig":
+        """The preset of `mode`, as `conf/elche/<mode>.yaml` defines it."""
+        return getattr(cls, Mode(mode).value)()
+
+
+@dataclass
+class OuterConfig:
+    """Outer optimizer on the consensus (DESIGN §7.4)."""
+
+    kind: OuterKind = OuterKind.none
+    """none (plain averaging), slowmo, or diloco (Nesterov)."""
+    lr: float = 1.0
+    """Outer learning rate; > 0."""
+    momentum: float = 0.0
+    """Outer momentum mu; in [0, 1)."""
+
+
+@dataclass
+class SshConfig:
+    """How the launcher reaches a worker host over OpenSSH (DESIGN §12)."""
+
+    user: Optional[str] = None
+    """Remote user; null = the ssh client's default."""
+    port: int = 22
+    """sshd port on the worker."""
+    identity_file: Optional[str] = None
+    """Private key file; null = the ssh client's default."""
+    options: List[str] = field(default_factory=list)
+    """Extra `-o` options, e.g. ["StrictHostKeyChecking=accept-new"]."""
+
+
+@dataclass
+class WorkerConfig:
+    """One host that runs ranks (DESIGN §12)."""
+
+    host: str = "localhost"
+    """Address the launcher reaches the host at."""
+    local_devices: Any = "all"
+    """Device indices or UUIDs on this host as a list, or "all" to probe the host."""
+    nccl_socket_ifname: Optional[str] = None
+    """Network interface for NCCL; required when hosts differ."""
+    path: Optional[str] = None
+    """Project checkout on the host; null = the controller's path."""
+    python: str = "python3"
+    """Python interpreter on the host."""
+    ssh: SshConfig = field(default_factory=SshConfig)
+    env: Dict[str, str] = field(default_factory=dict)
+    """Extra environment for this host's ranks."""
+
+
+@dataclass
+class ControllerConfig:
+    """Where the coordinator listens for a multi-host run (DESIGN §12)."""
+
+    host: str = "127.0.0.1"
+    """Address ranks reach the coordinator at; loopback for single-host runs."""
+    port: int = 0
+    """Control-plane TCP port; 0 = a free port."""
+    path: Optional[str] = None
+    """Project checkout on the controller host; null = the current directory."""
+
+
+@dataclass
+class ClusterConfig:
+    """Rank topology (DESIGN §3.2, §12)."""
+
+    topology: Topology = Topology.auto
+    """auto (1 rank per visible GPU if 2+, else in-process), solo, cpu, local_gpus or hosts."""
+    num_ranks: Optional[int] = None
+    """Number of CPU ranks for topology cpu; >= 1."""
+    threads_per_rank: Optional[int] = None
+    """torch intra-op threads per CPU rank; null = cores / ranks (at least 1)."""
+    devices: List[str] = field(default_factory=list)
+    """CUDA device indices or UUIDs for topology local_gpus."""
+    emulate_slowdown: Optional[List[float]] = None
+    """Per-rank slowdown factors >= 1 (rank k sleeps (f_k - 1) x step time); DESIGN §13."""
+    master_addr: str = "127.0.0.1"
+    """MASTER_ADDR of the torch.distributed rendezvous."""
+    master_port: int = 0
+    """MASTER_PORT of the rendezvous; 0 = a free port."""
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    workers: List[WorkerConfig] = field(default_factory=list)
+    """Hosts in rank order for topology hosts."""
+
+
+@dataclass
+class DataConfig:
+    """Per-rank data-plane budgets and delivery (DESIGN §4.3, §8)."""
+
+    vram_max_usage: float = 0.90
+    """Share of device memory the data plane may use; in [0.50, 0.99]."""
+    ram_max_usage: float = 0.50
+    """Share of available host RAM for staging tiers; in [0.0, 0.90]; 0 disables the cache."""
+    gpu_ram_share: Optional[float] = None
+    """Share of host RAM handed to an integrated GPU; > 0; null = what the device reports."""
+    sample_cache: bool = True
+    """Keep samples in a pinned host-RAM cache."""
+    vram_pool: bool = True
+    """Keep samples in leftover device memory after the first step."""
+    disk_stage_gb: float = 0.0
+    """On-disk overflow tier under the RAM cache, in GB; >= 0; 0 = off."""
+    disk_stage_dir: Optional[str] = None
+    """Directory of the disk-stage pack file; null = the system temp dir."""
+    prefetch: Optional[int] = None
+    """Fixed streaming prefetch depth in batches (>= 1); null = adaptive."""
+    augment: int = 1
+    """Times each sample appears per epoch; >= 1."""
+    epoch_splits: int = 1
+    """Epochs per data pass; >= 1."""
+    transform: Optional[str] = None
+    """Name of a deterministic transform function in the recipe module; null = none."""
+
+
+@dataclass
+class MaxFailureConfig:
+    """Dead-rank threshold that ends the run with a save (DESIGN §9). Set at most one."""
+
+    absolute: Optional[int] = None
+    """Stop when this many ranks are dead; >= 1."""
+    percent: Optional[float] = None
+    """Stop when ceil(percent x world_size) ranks are dead; in (0, 1]."""
+
+
+@dataclass
+class RecipeConfig:
+    """What to train: a module with the recipe functions plus their keyword arguments."""
+
+    module: str = "recipes.digits_mlp"
+    """Dotted module path, importable from the current directory or the environment."""
+    params: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to every recipe function."""
+    target_eval: Optional[float] = None
+    """Eval score the benchmark counts as reached (time-to-target); null = none."""
+
+
+@dataclass
+class TrackingConfig:
+    """Where the coordinator logs runs (DESIGN §11.4)."""
+
+    kind: TrackingKind = TrackingKind.mlflow
+    """mlflow (local SQLite store), mlflow_server (a tracking URI) or off."""
+    uri: Optional[str] = None
+    """Tracking URI; null = sqlite:///<outputs>/mlflow.db for kind mlflow."""
+    experiment: str = "flodl_run"
+    """MLflow experiment name."""
+    system_metrics: bool = True
+    """Log host and GPU figures once per node."""
+
+
+@dataclass
+class DdpRunConfig:
+    """Run-scope configuration of distributed training (DESIGN §4.3; names follow floDl)."""
+
+    elche: ElCheConfig = field(default_factory=ElCheConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint_every: Optional[int] = None
+    """Save a checkpoint bundle every n epochs; >= 1; null = only at the end."""
+    snapshot_timeout_secs: float = 5.0
+    """Coordinator-backend wait for parameter snapshots, in seconds; > 0."""
+    progressive_dispatch: Optional[bool] = None
+    """Stream throughput-sized chunks; null = on for cadence/async, off for sync."""
+    max_grad_norm: Optional[float] = None
+    """Per-rank L2 gradient clip before each optimizer step; > 0; null = no clip."""
+    timeline: bool = False
+    """Record a high-frequency event timeline for profiling."""
+    lr_scale_ratio: float = 1.0
+    """lr_factor = 1 + (world_size - 1) x ratio; >= 0."""
+    save_path: Optional[str] = None
+    """Checkpoint bundle stem; null = <run dir>/checkpoint."""
+    max_failure: MaxFailureConfig = field(default_factory=MaxFailureConfig)
+    heartbeat_timeout_secs: float = 30.0
+    """A rank silent for this long, in seconds, is dead; > 0."""
+    epoch_callback_policy: str = "fastest"
+    """Rank that runs eval/checkpoint hooks: "fastest" or "rank:<n>"."""
+    eval_every_epochs: Optional[int] = 1
+    """Eval every n epochs (>= 1); null = only the final eval."""
+    reports_per_epoch: Optional[int] = None
+    """Sub-epoch metric reports at reduce boundaries; >= 1; null = per epoch only."""
+    record_log_dir: Optional[str] = None
+    """Directory of the JSONL record log tree; null = off."""
+    max_log_size: int = 32 * 1024 * 1024
+    """Byte cap of each record log ring (32 MiB); >= 4096."""
+    dashboard_html: Optional[str] = None
+    """Path of the self-contained HTML dashboard written at teardown; null = none."""
+    dashboard_theme: Theme = Theme.auto
+    """Theme the dashboard opens with: auto, light or dark."""
+    scalar_reductions: Dict[str, Reduction] = field(default_factory=dict)
+    """Cross-rank roll-up per user scalar name; unlisted scalars use mean."""
+    resume_from: Optional[str] = None
+    """Checkpoint bundle stem to resume from; must exist."""
+    checkpoint_at_epoch: Optional[int] = None
+    """One-shot mid-run checkpoint when the cohort reaches this epoch; >= 0."""
+
+
+@dataclass
+class ExperimentConfig(DdpRunConfig):
+    """The root of the `conf/` tree: a DdpRunConfig plus what to train, where and how to log."""
+
+    seed: int = 0
+    """Seed of model init and the per-pass data permutation."""
+    batch_size: int = 32
+    """Samples per batch per rank; >= 1."""
+    num_epochs: int = 10
+    """Passes over the data (x epoch_splits epochs); >= 1."""
+    run_name: Optional[str] = None
+    """MLflow run name; null = <mode>-<recipe>."""
+    device: str = "auto"
+    """In-process device: auto (cuda if visible, else cpu), cpu, or cuda[:i]."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)

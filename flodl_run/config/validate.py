@@ -1,0 +1,367 @@
+"""One validation pass over a typed ExperimentConfig, and the resolution of its auto values.
+
+Owns every value and cross-field rule of the config: each problem names the dotted key as a
+user types it, the bad value and the rule, and all problems are reported together. Pure: no
+Hydra, no imports of recipes (see `config.materialize` for the recipe check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional
+
+from flodl_run.config.schema import (
+    ExperimentConfig,
+    Mode,
+    OuterKind,
+    Topology,
+    TrackingKind,
+)
+
+# Keys whose cross-rank roll-up the runtime fixes (DESIGN §11.2): users may not redeclare them.
+CORE_METRIC_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
+
+# torchrun contract and our own control-plane variables: a worker env block may not set them.
+RESERVED_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+)
+RESERVED_ENV_PREFIX = "FLODL_RUN_"
+
+_POLICY = re.compile(r"^(fastest|rank:(\d+))$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: `key: rule, got value`."""
+
+    key: str
+    value: Any
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.rule}, got {_show(self.value)}"
+
+
+def _show(value: Any) -> str:
+    if hasattr(value, "value") and not isinstance(value, (int, float, str)):
+        value = value.value
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Outcome of validation: problems make the config invalid, warnings do not."""
+
+    problems: List[Problem]
+    warnings: List[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def planned_world_size(cfg: ExperimentConfig) -> Optional[int]:
+    """World size the cluster config fixes without probing hardware; None when only a probe knows."""
+    cluster = cfg.cluster
+    if cluster.topology is Topology.solo:
+        return 1
+    if cluster.topology is Topology.cpu:
+        return cluster.num_ranks
+    if cluster.topology is Topology.local_gpus:
+        return len(cluster.devices)
+    if cluster.topology is Topology.hosts:
+        counts = [w.local_devices for w in cluster.workers]
+        if any(not isinstance(c, (list, tuple)) for c in counts):
+            return None
+        return sum(len(c) for c in counts)
+    return None
+
+
+def validate(cfg: ExperimentConfig, world_size: Optional[int] = None) -> Report:
+    """Check every rule; `world_size` (when known from a probe) sharpens the cross-field checks."""
+    if world_size is None:
+        world_size = planned_world_size(cfg)
+    problems: List[Problem] = []
+    warnings: List[str] = []
+    for check in _CHECKS:
+        for item in check(cfg, world_size):
+            (problems if isinstance(item, Problem) else warnings).append(item)
+    return Report(problems, warnings)
+
+
+Check = Callable[[ExperimentConfig, Optional[int]], Iterator[Any]]
+_CHECKS: List[Check] = []
+
+
+def _check(fn: Check) -> Check:
+    _CHECKS.append(fn)
+    return fn
+
+
+def _at_least(key: str, value: Any, low: float, optional: bool = True) -> Iterator[Problem]:
+    if value is None and optional:
+        return
+    if value is None or value < low:
+        yield Problem(key, value, f"must be >= {low}")
+
+
+def _above(key: str, value: Any, low: float) -> Iterator[Problem]:
+    if value is not None and not value > low:
+        yield Problem(key, value, f"must be > {low}")
+
+
+def _within(key: str, value: Any, low: float, high: float) -> Iterator[Problem]:
+    if value is not None and not (low <= value <= high):
+        yield Problem(key, value, f"must be in [{low}, {high}]")
+
+
+@_check
+def _top_level(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    yield from _at_least("seed", cfg.seed, 0)
+    yield from _at_least("batch_size", cfg.batch_size, 1)
+    yield from _at_least("num_epochs", cfg.num_epochs, 1)
+    if not _DEVICE.match(cfg.device):
+        yield Problem("device", cfg.device, "must be auto, cpu, cuda or cuda:<index>")
+
+
+@_check
+def _elche(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    e = cfg.elche
+    yield from _at_least("elche.anchor", e.anchor, 1)
+    yield from _at_least("elche.min_anchor", e.min_anchor, 1)
+    yield from _at_least("elche.max_anchor", e.max_anchor, 1)
+    floor = e.anchor if e.min_anchor is None else e.min_anchor
+    if floor is not None and e.max_anchor is not None and floor > e.max_anchor:
+        key = "elche.anchor" if e.min_anchor is None else "elche.min_anchor"
+        yield Problem(key, floor, f"must be <= elche.max_anchor ({e.max_anchor})")
+    yield from _within("elche.overhead_target", e.overhead_target, 0.01, 0.50)
+    yield from _at_least("elche.max_batch_diff", e.max_batch_diff, 0)
+    yield from _at_least("elche.max_overshoot", e.max_overshoot, 0)
+    yield from _above("elche.divergence_threshold", e.divergence_threshold, 0)
+    yield from _at_least("elche.gamma", e.gamma, 0)
+    if e.easgd_alpha is not None and not (0 < e.easgd_alpha <= 1):
+        yield Problem("elche.easgd_alpha", e.easgd_alpha, "must be in (0, 1]")
+    yield from _partition_ratios(e.partition_ratios, world_size)
+    yield from _elche_warnings(cfg)
+
+
+def _partition_ratios(ratios: Optional[List[float]], world_size: Optional[int]) -> Iterator[Any]:
+    if ratios is None:
+        return
+    if any(r <= 0 for r in ratios):
+        yield Problem("elche.partition_ratios", list(ratios), "every share must be > 0")
+    if world_size is not None and len(ratios) != world_size:
+        yield Problem(
+            "elche.partition_ratios", list(ratios),
+            f"must have one share per rank (world size {world_size})",
+        )
+
+
+def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
+    e = cfg.elche
+    if e.easgd_alpha is not None and e.mode is not Mode.cpu_async:
+        yield f"elche.easgd_alpha={e.easgd_alpha} has no effect in mode {e.mode.value} (cpu_async only)"
+    if e.max_overshoot is not None and e.mode is not Mode.cpu_async:
+        yield f"elche.max_overshoot={e.max_overshoot} has no effect in mode {e.mode.value} (cpu_async only)"
+    if e.max_batch_diff is not None and e.mode.is_collective:
+        yield (f"elche.max_batch_diff={e.max_batch_diff} has no effect in mode {e.mode.value}: "
+               "the collective paces the ranks")
+    if e.relax_up and e.mode.is_sync:
+        yield f"elche.relax_up has no effect in mode {e.mode.value}: sync modes reduce every step"
+
+
+@_check
+def _outer(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    o = cfg.outer
+    yield from _above("outer.lr", o.lr, 0)
+    if not (0 <= o.momentum < 1):
+        yield Problem("outer.momentum", o.momentum, "must be in [0, 1)")
+    if o.kind is OuterKind.none and (o.momentum != 0 or o.lr != 1.0):
+        yield "outer.lr/outer.momentum have no effect with outer=none (plain averaging)"
+
+
+@_check
+def _data(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    d = cfg.data
+    yield from _within("data.vram_max_usage", d.vram_max_usage, 0.50, 0.99)
+    yield from _within("data.ram_max_usage", d.ram_max_usage, 0.0, 0.90)
+    yield from _above("data.gpu_ram_share", d.gpu_ram_share, 0)
+    yield from _at_least("data.disk_stage_gb", d.disk_stage_gb, 0)
+    yield from _at_least("data.prefetch", d.prefetch, 1)
+    yield from _at_least("data.augment", d.augment, 1)
+    yield from _at_least("data.epoch_splits", d.epoch_splits, 1)
+    if d.transform is not None and not d.transform.isidentifier():
+        yield Problem("data.transform", d.transform, "must name a function of the recipe module")
+
+
+@_check
+def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    yield from _at_least("checkpoint_every", cfg.checkpoint_every, 1)
+    yield from _above("snapshot_timeout_secs", cfg.snapshot_timeout_secs, 0)
+    yield from _above("max_grad_norm", cfg.max_grad_norm, 0)
+    yield from _at_least("lr_scale_ratio", cfg.lr_scale_ratio, 0)
+    yield from _above("heartbeat_timeout_secs", cfg.heartbeat_timeout_secs, 0)
+    yield from _at_least("eval_every_epochs", cfg.eval_every_epochs, 1)
+    yield from _at_least("reports_per_epoch", cfg.reports_per_epoch, 1)
+    yield from _at_least("max_log_size", cfg.max_log_size, 4096)
+    yield from _max_failure(cfg, world_size)
+    yield from _callback_policy(cfg.epoch_callback_policy, world_size)
+    for name in cfg.scalar_reductions:
+        if name in CORE_METRIC_KEYS:
+            yield Problem(f"scalar_reductions.{name}", cfg.scalar_reductions[name].value,
+                          "is a core metric key whose reduction is fixed")
+    yield from _checkpoint_at_epoch(cfg)
+    if cfg.resume_from is not None:
+        missing = [s for s in (".meta.json", ".pt") if not Path(cfg.resume_from + s).is_file()]
+        if missing:
+            yield Problem("resume_from", cfg.resume_from,
+                          f"must name an existing checkpoint bundle (missing {', '.join(missing)})")
+
+
+def _max_failure(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    mf = cfg.max_failure
+    if mf.absolute is not None and mf.percent is not None:
+        yield Problem("max_failure", f"absolute={mf.absolute}, percent={mf.percent}",
+                      "set at most one of max_failure.absolute and max_failure.percent")
+    yield from _at_least("max_failure.absolute", mf.absolute, 1)
+    if mf.percent is not None and not (0 < mf.percent <= 1):
+        yield Problem("max_failure.percent", mf.percent, "must be in (0, 1]")
+    if mf.absolute is not None and world_size is not None and mf.absolute > world_size:
+        yield f"max_failure.absolute={mf.absolute} exceeds the world size {world_size}: it can never fire"
+
+
+def _callback_policy(policy: str, world_size: Optional[int]) -> Iterator[Problem]:
+    match = _POLICY.match(policy)
+    if not match:
+        yield Problem("epoch_callback_policy", policy, "must be 'fastest' or 'rank:<n>'")
+    elif match.group(2) is not None and world_size is not None and int(match.group(2)) >= world_size:
+        yield Problem("epoch_callback_policy", policy, f"rank must be < world size {world_size}")
+
+
+def _checkpoint_at_epoch(cfg: ExperimentConfig) -> Iterator[Any]:
+    epoch = cfg.checkpoint_at_epoch
+    if epoch is None:
+        return
+    total = cfg.num_epochs * max(cfg.data.epoch_splits, 1)
+    if not (0 <= epoch < total):
+        yield Problem("checkpoint_at_epoch", epoch, f"must be in [0, {total - 1}] (the run's epochs)")
+    if cfg.elche.mode.is_sync:
+        yield f"checkpoint_at_epoch has no effect in mode {cfg.elche.mode.value} (progressive modes only)"
+
+
+@_check
+def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    c = cfg.cluster
+    if c.topology is Topology.cpu and c.num_ranks is None:
+        yield Problem("cluster.num_ranks", None, "is required with cluster topology cpu")
+    yield from _at_least("cluster.num_ranks", c.num_ranks, 1)
+    yield from _at_least("cluster.threads_per_rank", c.threads_per_rank, 1)
+    for key, port in (("cluster.master_port", c.master_port),
+                      ("cluster.controller.port", c.controller.port)):
+        yield from _within(key, port, 0, 65535)
+    if c.topology is Topology.local_gpus:
+        if not c.devices:
+            yield Problem("cluster.devices", [], "must list at least one device with topology local_gpus")
+        if len(set(c.devices)) != len(c.devices):
+            yield Problem("cluster.devices", list(c.devices), "must not repeat a device")
+    if c.emulate_slowdown is not None:
+        if any(f < 1.0 for f in c.emulate_slowdown):
+            yield Problem("cluster.emulate_slowdown", list(c.emulate_slowdown), "every factor must be >= 1.0")
+        if world_size is not None and len(c.emulate_slowdown) != world_size:
+            yield Problem("cluster.emulate_slowdown", list(c.emulate_slowdown),
+                          f"must have one factor per rank (world size {world_size})")
+    if c.topology is Topology.hosts:
+        yield from _workers(cfg)
+    if c.num_ranks is not None and c.topology is not Topology.cpu:
+        yield f"cluster.num_ranks has no effect with topology {c.topology.value}"
+
+
+def _workers(cfg: ExperimentConfig) -> Iterator[Any]:
+    workers = cfg.cluster.workers
+    if not workers:
+        yield Problem("cluster.workers", [], "must list at least one host with topology hosts")
+    hosts = {w.host for w in workers}
+    for i, w in enumerate(workers):
+        key = f"cluster.workers.{i}"
+        devices = w.local_devices
+        if isinstance(devices, (list, tuple)):
+            if len(set(map(str, devices))) != len(devices):
+                yield Problem(f"{key}.local_devices", list(devices), "must not repeat a device")
+        elif devices != "all":
+            yield Problem(f"{key}.local_devices", devices, "must be a list of devices or 'all'")
+        if len(hosts) > 1 and not w.nccl_socket_ifname:
+            yield Problem(f"{key}.nccl_socket_ifname", w.nccl_socket_ifname,
+                          "is required when the workers are on different hosts")
+        yield from _within(f"{key}.ssh.port", w.ssh.port, 1, 65535)
+        for name in w.env:
+            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
+                yield Problem(f"{key}.env.{name}", w.env[name], "is reserved for the launcher")
+    seen = [(w.host, str(d)) for w in workers if isinstance(w.local_devices, (list, tuple))
+            for d in w.local_devices]
+    dupes = sorted({f"{h}:{d}" for h, d in seen if seen.count((h, d)) > 1})
+    if dupes:
+        yield Problem("cluster.workers", dupes, "must not give one device of a host to two ranks")
+
+
+@_check
+def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    t = cfg.tracking
+    if t.kind is TrackingKind.mlflow_server:
+        if not (t.uri or "").startswith(("http://", "https://")):
+            yield Problem("tracking.uri", t.uri, "must be an http(s):// URI with tracking=mlflow_server")
+    elif t.kind is TrackingKind.mlflow and t.uri is not None:
+        if not t.uri.startswith(("sqlite:///", "file:", "postgresql", "mysql")) and "://" in t.uri:
+            yield Problem("tracking.uri", t.uri,
+                          "must be a database or file URI with tracking=mlflow (use tracking=mlflow_server for http)")
+    if not t.experiment:
+        yield Problem("tracking.experiment", t.experiment, "must not be empty")
+
+
+def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
+            outputs_dir: Optional[str] = None) -> ExperimentConfig:
+    """Fill every auto value with what the run will use; returns a new object (input untouched)."""
+    e = cfg.elche
+    divergence = e.divergence_threshold
+    if divergence is None:
+        divergence = 0.3 if e.easgd_alpha is not None else 0.05
+    elche = dataclasses.replace(
+        e,
+        min_anchor=e.anchor if e.min_anchor is None else e.min_anchor,
+        divergence_threshold=divergence,
+        partition_ratios=_normalized(e.partition_ratios),
+    )
+    progressive = cfg.progressive_dispatch
+    if progressive is None:
+        progressive = e.mode.is_progressive
+    save_path = cfg.save_path
+    if save_path is None and run_dir is not None:
+        save_path = str(Path(run_dir) / "checkpoint")
+    run_name = cfg.run_name or f"{e.mode.value}-{cfg.recipe.module.rsplit('.', 1)[-1]}"
+    cluster = cfg.cluster
+    if cluster.topology is Topology.cpu and cluster.threads_per_rank is None and cluster.num_ranks:
+        cores = os.cpu_count() or 1
+        cluster = dataclasses.replace(cluster, threads_per_rank=max(1, cores // cluster.num_ranks))
+    tracking = cfg.tracking
+    if tracking.kind is TrackingKind.mlflow and tracking.uri is None:
+        root = Path(outputs_dir or "outputs").resolve()
+        tracking = dataclasses.replace(tracking, uri=f"sqlite:///{root / 'mlflow.db'}")
+    return dataclasses.replace(
+        cfg, elche=elche, progressive_dispatch=progressive, save_path=save_path,
+        run_name=run_name, cluster=cluster, tracking=tracking,
+    )
+
+
+def _normalized(ratios: Optional[List[float]]) -> Optional[List[float]]:
+    if ratios is None:
+        return None
+    total = math.fsum(ratios)
+    return [r / total for r in ratios] if total > 0 else list(ratios)

@@ -1,0 +1,86 @@
+"""What accelerators this host exposes, read through NVML without creating a CUDA context.
+
+Owns GPU discovery (count, names, memory, UUIDs) and the CUDA_VISIBLE_DEVICES rules; the
+launcher uses it to decide the topology (DESIGN §3.2). Never imports torch.cuda.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    """NVML index (PCI bus order)."""
+    uuid: str
+    name: str
+    memory_bytes: int
+
+    @property
+    def label(self) -> str:
+        short = self.name.replace("NVIDIA ", "")
+        return f"{short} ({self.memory_bytes / 1e9:.0f} GB)"
+
+
+def _nvml_gpus() -> List[GpuInfo]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no library: a host without NVIDIA GPUs
+        return []
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+            gpus.append(GpuInfo(i, _text(uuid), _text(name), int(memory)))
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def select_visible(gpus: List[GpuInfo], visible: Optional[str]) -> List[GpuInfo]:
+    """Apply CUDA_VISIBLE_DEVICES as CUDA does: indices or UUID prefixes, stop at the first bad entry.
+
+    Indices are read in PCI bus order (the launcher sets CUDA_DEVICE_ORDER=PCI_BUS_ID for ranks).
+    """
+    if visible is None:
+        return list(gpus)
+    chosen: List[GpuInfo] = []
+    for token in (t.strip() for t in visible.split(",")):
+        match = None
+        if token.isdigit() and int(token) < len(gpus):
+            match = gpus[int(token)]
+        elif token.startswith(("GPU-", "MIG-")):
+            hits = [g for g in gpus if g.uuid.startswith(token)]
+            match = hits[0] if len(hits) == 1 else None
+        if match is None or match in chosen:
+            break
+        chosen.append(match)
+    return chosen
+
+
+def visible_gpus() -> List[GpuInfo]:
+    """GPUs this process may use, honouring CUDA_VISIBLE_DEVICES."""
+    return select_visible(_nvml_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def hardware_line(gpus: List[GpuInfo], ranks: int) -> str:
+    """One line saying what the run trains on, e.g. `ddp: 2 GPUs (heterogeneous) | H200 (141 GB) | A100 (80 GB)`."""
+    if not gpus:
+        return f"ddp: {ranks} CPU rank{'s' if ranks != 1 else ''}" if ranks > 1 else "ddp: in-process | cpu"
+    if len(gpus) == 1:
+        return f"ddp: in-process | {gpus[0].label}"
+    kinds = {(g.name, g.memory_bytes) for g in gpus}
+    shape = "heterogeneous" if len(kinds) > 1 else "homogeneous"
+    return f"ddp: {len(gpus)} GPUs ({shape}) | " + " | ".join(g.label for g in gpus)

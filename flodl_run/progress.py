@@ -1,0 +1,72 @@
+"""Progress on the launcher's terminal: a live bar on a TTY, plain lines in logs (CI).
+
+Implements the TrainObserver protocol; everything here is presentation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from flodl_run.summary import EpochRecord
+
+
+def _fmt(value: Optional[float], spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class TerminalProgress:
+    """Epochs, batches, loss, throughput and ETA; degrades to one line per epoch without a TTY."""
+
+    def __init__(self, console: Optional[Console] = None):
+        self.console = console or Console()
+        self.live = self.console.is_terminal
+        self._progress: Optional[Progress] = None
+        self._task = None
+        self._total_epochs = 0
+        self._started = 0.0
+
+    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
+        self._total_epochs = total_epochs
+        self._started = time.perf_counter()
+        if not self.live:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=self.console, transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "epoch 1", total=total_epochs * batches_per_epoch, loss="-")
+
+    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, loss=f"{loss:.4f}",
+                                  description=f"epoch {epoch + 1}/{self._total_epochs}")
+
+    def on_epoch(self, record: EpochRecord) -> None:
+        done = record.epoch + 1
+        elapsed = time.perf_counter() - self._started
+        eta = elapsed / done * (self._total_epochs - done)
+        rates = " ".join(f"{r:,.0f}" for r in record.per_rank_throughput)
+        shares = " ".join(f"{s:.2f}" for s in record.per_rank_batch_share)
+        line = (f"epoch {done}/{self._total_epochs}  loss {_fmt(record.avg_loss)}  "
+                f"eval {_fmt(record.eval)}  {record.epoch_ms:,.0f} ms  samples/s [{rates}]  "
+                f"share [{shares}]  ETA {eta:,.0f}s")
+        self.console.print(line, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,70 @@
+"""One model replica on one device: built from a recipe, stepped batch by batch, evaluated.
+
+Owns the per-step mechanics every rank shares (LR scaling, gradient clipping, the scheduler,
+eval on the replica's weights). It does not decide when to reduce or which data to train.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from flodl_run.data import BatchSource
+from flodl_run.recipe import Recipe
+
+EVAL_BATCH_SIZE = 512  # eval has no backward pass: larger batches cost nothing in accuracy
+
+
+def lr_factor(world_size: int, lr_scale_ratio: float) -> float:
+    """DESIGN §7.6: 1 + (world_size - 1) * ratio (linear scaling at ratio 1)."""
+    return 1.0 + (world_size - 1) * lr_scale_ratio
+
+
+class Replica:
+    """Model, optimizer and scheduler of one rank, seeded identically on every rank."""
+
+    def __init__(self, recipe: Recipe, device: torch.device, seed: int, lr_scale: float = 1.0,
+                 max_grad_norm: Optional[float] = None):
+        self.recipe = recipe
+        self.device = device
+        self.max_grad_norm = max_grad_norm
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        self.model = recipe.call("build_model", device)
+        self.optimizer = recipe.call("build_optimizer", self.model.parameters())
+        for group in self.optimizer.param_groups:
+            group["lr"] *= lr_scale  # before the scheduler captures its base LRs
+        self.scheduler = recipe.call("build_scheduler", self.optimizer) if recipe.build_scheduler else None
+        self.steps = 0
+
+    def step(self, batch: Any) -> float:
+        """One optimizer step on `batch`; returns the loss. Clips after backward, before step."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.recipe.train_step(self.model, batch)
+        loss.backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def evaluate(self, dataset: Dataset) -> float:
+        """Recipe metric over `dataset`: sum of metric_sum / sum of count."""
+        source = BatchSource(dataset, self.device)
+        total, count = 0.0, 0
+        self.model.eval()
+        with torch.no_grad():
+            for batch in source.batches(torch.arange(len(source)), EVAL_BATCH_SIZE):
+                metric_sum, n = self.recipe.eval_step(self.model, batch)
+                total += float(metric_sum)
+                count += int(n)
+        return total / count if count else math.nan

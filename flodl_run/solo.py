@@ -1,0 +1,153 @@
+"""In-process training on one device: the path of `cluster=solo` and of hosts with 0-1 GPU.
+
+Owns the epoch loop of a single replica (permutation per pass, batches, eval cadence, epoch
+records). It reports through a TrainObserver and never prints; writing files is the caller's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Protocol
+
+import torch
+
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.data import BatchSource, num_batches, permutation
+from flodl_run.recipe import Recipe
+from flodl_run.replica import Replica
+from flodl_run.summary import EpochRecord, Summary
+
+
+class TrainObserver(Protocol):
+    """Receives progress; the CLI renders it, tests record it."""
+
+    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None: ...
+    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None: ...
+    def on_epoch(self, record: EpochRecord) -> None: ...
+
+
+class NullObserver:
+    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
+        pass
+
+    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+        pass
+
+    def on_epoch(self, record: EpochRecord) -> None:
+        pass
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run hands back: the trained model and its summary."""
+
+    model: torch.nn.Module
+    summary: Summary
+
+
+def resolve_device(spec: str) -> torch.device:
+    """`auto` is CUDA when a GPU is visible, else CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+class SoloTrainer:
+    """One replica trained over the whole data set, epoch by epoch."""
+
+    def __init__(self, config: ExperimentConfig, recipe: Recipe,
+                 observer: Optional[TrainObserver] = None):
+        self.config = config
+        self.recipe = recipe
+        self.observer = observer or NullObserver()
+        self.device = resolve_device(config.device)
+        self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
+        self.train_source = BatchSource(recipe.call("train_dataset"), self.device)
+        self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
+        self.summary = Summary(mode="solo", outer="none", world_size=1,
+                               devices=[device_name(self.device)])
+        self._compute_s = 0.0
+        self._samples = 0
+
+    @property
+    def total_epochs(self) -> int:
+        return self.config.num_epochs * self.config.data.epoch_splits
+
+    def run(self) -> TrainResult:
+        """Train every epoch, then the final eval. Ctrl-C marks the summary interrupted and re-raises."""
+        start = time.perf_counter()
+        self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
+        try:
+            for epoch in range(self.total_epochs):
+                self.summary.epochs.append(self._train_epoch(epoch))
+                self.observer.on_epoch(self.summary.epochs[-1])
+            self.summary.final_eval = self._final_eval()
+        except KeyboardInterrupt:
+            self.summary.status = "interrupted"
+            self.summary.message = "stopped by SIGINT"
+            raise
+        finally:
+            self._finish(time.perf_counter() - start)
+        return TrainResult(self.replica.model, self.summary)
+
+    def _epoch_indices(self, epoch: int) -> torch.Tensor:
+        """The slice of the pass that epoch `epoch` covers (epoch_splits cuts a pass into slices)."""
+        splits = self.config.data.epoch_splits
+        n = len(self.train_source) * self.config.data.augment
+        order = permutation(n, self.config.seed, epoch // splits) % len(self.train_source)
+        part = epoch % splits
+        return order[part * n // splits:(part + 1) * n // splits]
+
+    def _batches_in_epoch(self, epoch: int) -> int:
+        return num_batches(len(self._epoch_indices(epoch)), self.config.batch_size)
+
+    def _train_epoch(self, epoch: int) -> EpochRecord:
+        indices = self._epoch_indices(epoch)
+        losses: List[float] = []
+        began = time.perf_counter()
+        for batch in self.train_source.batches(indices, self.config.batch_size):
+            losses.append(self.replica.step(batch))
+            self.observer.on_batch(epoch, len(losses), losses[-1])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
+        compute_s = time.perf_counter() - began
+        self._compute_s += compute_s
+        self._samples += len(indices)
+        return EpochRecord(
+            epoch=epoch,
+            avg_loss=sum(losses) / max(len(losses), 1),
+            eval=self._maybe_eval(epoch),
+            epoch_ms=compute_s * 1000.0,
+            per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
+            per_rank_batch_share=[1.0],
+        )
+
+    def _maybe_eval(self, epoch: int) -> Optional[float]:
+        every = self.config.eval_every_epochs
+        if self.eval_data is None or every is None or (epoch + 1) % every:
+            return None
+        return self.replica.evaluate(self.eval_data)
+
+    def _final_eval(self) -> Optional[float]:
+        if self.eval_data is None:
+            return None
+        last = self.summary.epochs[-1].eval if self.summary.epochs else None
+        return last if last is not None else self.replica.evaluate(self.eval_data)
+
+    def _finish(self, wall_s: float) -> None:
+        self.summary.wall_s = wall_s
+        self.summary.samples_per_s = self._samples / self._compute_s if self._compute_s else 0.0
+
+
+def train_solo(config: ExperimentConfig, recipe: Recipe,
+               observer: Optional[TrainObserver] = None) -> TrainResult:
+    return SoloTrainer(config, recipe, observer).run()
+
+

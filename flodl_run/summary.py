@@ -1,0 +1,68 @@
+"""summary.json: the machine-readable outcome of a run (DESIGN §11.3).
+
+Owns the record types and the atomic write; it does not compute any figure itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+
+@dataclass
+class EpochRecord:
+    epoch: int
+    avg_loss: float
+    eval: Optional[float]
+    epoch_ms: float
+    per_rank_throughput: List[float]
+    """Samples per second of compute, per rank."""
+    per_rank_batch_share: List[float]
+    """Share of the epoch's batches each rank trained."""
+
+
+@dataclass
+class Summary:
+    status: str = "completed"
+    """completed | failed | interrupted | shutdown_with_save."""
+    mode: str = "solo"
+    outer: str = "none"
+    world_size: int = 1
+    devices: List[str] = field(default_factory=list)
+    epochs: List[EpochRecord] = field(default_factory=list)
+    final_eval: Optional[float] = None
+    wall_s: float = 0.0
+    samples_per_s: float = 0.0
+    syncs: int = 0
+    avg_sync_ms: float = 0.0
+    anchor_trajectory: List[int] = field(default_factory=list)
+    phase: Optional[str] = None
+    dead_ranks: List[int] = field(default_factory=list)
+    checkpoint: Optional[str] = None
+    mlflow_run_id: Optional[str] = None
+    message: Optional[str] = None
+    """Human-readable reason for a status other than completed."""
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN: non-finite floats become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+def write_summary(path: str | Path, summary: Summary) -> None:
+    """Write atomically (temp file + rename) so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean(dataclasses.asdict(summary)), indent=2) + "\n")
+    os.replace(tmp, path)
