@@ -16,7 +16,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from flodl_run.config.schema import (
@@ -61,7 +61,25 @@ def register_schemas(extra: Sequence[tuple] = ()) -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent; call before composing)."""
     store = ConfigStore.instance()
     for group, name, node in (*SCHEMAS, *extra):
-        store.store(group=group, name=name, node=node)
+        store.store(group=group, name=name, node=_without_recipe_module(node))
+
+
+def _without_recipe_module(node: Any) -> Any:
+    """The schema node with `recipe.module` mandatory (`???`) when it has one.
+
+    OmegaConf keeps a default when a YAML merges `???` over it, so with the dataclass default
+    `recipe=custom` (`module: ???`) silently trained digits_mlp instead of asking for a module.
+    Every other recipe option names its module, so only the schema nodes change.
+    """
+    if node is ExperimentConfig:
+        cfg = OmegaConf.structured(node)
+        cfg.recipe.module = MISSING
+        return cfg
+    if node is RecipeConfig:
+        cfg = OmegaConf.structured(node)
+        cfg.module = MISSING
+        return cfg
+    return node
 
 
 def compose(overrides: Sequence[str] = (), config_dir: Optional[Path] = None,
