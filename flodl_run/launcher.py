@@ -50,7 +50,7 @@ def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
     plan = plan_topology(config)
     console.print(hardware_line(plan.gpus, plan.world_size), highlight=False)
     if not plan.in_process:
-        from flodl_run.distributed import launch_ranks
+        from flodl_run.supervisor import launch_ranks
 
         return launch_ranks(config, plan, run_dir, console)
     return _launch_in_process(config, run_dir, console)

@@ -34,10 +34,12 @@ class TerminalProgress:
         self._progress: Optional[Progress] = None
         self._task = None
         self._total_epochs = 0
+        self._batches_per_epoch = 0
         self._started = 0.0
 
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
         self._total_epochs = total_epochs
+        self._batches_per_epoch = batches_per_epoch
         self._started = time.perf_counter()
         if not self.live:
             return
@@ -52,7 +54,8 @@ class TerminalProgress:
 
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, advance=1, loss=f"{loss:.4f}",
+            done = epoch * self._batches_per_epoch + batches_done
+            self._progress.update(self._task, completed=done, loss=f"{loss:.4f}",
                                   description=f"epoch {epoch + 1}/{self._total_epochs}")
 
     def on_epoch(self, record: EpochRecord) -> None:

@@ -7,6 +7,7 @@ eval on the replica's weights). It does not decide when to reduce or which data 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -68,3 +69,15 @@ class Replica:
                 total += float(metric_sum)
                 count += int(n)
         return total / count if count else math.nan
+
+    def seek_schedule(self, global_step: int) -> None:
+        """Put the LR schedule at the cohort's step count (DESIGN §7.6); no-op without one."""
+        if self.scheduler is None:
+            return
+        self.scheduler.last_epoch = global_step
+        closed_form = getattr(self.scheduler, "_get_closed_form_lr", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # get_lr() outside step() warns; the value is right
+            lrs = closed_form() if closed_form else self.scheduler.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr

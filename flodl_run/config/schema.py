@@ -218,6 +218,8 @@ class ClusterConfig:
     """MASTER_ADDR of the torch.distributed rendezvous."""
     master_port: int = 0
     """MASTER_PORT of the rendezvous; 0 = a free port."""
+    launch_ranks: bool = True
+    """false = controller-only: start the coordinator and wait for ranks started by torchrun/srun."""
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     workers: List[WorkerConfig] = field(default_factory=list)
     """Hosts in rank order for topology hosts."""

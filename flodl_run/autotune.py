@@ -1,0 +1,121 @@
+"""Anchor auto-tune (DESIGN §6.5): an overhead-driven proposal, then the verdict's ruling.
+
+Owns the overhead ratio, the proposal rule (phase gates, 2x growth cap, shrink by 1, 5% dead
+zone, clamps), the growth latch, the discard-then-nudge order and relax_up. It does not compute
+verdicts (see `guard` and `meta`) or batch counts (see `batch_counts`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from flodl_run.guard import NudgeDown, Stable, SuppressGrowth, Verdict
+from flodl_run.phase import Phase
+
+# One cycle may at most double the anchor: an ungated multiplicative rule once jumped the
+# anchor from 10 to 22 on one noisy early reading.
+MAX_GROWTH = 2.0
+# In Warmup growth needs overhead above twice the target (early readings are noisy).
+WARMUP_MARGIN = 2.0
+# Anchor changes smaller than 5% of the current anchor are no-ops.
+DEAD_ZONE = 0.05
+# Consecutive Stable verdicts that re-arm growth after a SuppressGrowth or a nudge.
+REARM_AFTER = 5
+# Nudge factors are clamped to this range before they shrink the anchor.
+MIN_NUDGE = 0.1
+# Float slack for ceil(): 10 * 0.3 is 3.0000000000000004 and must stay 3.
+_CEIL_SLACK = 1e-9
+
+
+def ceil_int(value: float) -> int:
+    """ceil() that ignores float noise just above an integer."""
+    return math.ceil(value - _CEIL_SLACK)
+
+
+def overhead(sync_ms: float, compute_ms: float) -> Optional[float]:
+    """Share of compute the reduce costs: sync_ms / compute_ms; None when nothing was computed."""
+    if compute_ms <= 0 or sync_ms is None or sync_ms < 0:
+        return None
+    return sync_ms / compute_ms
+
+
+def propose(anchor: int, overhead_ratio: Optional[float], phase: Phase, target: float,
+            min_anchor: int, max_anchor: int, first_report: bool) -> int:
+    """The anchor this reduce's overhead asks for (== `anchor` means no proposal).
+
+    Grow when overhead > target from Stable on, or > 2x target in Warmup except on the first
+    report; by min(overhead / target, 2) x, clamped to [min_anchor, max_anchor] and never more
+    than doubling. Shrink by 1 (not below min_anchor) when overhead < target / 2 from Stable
+    on. A change smaller than 5% of the anchor is dropped.
+    """
+    if overhead_ratio is None or phase < Phase.WARMUP:
+        return anchor
+    proposal = anchor
+    fire_at = target if phase >= Phase.STABLE else WARMUP_MARGIN * target
+    may_grow = phase >= Phase.STABLE or not first_report
+    if may_grow and overhead_ratio > fire_at:
+        grown = ceil_int(anchor * min(overhead_ratio / target, MAX_GROWTH))
+        proposal = min(max(grown, min_anchor), max_anchor, int(MAX_GROWTH * anchor))
+    elif overhead_ratio < target / 2 and phase >= Phase.STABLE:
+        proposal = max(min_anchor, anchor - 1)
+        proposal = min(proposal, anchor)
+    if abs(proposal - anchor) < DEAD_ZONE * anchor:
+        return anchor
+    return proposal
+
+
+@dataclass(frozen=True)
+class GrowthLatch:
+    """Growth is latched off by SuppressGrowth or a nudge until 5 Stable verdicts in a row."""
+
+    latched: bool = False
+    stable_streak: int = 0
+
+    def after(self, verdict: Verdict) -> "GrowthLatch":
+        """The latch once `verdict` is counted (the 5th Stable re-arms in the same cycle)."""
+        if isinstance(verdict, Stable):
+            streak = self.stable_streak + 1
+            return GrowthLatch(self.latched and streak < REARM_AFTER, streak)
+        return GrowthLatch(True, 0)
+
+
+@dataclass(frozen=True)
+class Ruling:
+    """What the verdict made of a proposal."""
+
+    anchor: int
+    latch: GrowthLatch
+    nudge_factor: Optional[float] = None
+    """The clamped factor a NudgeDown applied, if any."""
+    dropped_growth: bool = False
+    """A proposed growth was vetoed (by the verdict or the latch)."""
+
+
+def rule(anchor: int, proposal: int, verdict: Verdict, latch: GrowthLatch) -> Ruling:
+    """Commit or veto `proposal` under `verdict`, in discard-then-nudge order.
+
+    Stable commits (a growth only while the latch is open); SuppressGrowth drops a growth, keeps
+    a shrink and latches; NudgeDown drops the proposal first, latches, then shrinks the anchor
+    by its factor (bypassing min_anchor, never below 1) so a stale growth cannot undo it.
+    """
+    latch = latch.after(verdict)
+    grows = proposal > anchor
+    if isinstance(verdict, NudgeDown):
+        factor = min(1.0, max(MIN_NUDGE, verdict.factor))
+        return Ruling(max(1, ceil_int(anchor * factor)), latch, factor, dropped_growth=grows)
+    if grows and (isinstance(verdict, SuppressGrowth) or latch.latched):
+        return Ruling(anchor, latch, dropped_growth=True)
+    return Ruling(proposal, latch)
+
+
+def relax_up(anchor: int, before: int, verdict: Verdict, latch: GrowthLatch, phase: Phase,
+             max_anchor: int, lead_allows: bool) -> int:
+    """relax_up: one more batch on a Stable verdict from Stable on, unless growth is latched,
+    the anchor is at max_anchor, this cycle already grew it (the 2x cap), or the projected
+    lead would break max_batch_diff."""
+    if (not isinstance(verdict, Stable) or latch.latched or phase < Phase.STABLE
+            or anchor >= max_anchor or anchor > before or not lead_allows):
+        return anchor
+    return anchor + 1

@@ -1,0 +1,363 @@
+"""The coordinator: the control plane of a distributed run (DESIGN §2, §5, §8).
+
+Owns the window loop: hands out data (equal split for sync, throughput-sized chunks for
+cadence), opens the reduce gate, orders reduces, feeds ElChe, aggregates epochs in order and
+runs the eval callback. It never touches a device; ranks do the training and the averaging.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+import zmq
+
+from flodl_run.balance import Balance
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.dispatch import EpochSpan, epoch_span, equal_split, take, window_samples
+from flodl_run.solo import NullObserver, TrainObserver
+from flodl_run.summary import EpochRecord, Summary
+from flodl_run.wire import (
+    Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced, Stop,
+    SyncNow, Train, WindowDone,
+)
+
+POLL_MS = 200
+
+
+class RunAborted(Exception):
+    """The run cannot go on (a rank failed or died, or a stop was requested)."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclass
+class _WindowTally:
+    """What each rank did since the last reduce."""
+
+    batches: List[int]
+    samples: List[int]
+    wall_ms: List[float]
+    fill_ms: List[float]
+    loss_sum: List[float]
+    lr: List[Optional[float]]
+
+    @classmethod
+    def empty(cls, n: int) -> "_WindowTally":
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n)
+
+    def add(self, done: WindowDone) -> None:
+        r = done.rank
+        if self.batches[r] == 0:
+            self.fill_ms[r] = done.fill_ms
+        self.batches[r] += done.batches
+        self.samples[r] += done.samples
+        self.wall_ms[r] += done.wall_ms
+        self.loss_sum[r] += done.loss_sum
+        self.lr[r] = done.lr
+
+
+@dataclass
+class _EpochTally:
+    batches: List[int]
+    samples: List[int]
+    wall_ms: List[float]
+    loss_sum: List[float]
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, n: int) -> "_EpochTally":
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n)
+
+    def add(self, window: _WindowTally) -> None:
+        for r in range(len(self.batches)):
+            self.batches[r] += window.batches[r]
+            self.samples[r] += window.samples[r]
+            self.wall_ms[r] += window.wall_ms[r]
+            self.loss_sum[r] += window.loss_sum[r]
+
+
+class Coordinator:
+    """Runs on a thread of the launcher; `run()` returns the Summary of the whole run."""
+
+    def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
+                 bind_host: str = "127.0.0.1", port: int = 0,
+                 observer: Optional[TrainObserver] = None):
+        self.config, self.world_size = config, world_size
+        self.mode = config.elche.mode
+        self.observer = observer or NullObserver()
+        self.ctx = zmq.Context.instance()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        if port:
+            sock.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.address = f"tcp://{bind_host}:{port}"
+        self.channel = Channel(sock, secret)
+        self.identities: Dict[int, bytes] = {}
+        self.last_seen: Dict[int, float] = {}
+        self.joined: Dict[int, RankJoined] = {}
+        self.num_samples = 0
+        self.summary = Summary(mode=self.mode.value, outer=config.outer.kind.value,
+                               world_size=world_size)
+        self.balance: Optional[Balance] = None
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self._failure: Optional[RunAborted] = None
+        self._window = 0
+        self._round = 0
+        self._global_step = 0
+        self._sync_ms: List[float] = []
+
+    # ---- thread-safe controls ---------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to stop at the next message (SIGINT)."""
+        self._stop_reason = reason
+        self._stop.set()
+
+    def report_failure(self, status: str, reason: str) -> None:
+        """A rank process died (seen by the launcher): abort the run."""
+        self._failure = RunAborted(status, reason)
+
+    # ---- the run ----------------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        started = time.perf_counter()
+        try:
+            self._await_ranks()
+            self._train_all_epochs()
+            self.summary.status = "completed"
+        except RunAborted as exc:
+            self.summary.status, self.summary.message = exc.status, exc.reason
+        finally:
+            self._finish(time.perf_counter() - started)
+        return self.summary
+
+    def _await_ranks(self) -> None:
+        deadline = time.monotonic() + max(300.0, self.config.heartbeat_timeout_secs)
+        while len(self.joined) < self.world_size:
+            if time.monotonic() > deadline:
+                raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
+            self._next(expect=RankJoined)
+        sizes = {j.num_samples for j in self.joined.values()}
+        if len(sizes) != 1:
+            raise RunAborted("failed", f"ranks see different train set sizes: {sorted(sizes)}")
+        self.num_samples = sizes.pop()
+        self.summary.devices = [self.joined[r].device_name for r in range(self.world_size)]
+        self.balance = Balance(self.config.elche, self.world_size, self._epoch_batches(0),
+                               self.config.batch_size)
+
+    def _epoch_batches(self, epoch: int) -> int:
+        span = self._span(epoch)
+        return -(-span.size // self.config.batch_size)
+
+    def _span(self, epoch: int) -> EpochSpan:
+        data = self.config.data
+        return epoch_span(epoch, self.num_samples, data.augment, data.epoch_splits)
+
+    def _train_all_epochs(self) -> None:
+        total = self.config.num_epochs * self.config.data.epoch_splits
+        self.observer.on_start(total, self._epoch_batches(0), self.world_size)
+        for epoch in range(total):
+            tally = self._run_epoch(self._span(epoch))
+            record = self._epoch_record(epoch, tally)
+            self.summary.epochs.append(record)
+            self.observer.on_epoch(record)
+        last = self.summary.epochs[-1] if self.summary.epochs else None
+        if last is not None and last.eval is None and self.config.recipe is not None:
+            last_eval = self._evaluate(total - 1)
+            self.summary.final_eval = last_eval
+        elif last is not None:
+            self.summary.final_eval = last.eval
+
+    # ---- one epoch --------------------------------------------------------------------------
+
+    def _run_epoch(self, span: EpochSpan) -> _EpochTally:
+        epoch_tally = _EpochTally.empty(self.world_size)
+        if self.mode.is_sync:
+            self._run_sync_epoch(span, epoch_tally)
+        else:
+            self._run_cadence_epoch(span, epoch_tally)
+        return epoch_tally
+
+    def _run_cadence_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
+        """Progressive dispatch: each window hands every rank its planned count of batches."""
+        cursor = span.start
+        while cursor < span.end:
+            sizes = window_samples(span.end - cursor, self.balance.batch_counts, self.config.batch_size)
+            window = _WindowTally.empty(self.world_size)
+            waiting: Set[int] = set()
+            for rank, size in enumerate(sizes):
+                piece, cursor = take(cursor, span, size)
+                if piece is not None:
+                    self._send_train(rank, span, [piece])
+                    waiting.add(rank)
+            self._collect_windows(waiting, window, span.epoch, epoch_tally)
+            self._reduce(window, epoch_tally)
+
+    def _run_sync_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
+        """Equal split; a reduce fires once every rank with data has stepped since the last one,
+        and ranks that are ahead keep stepping meanwhile (sync is not lockstep)."""
+        shares = equal_split(span.size, self.world_size, self.config.elche.partition_ratios)
+        cursors, ends, start = [], [], span.start
+        for share in shares:
+            cursors.append(start)
+            ends.append(start + share)
+            start += share
+        while any(c < e for c, e in zip(cursors, ends)):
+            window = _WindowTally.empty(self.world_size)
+            self._sync_window(span, cursors, ends, window, epoch_tally)
+            self._reduce(window, epoch_tally)
+
+    def _sync_window(self, span: EpochSpan, cursors: List[int], ends: List[int],
+                     window: _WindowTally, epoch_tally: _EpochTally) -> None:
+        batch = self.config.batch_size
+        in_flight: Set[int] = set()
+
+        def give(rank: int) -> None:
+            piece = (span.pass_index, cursors[rank], min(batch, ends[rank] - cursors[rank]))
+            cursors[rank] += piece[2]
+            self._send_train(rank, span, [piece])
+            in_flight.add(rank)
+
+        for rank in range(self.world_size):
+            if cursors[rank] < ends[rank]:
+                give(rank)
+        while in_flight:
+            done = self._next(expect=WindowDone)
+            in_flight.discard(done.rank)
+            window.add(done)
+            self._progress(span.epoch, epoch_tally, window, done)
+            gate_open = all(window.batches[r] > 0 or cursors[r] >= ends[r]
+                            for r in range(self.world_size) if r not in in_flight)
+            if not gate_open and cursors[done.rank] < ends[done.rank]:
+                give(done.rank)  # ahead of the others: keep stepping until the gate opens
+
+    def _send_train(self, rank: int, span: EpochSpan, slices: list) -> None:
+        batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
+        self._send(rank, Train(self._window, span.epoch, slices, batches))
+
+    def _collect_windows(self, waiting: Set[int], window: _WindowTally, epoch: int,
+                         epoch_tally: _EpochTally) -> None:
+        while waiting:
+            done = self._next(expect=WindowDone)
+            waiting.discard(done.rank)
+            window.add(done)
+            self._progress(epoch, epoch_tally, window, done)
+
+    def _progress(self, epoch: int, epoch_tally: _EpochTally, window: _WindowTally,
+                  done: WindowDone) -> None:
+        batches = sum(epoch_tally.batches) + sum(window.batches)
+        self.observer.on_batch(epoch, batches, done.loss_sum / max(done.batches, 1))
+
+    # ---- the reduce -------------------------------------------------------------------------
+
+    def _reduce(self, window: _WindowTally, epoch_tally: _EpochTally) -> None:
+        """Order the consensus, wait for every rank, then let ElChe plan the next window."""
+        self._window += 1
+        self._round += 1
+        began = time.perf_counter()
+        for rank in range(self.world_size):
+            self._send(rank, SyncNow(self._round, self._global_step))
+        divergences: List[float] = []
+        while len(divergences) < self.world_size:
+            reduced = self._next(expect=Reduced)
+            divergences.append(reduced.divergence)
+        sync_ms = (time.perf_counter() - began) * 1000.0
+        self._sync_ms.append(sync_ms)
+        self._global_step += sum(window.batches)
+        epoch_tally.add(window)
+        lr = next((x for x in window.lr if x is not None), None)
+        self.balance.on_reduce(window.wall_ms, window.batches, window.fill_ms, sync_ms,
+                               max(divergences), lr)
+        self.summary.anchor_trajectory.append(self.balance.anchor)
+
+    # ---- epoch records and callbacks --------------------------------------------------------
+
+    def _epoch_record(self, epoch: int, tally: _EpochTally) -> EpochRecord:
+        total_batches = max(sum(tally.batches), 1)
+        every = self.config.eval_every_epochs
+        score = self._evaluate(epoch) if every and (epoch + 1) % every == 0 else None
+        return EpochRecord(
+            epoch=epoch,
+            avg_loss=sum(tally.loss_sum) / total_batches,  # work-weighted: per batch, all ranks
+            eval=score,
+            epoch_ms=(time.perf_counter() - tally.started) * 1000.0,
+            per_rank_throughput=[s / (w / 1000.0) if w > 0 else 0.0
+                                 for s, w in zip(tally.samples, tally.wall_ms)],
+            per_rank_batch_share=[b / total_batches for b in tally.batches],
+        )
+
+    def _callback_rank(self) -> int:
+        policy = self.config.epoch_callback_policy
+        if policy.startswith("rank:"):
+            return int(policy.split(":", 1)[1])
+        return self.balance.fastest_rank()
+
+    def _evaluate(self, epoch: int) -> Optional[float]:
+        rank = self._callback_rank()
+        self._send(rank, Evaluate(epoch))
+        result = self._next(expect=Evaluated)
+        return None if result.score != result.score else result.score  # NaN: no eval set
+
+    # ---- messaging --------------------------------------------------------------------------
+
+    def _send(self, rank: int, message: Message) -> None:
+        self.channel.send(message, identity=self.identities[rank])
+
+    def _next(self, expect: type) -> Message:
+        """The next message of type `expect`; heartbeats and failures are handled on the way."""
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            if self._stop.is_set():
+                raise RunAborted("interrupted", self._stop_reason or "stopped")
+            received = self.channel.recv(timeout_ms=POLL_MS)
+            if received is None:
+                self._check_heartbeats()
+                continue
+            message = received.message
+            rank = getattr(message, "rank", None)
+            if rank is not None:
+                self.last_seen[rank] = time.monotonic()
+            if isinstance(message, RankJoined):
+                self.identities[message.rank] = received.identity
+                self.joined[message.rank] = message
+            elif isinstance(message, RankFailed):
+                raise RunAborted("failed", f"rank {message.rank} failed: {message.error}")
+            if isinstance(message, expect):
+                return message
+            if not isinstance(message, (Heartbeat, RankJoined)):
+                raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        timeout = self.config.heartbeat_timeout_secs
+        for rank, seen in self.last_seen.items():
+            if now - seen > timeout:
+                raise RunAborted("failed", f"rank {rank} silent for {now - seen:.0f}s (heartbeat timeout)")
+
+    def _finish(self, wall_s: float) -> None:
+        for rank in list(self.identities):
+            try:
+                self._send(rank, Stop(self.summary.status))
+            except zmq.ZMQError:
+                pass
+        self.summary.wall_s = wall_s
+        self.summary.syncs = len(self._sync_ms)
+        self.summary.avg_sync_ms = sum(self._sync_ms) / len(self._sync_ms) if self._sync_ms else 0.0
+        if self.balance is not None:
+            self.summary.phase = self.balance.phase_name
+        self.summary.samples_per_s = self._samples_per_s()
+
+    def _samples_per_s(self) -> float:
+        """Samples trained per second of epoch time (eval callbacks included, startup not)."""
+        trained = sum(self._span(e.epoch).size for e in self.summary.epochs) if self.num_samples else 0
+        train_s = sum(e.epoch_ms for e in self.summary.epochs) / 1000.0
+        return trained / train_s if train_s > 0 else 0.0

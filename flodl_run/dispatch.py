@@ -1,0 +1,87 @@
+"""Data dispatch planning: which samples of an epoch each rank trains next (DESIGN §8).
+
+Pure: sizes and (pass, offset, size) slices in, slices out. The coordinator owns the cursor
+state and sends the orders; ranks turn slices into batches with the shared permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+SliceT = Tuple[int, int, int]  # (pass_index, offset into the pass permutation, size)
+
+
+@dataclass(frozen=True)
+class EpochSpan:
+    """Epoch `epoch` covers positions [start, end) of pass `pass_index`'s permutation."""
+
+    epoch: int
+    pass_index: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def epoch_span(epoch: int, num_samples: int, augment: int, epoch_splits: int) -> EpochSpan:
+    """Epochs are 1/epoch_splits of a pass over the pick space num_samples * augment."""
+    picks = num_samples * augment
+    part = epoch % epoch_splits
+    return EpochSpan(epoch, epoch // epoch_splits, part * picks // epoch_splits,
+                     (part + 1) * picks // epoch_splits)
+
+
+def largest_remainder(total: int, weights: Sequence[float]) -> List[int]:
+    """Integers summing to `total`, proportional to weights (ties to the lowest index)."""
+    wsum = sum(weights)
+    if total <= 0 or wsum <= 0:
+        return [0] * len(weights)
+    exact = [total * w / wsum for w in weights]
+    out = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def equal_split(size: int, num_ranks: int, ratios: Optional[Sequence[float]] = None) -> List[int]:
+    """Sync modes: equal shares (or by `ratios`), the remainder to the largest share."""
+    weights = list(ratios) if ratios else [1.0] * num_ranks
+    shares = [int(size * w / sum(weights)) for w in weights]
+    shares[max(range(num_ranks), key=lambda i: (weights[i], -i))] += size - sum(shares)
+    return shares
+
+
+def window_samples(remaining: int, counts: Sequence[int], batch_size: int) -> List[int]:
+    """Samples per rank for the next window of a progressive epoch.
+
+    Each rank gets `counts[r]` batches while the epoch has more than one full window left;
+    a smaller tail is apportioned by counts in whole batches, so ranks finish together and no
+    rank is left with a lone single batch while the others idle.
+    """
+    full = [c * batch_size for c in counts]
+    if remaining >= sum(full):
+        return full
+    tail_batches = -(-remaining // batch_size)
+    batches = largest_remainder(tail_batches, counts)
+    samples = [b * batch_size for b in batches]
+    excess = sum(samples) - remaining  # the last batch of the epoch may be short
+    if excess > 0:
+        last = max(i for i, b in enumerate(batches) if b > 0)
+        samples[last] -= excess
+    return samples
+
+
+def take(span_cursor: int, span: EpochSpan, size: int) -> Tuple[Optional[SliceT], int]:
+    """Cut `size` samples at the cursor; returns the slice (None if empty) and the new cursor."""
+    size = max(0, min(size, span.end - span_cursor))
+    if size == 0:
+        return None, span_cursor
+    return (span.pass_index, span_cursor, size), span_cursor + size
+
+
+def slice_batches(size: int, batch_size: int) -> int:
+    return -(-size // batch_size)

@@ -1,0 +1,51 @@
+"""Outer optimizers on the consensus: none, SlowMo and DiLoCo (DESIGN §7.4).
+
+Pseudo-gradient g = prev_global - consensus. SlowMo: v = mu*v + g, new = prev - lr*v.
+DiLoCo (Nesterov): v = mu*v + g, new = prev - lr*(mu*v + g). First window: prev := consensus.
+Parameters only. Replicated bit-identically on every collective rank, or once on the coordinator.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from flodl_run.config.schema import OuterConfig, OuterKind
+
+
+class OuterOptimizer:
+    """Holds prev_global and the velocity; `step_` rewrites the consensus in place."""
+
+    def __init__(self, config: OuterConfig):
+        self.config = config
+        self.prev: Optional[List[torch.Tensor]] = None
+        self.velocity: Optional[List[torch.Tensor]] = None
+
+    @property
+    def active(self) -> bool:
+        return self.config.kind is not OuterKind.none
+
+    def step_(self, params: List[torch.Tensor]) -> bool:
+        """Apply one outer step to `params` (the consensus); True when parameters moved."""
+        if not self.active:
+            return False
+        if self.prev is None:
+            self.prev = [p.clone() for p in params]
+            self.velocity = [torch.zeros_like(p) for p in params]
+            return False
+        lr, mu = self.config.lr, self.config.momentum
+        for p, prev, v in zip(params, self.prev, self.velocity):
+            g = prev - p
+            v.mul_(mu).add_(g)
+            step = v if self.config.kind is OuterKind.slowmo else v * mu + g
+            p.copy_(prev - lr * step)
+            prev.copy_(p)
+        return True
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"prev": self.prev, "velocity": self.velocity}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        self.prev = state["prev"]  # type: ignore[assignment]
+        self.velocity = state["velocity"]  # type: ignore[assignment]

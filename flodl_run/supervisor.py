@@ -1,0 +1,195 @@
+"""Local rank processes: spawn them with the torchrun environment, forward their output,
+watch them, and stop them all (DESIGN §3.1).
+
+Owns process lifetimes on this host. The coordinator (a thread here) decides what the run
+does; this module only tells it when a child died or the user pressed Ctrl-C. Never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, TextIO
+
+from rich.console import Console
+
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.coordinator import Coordinator
+from flodl_run.progress import TerminalProgress
+from flodl_run.summary import Summary, write_summary
+from flodl_run.wire import new_secret
+
+STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    process: subprocess.Popen
+    log: TextIO
+    forwarder: Optional[threading.Thread] = None
+
+
+def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
+                     secret: bytes, run_file: Path, master_port: int,
+                     gpu_uuids: Optional[List[str]] = None) -> Dict[str, str]:
+    """The torchrun contract plus the coordinator's address, the key and the run file."""
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": config.cluster.master_addr,
+        "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
+        "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_FILE": str(run_file),
+        "FLODL_RUN_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+    })
+    # Ranks import the recipe the way the launcher did: from the current directory first.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    if gpu_uuids:
+        env.update({"CUDA_VISIBLE_DEVICES": gpu_uuids[rank], "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                    "FLODL_RUN_DEVICE": "cuda:0"})
+    else:
+        env["FLODL_RUN_DEVICE"] = "cpu"
+        threads = config.cluster.threads_per_rank or 1
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    return env
+
+
+def _forward(proc: RankProcess, console: Console) -> None:
+    """Copy a rank's output to its log file and to the terminal, prefixed by rank."""
+    for line in proc.process.stdout:
+        proc.log.write(line)
+        proc.log.flush()
+        console.print(f"[dim]\\[rank {proc.rank}][/] {line.rstrip()}", highlight=False,
+                      markup=True, soft_wrap=True)
+
+
+def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: bytes,
+                run_dir: Path, console: Console, gpu_uuids: Optional[List[str]] = None
+                ) -> List[RankProcess]:
+    log_dir = run_dir / "ranks"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    master_port = config.cluster.master_port or free_port(config.cluster.master_addr)
+    procs = []
+    for rank in range(world_size):
+        env = rank_environment(config, rank, world_size, coord, secret, run_dir / "run.yaml",
+                               master_port, gpu_uuids)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
+        proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"))
+        proc.forwarder = threading.Thread(target=_forward, args=(proc, console), daemon=True)
+        proc.forwarder.start()
+        procs.append(proc)
+    return procs
+
+
+def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL: no orphan remains."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.process.poll() is None]
+        if not alive:
+            break
+        for p in alive:
+            if sig is not None:
+                _signal_group(p.process, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.process.poll() is None for p in alive):
+            time.sleep(0.05)
+    for p in procs:
+        if p.forwarder is not None:
+            p.forwarder.join(timeout=2.0)
+        p.log.close()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankProcess]) -> None:
+    """Until the coordinator ends: report a rank that exited early, turn Ctrl-C into a stop."""
+    reported = set()
+    while thread.is_alive():
+        try:
+            thread.join(timeout=0.2)
+            for p in procs:
+                code = p.process.poll()
+                if code is not None and code != 0 and p.rank not in reported:
+                    reported.add(p.rank)
+                    coordinator.report_failure("failed", f"rank {p.rank} exited with code {code}")
+        except KeyboardInterrupt:
+            coordinator.request_stop("interrupted by SIGINT")
+
+
+def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console) -> str:
+    """Run a distributed job on this host; returns the summary status."""
+    secret = new_secret()
+    progress = TerminalProgress(console)
+    coordinator = Coordinator(config, plan.world_size, secret, observer=progress)
+    summary_box: List[Summary] = []
+    thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
+                              name="coordinator", daemon=True)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    procs: List[RankProcess] = []
+    try:
+        thread.start()
+        if config.cluster.launch_ranks:
+            uuids = [g.uuid for g in plan.gpus] if plan.gpus else None
+            procs = spawn_ranks(config, plan.world_size, coordinator.address, secret, run_dir,
+                                console, uuids)
+        else:
+            _announce_controller_only(config, plan.world_size, coordinator.address, secret, run_dir, console)
+        _watch(coordinator, thread, procs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        progress.close()
+        stop_ranks(procs)
+    summary = summary_box[0] if summary_box else coordinator.summary
+    write_summary(run_dir / "summary.json", summary)
+    _report(summary, run_dir, console)
+    return summary.status
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _announce_controller_only(config: ExperimentConfig, world_size: int, coord: str,
+                              secret: bytes, run_dir: Path, console: Console) -> None:
+    secret_file = run_dir / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret.hex())
+    console.print(
+        f"controller-only: waiting for {world_size} ranks. On each node run:\n"
+        f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
+        f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
+        highlight=False, soft_wrap=True)
+
+
+def _report(summary: Summary, run_dir: Path, console: Console) -> None:
+    if summary.status == "completed":
+        final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
+        console.print(f"done: final eval {final} | {summary.wall_s:.1f}s | "
+                      f"{summary.samples_per_s:,.0f} samples/s | {summary.syncs} syncs "
+                      f"({summary.avg_sync_ms:.2f} ms avg) | {run_dir}", highlight=False, soft_wrap=True)
+    else:
+        console.print(f"[bold red]{summary.status}:[/] {summary.message} | {run_dir}",
+                      highlight=False, soft_wrap=True)
+
+

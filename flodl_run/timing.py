@@ -1,0 +1,164 @@
+"""Per-rank timing intake of ElChe (DESIGN §6.1): raw window timings -> smoothed ms per batch.
+
+Owns the reading rules (divide by batches actually done, callback time excluded, first-batch
+fill cost split off for cadence/async) and the trust window (mean of the last 5 valid readings,
+cleared after 5 invalid ones in a row). It does not measure anything: the ranks do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+# A rank's smoothed speed is the mean of this many recent valid readings.
+KEEP_READINGS = 5
+# This many invalid readings in a row mean the rank's old speed no longer describes it.
+CLEAR_AFTER_INVALID = 5
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """What one rank measured over one window (all times in ms of its compute wall)."""
+
+    rank: int
+    wall_ms: float
+    """Wall time of the window's training, callbacks included."""
+    batches: int
+    """Batches actually done in the window (not the planned count)."""
+    callback_ms: float = 0.0
+    """Time spent in eval/checkpoint/epoch hooks inside the window; subtracted."""
+    first_batch_ms: Optional[float] = None
+    """Wall of the window's first batch, which carries the fill cost; None = not measured."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One window's verdict on a rank's speed; `ms_per_batch` None means invalid."""
+
+    ms_per_batch: Optional[float]
+    fill_ms: Optional[float] = None
+
+    @property
+    def is_valid(self) -> bool:
+        return self.ms_per_batch is not None
+
+
+INVALID = Reading(None)
+
+
+def read(wall_ms: Optional[float], batches: Optional[int], callback_ms: float = 0.0,
+         first_batch_ms: Optional[float] = None, skip_first_batch: bool = False) -> Reading:
+    """ms per batch of one window; invalid when nothing usable was measured.
+
+    With `skip_first_batch` (cadence/async) and at least two batches, the first batch is left
+    out of the speed and its excess over the speed is returned as `fill_ms`. A one-batch window
+    cannot be split, so its whole wall counts (else a rank held at anchor 1 never calibrates).
+    """
+    if wall_ms is None or not batches or batches < 1:
+        return INVALID
+    compute_ms = wall_ms - (callback_ms or 0.0)
+    if not math.isfinite(compute_ms) or compute_ms <= 0:
+        return INVALID
+    if skip_first_batch and batches >= 2 and first_batch_ms is not None:
+        rest_ms = compute_ms - first_batch_ms
+        if 0 < first_batch_ms and rest_ms > 0:
+            ms = rest_ms / (batches - 1)
+            return Reading(ms, max(0.0, first_batch_ms - ms))
+    return Reading(compute_ms / batches)
+
+
+def read_timing(timing: RankTiming, skip_first_batch: bool = False) -> Reading:
+    """`read` over a RankTiming."""
+    return read(timing.wall_ms, timing.batches, timing.callback_ms, timing.first_batch_ms,
+                skip_first_batch)
+
+
+class TimingHistory:
+    """Recent valid readings per rank, their mean, and the run of invalid readings."""
+
+    def __init__(self, world_size: int):
+        self._readings: List[List[float]] = [[] for _ in range(world_size)]
+        self._fills: List[List[float]] = [[] for _ in range(world_size)]
+        self._smoothed: List[Optional[float]] = [None] * world_size
+        self._invalid_streak: List[int] = [0] * world_size
+
+    @property
+    def world_size(self) -> int:
+        return len(self._readings)
+
+    def record(self, rank: int, reading: Reading) -> bool:
+        """Take one window's reading; True when this reading cleared the rank's history."""
+        ms = reading.ms_per_batch
+        if ms is None:
+            return self.record_invalid(rank)
+        self._invalid_streak[rank] = 0
+        kept = self._readings[rank]
+        kept.append(ms)
+        if len(kept) > KEEP_READINGS:
+            del kept[0]
+        self._smoothed[rank] = sum(kept) / len(kept)
+        if reading.fill_ms is not None:
+            fills = self._fills[rank]
+            fills.append(reading.fill_ms)
+            if len(fills) > KEEP_READINGS:
+                del fills[0]
+        return False
+
+    def record_invalid(self, rank: int) -> bool:
+        """A window without a usable reading; True when it cleared the rank's history."""
+        self._invalid_streak[rank] += 1
+        if self._invalid_streak[rank] == CLEAR_AFTER_INVALID and self._readings[rank]:
+            self._drop(rank)
+            return True
+        return False
+
+    def forget(self, rank: int) -> None:
+        """Drop everything known about a rank (it left the run)."""
+        self._drop(rank)
+        self._invalid_streak[rank] = 0
+
+    def _drop(self, rank: int) -> None:
+        self._readings[rank] = []
+        self._fills[rank] = []
+        self._smoothed[rank] = None
+
+    def smoothed_ms(self, rank: int) -> Optional[float]:
+        """Mean of the rank's last valid readings; None when it has none."""
+        return self._smoothed[rank]
+
+    def all_smoothed_ms(self) -> List[Optional[float]]:
+        """Smoothed ms per batch of every rank (a copy)."""
+        return list(self._smoothed)
+
+    def fill_ms(self, rank: int) -> Optional[float]:
+        """Mean first-batch fill cost of the rank's recent windows; None when never split off."""
+        fills = self._fills[rank]
+        return sum(fills) / len(fills) if fills else None
+
+    def invalid_streak(self, rank: int) -> int:
+        """Invalid readings in a row since the rank's last valid one."""
+        return self._invalid_streak[rank]
+
+    def export_state(self) -> Dict[str, Any]:
+        """JSON-ready copy of the history (for the checkpoint's elche_state)."""
+        return {
+            "readings_ms": [list(r) for r in self._readings],
+            "fill_ms": [list(f) for f in self._fills],
+            "invalid_streak": list(self._invalid_streak),
+        }
+
+    @classmethod
+    def from_state(cls, state: Dict[str, Any]) -> "TimingHistory":
+        """Inverse of export_state."""
+        readings: Sequence[Sequence[float]] = state["readings_ms"]
+        history = cls(len(readings))
+        for rank, kept in enumerate(readings):
+            history._readings[rank] = [float(x) for x in kept][-KEEP_READINGS:]
+            kept_now = history._readings[rank]
+            history._smoothed[rank] = sum(kept_now) / len(kept_now) if kept_now else None
+        for rank, fills in enumerate(state.get("fill_ms", [])):
+            history._fills[rank] = [float(x) for x in fills][-KEEP_READINGS:]
+        for rank, streak in enumerate(state.get("invalid_streak", [])):
+            history._invalid_streak[rank] = int(streak)
+        return history

@@ -1,0 +1,179 @@
+"""Control-plane wire format: typed, versioned messages over ZeroMQ, authenticated per run.
+
+Owns the message schema (msgspec structs: past tense from ranks, imperatives from the
+coordinator), the frame layout `[version+header, *tensor frames, mac]` and the HMAC check.
+Tensors travel as raw buffers, never pickled. Who sends what, when, is the caller's business.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from dataclasses import dataclass
+from hashlib import sha256
+from typing import List, Optional, Sequence, Tuple, Union
+
+import msgspec
+import zmq
+
+PROTOCOL_VERSION = 1
+_VERSION_BYTE = bytes([PROTOCOL_VERSION])
+
+
+class Message(msgspec.Struct, tag_field="type", tag=True, frozen=True):
+    """Base of every control-plane message."""
+
+
+# ---- rank -> coordinator: facts, past tense -------------------------------------------------
+
+class RankJoined(Message):
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+    device: str
+    device_name: str
+    num_samples: int
+    """Length of the rank's train set: every rank must see the same data."""
+
+
+class Heartbeat(Message):
+    rank: int
+
+
+class WindowDone(Message):
+    """A rank finished the batches of a Train order (or ran out of data: `quiesced`)."""
+
+    rank: int
+    window: int
+    epoch: int
+    batches: int
+    samples: int
+    wall_ms: float
+    """Compute time of the window, callbacks excluded."""
+    fill_ms: float
+    """Excess of the window's first batch over the rank's mean batch (cadence/async)."""
+    loss_sum: float
+    lr: float
+
+
+class Reduced(Message):
+    """A rank adopted the consensus of round `round`."""
+
+    rank: int
+    round: int
+    divergence: float
+    """||theta_before - consensus|| / ||consensus|| of this rank."""
+    weight: float
+
+
+class Evaluated(Message):
+    rank: int
+    epoch: int
+    score: float
+
+
+class RankFailed(Message):
+    rank: int
+    error: str
+
+
+# ---- coordinator -> rank: orders, imperative ------------------------------------------------
+
+class Train(Message):
+    """Train `num_batches` batches over these (pass, offset, size) slices of the permutation."""
+
+    window: int
+    epoch: int
+    slices: List[Tuple[int, int, int]]
+    num_batches: int
+
+
+class SyncNow(Message):
+    round: int
+    global_step: int
+
+
+class Evaluate(Message):
+    epoch: int
+
+
+class Stop(Message):
+    reason: str
+
+
+AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, Evaluated, RankFailed,
+                   Train, SyncNow, Evaluate, Stop]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def new_secret() -> bytes:
+    """A fresh per-run key (32 random bytes)."""
+    return secrets.token_bytes(32)
+
+
+def _mac(secret: bytes, frames: Sequence[memoryview | bytes]) -> bytes:
+    digest = hmac.new(secret, digestmod=sha256)
+    for frame in frames:
+        view = memoryview(frame)
+        digest.update(view.nbytes.to_bytes(8, "little"))  # length-prefixed: no frame-splicing
+        digest.update(view)
+    return digest.digest()
+
+
+@dataclass
+class Received:
+    message: Message
+    payloads: List[memoryview]
+    identity: Optional[bytes] = None
+
+
+class Channel:
+    """One ZeroMQ socket speaking the wire format; counts frames that fail authentication."""
+
+    def __init__(self, socket: zmq.Socket, secret: bytes):
+        self.socket = socket
+        self.secret = secret
+        self.rejected = 0
+        self._router = socket.type == zmq.ROUTER
+
+    def send(self, message: Message, payloads: Sequence[memoryview | bytes] = (),
+             identity: Optional[bytes] = None) -> None:
+        header = _VERSION_BYTE + _encoder.encode(message)
+        frames: List[memoryview | bytes] = [header, *payloads]
+        frames.append(_mac(self.secret, frames))
+        if identity is not None:
+            frames.insert(0, identity)
+        self.socket.send_multipart(frames, copy=len(payloads) == 0)
+
+    def recv(self, timeout_ms: Optional[int] = None) -> Optional[Received]:
+        """Next authentic message, or None on timeout. Bad frames are dropped and counted."""
+        while True:
+            if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLIN):
+                return None
+            frames = self.socket.recv_multipart(copy=False)
+            identity = frames.pop(0).bytes if self._router else None
+            parsed = self._authentic(frames)
+            if parsed is not None:
+                message, payloads = parsed
+                return Received(message, payloads, identity)
+
+    def _authentic(self, frames: list) -> Optional[Tuple[Message, List[memoryview]]]:
+        if len(frames) < 2:
+            self.rejected += 1
+            return None
+        views = [f.buffer for f in frames[:-1]]
+        if not hmac.compare_digest(frames[-1].bytes, _mac(self.secret, views)):
+            self.rejected += 1  # never parsed beyond the frame count
+            return None
+        header = views[0]
+        if header[:1] != _VERSION_BYTE:
+            self.rejected += 1
+            return None
+        try:
+            return _decoder.decode(header[1:]), views[1:]
+        except msgspec.DecodeError:
+            self.rejected += 1
+            return None
