@@ -1,0 +1,126 @@
+"""The coordinator's window loop against scripted ranks (threads speaking the real wire format).
+
+Faults and speeds are data: each fake rank reports `ms_per_batch` of compute per batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import List
+
+import zmq
+
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.coordinator import Coordinator
+from flodl_run.wire import (
+    Channel, Evaluate, Evaluated, RankJoined, Reduced, Stop, SyncNow, Train, WindowDone, new_secret,
+)
+
+NUM_SAMPLES = 640
+
+
+class FakeRank(threading.Thread):
+    def __init__(self, rank: int, world: int, address: str, secret: bytes, ms_per_batch: float,
+                 batch_size: int):
+        super().__init__(daemon=True)
+        self.rank, self.world, self.address, self.secret = rank, world, address, secret
+        self.ms_per_batch, self.batch_size = ms_per_batch, batch_size
+        self.slices: List[tuple] = []
+        self.orders: List[str] = []
+
+    def run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(self.address)
+        ch = Channel(sock, self.secret)
+        ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
+        while True:
+            order = ch.recv(timeout_ms=10_000).message
+            self.orders.append(type(order).__name__)
+            if isinstance(order, Stop):
+                break
+            ch.send(self._answer(order))
+        sock.close()
+
+    def _answer(self, order):
+        if isinstance(order, Train):
+            self.slices.extend(order.slices)
+            samples = sum(s[2] for s in order.slices)
+            n = order.num_batches
+            return WindowDone(self.rank, order.window, order.epoch, n, samples,
+                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1)
+        if isinstance(order, SyncNow):
+            return Reduced(self.rank, order.round, 0.01, 1.0)
+        if isinstance(order, Evaluate):
+            return Evaluated(self.rank, order.epoch, 0.5)
+        raise AssertionError(order)
+
+
+def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8):
+    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=batch_size)
+    secret = new_secret()
+    coord = Coordinator(config, len(ms), secret)
+    ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size) for r, m in enumerate(ms)]
+    for r in ranks:
+        r.start()
+    summary = coord.run()
+    for r in ranks:
+        r.join(timeout=10)
+    return summary, ranks
+
+
+def _positions(ranks, epochs):
+    seen = Counter()
+    for r in ranks:
+        for pass_index, offset, size in r.slices:
+            for pos in range(offset, offset + size):
+                seen[(pass_index, pos)] += 1
+    return seen
+
+
+def test_cadence_covers_every_sample_once_and_favours_the_fast_rank():
+    """Pins progressive dispatch: each sample of each epoch trained exactly once, and a rank
+    2.5x faster ends with the larger batch share."""
+    summary, ranks = _run("nccl_cadence", [4.0, 10.0], epochs=3)
+    assert summary.status == "completed", summary.message
+    seen = _positions(ranks, 3)
+    assert set(seen.values()) == {1}
+    assert len(seen) == 3 * NUM_SAMPLES
+    assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
+
+
+def test_sync_on_a_homogeneous_rig_reduces_once_per_step():
+    """Pins the sync gate: equal speeds -> every rank steps once per reduce."""
+    summary, ranks = _run("nccl_sync", [5.0, 5.0], epochs=1)
+    assert summary.status == "completed", summary.message
+    per_rank_batches = NUM_SAMPLES // 2 // 8
+    assert summary.syncs == per_rank_batches
+    assert set(_positions(ranks, 1).values()) == {1}
+
+
+def test_epochs_are_aggregated_in_order_with_eval():
+    """Pins per-epoch records (ascending epochs, eval from the callback rank, shares sum to 1)."""
+    summary, _ = _run("nccl_cadence", [5.0, 5.0], epochs=2)
+    assert [e.epoch for e in summary.epochs] == [0, 1]
+    assert all(e.eval == 0.5 for e in summary.epochs)
+    assert summary.final_eval == 0.5
+    for e in summary.epochs:
+        assert abs(sum(e.per_rank_batch_share) - 1.0) < 1e-9
+
+
+def test_unauthenticated_frames_are_dropped_and_counted():
+    """Pins the HMAC check: a frame signed with another key is dropped, never parsed."""
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client = ctx.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    good, bad = new_secret(), new_secret()
+    Channel(client, bad).send(Stop("forged"))
+    Channel(client, good).send(Stop("genuine"))
+    receiver = Channel(server, good)
+    got = receiver.recv(timeout_ms=5000)
+    assert got.message == Stop("genuine")
+    assert receiver.rejected == 1
+    client.close()
+    server.close()

@@ -1,0 +1,55 @@
+"""Data dispatch planning (DESIGN §8): spans, equal split, progressive windows and the tail."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flodl_run.dispatch import epoch_span, equal_split, largest_remainder, take, window_samples
+
+
+def test_epoch_splits_cut_a_pass_into_contiguous_spans():
+    """Pins epoch e -> pass e // s, positions [part*N/s, (part+1)*N/s) of the pick space N*augment."""
+    spans = [epoch_span(e, num_samples=100, augment=2, epoch_splits=3) for e in range(6)]
+    assert [s.pass_index for s in spans] == [0, 0, 0, 1, 1, 1]
+    assert [(s.start, s.end) for s in spans[:3]] == [(0, 66), (66, 133), (133, 200)]
+
+
+def test_equal_split_gives_remainder_to_largest():
+    """Pins sync-mode shares: equal (remainder to the first largest) or by partition_ratios."""
+    assert equal_split(10, 3) == [4, 3, 3]
+    assert equal_split(100, 2, [0.7, 0.3]) == [70, 30]
+
+
+def test_window_is_counts_times_batch_until_the_tail():
+    """Pins progressive chunks sized to batch_counts[r] batches while a full window remains."""
+    assert window_samples(1000, [25, 10], 4) == [100, 40]
+
+
+def test_tail_is_apportioned_by_counts():
+    """Pins the epoch tail: a remainder smaller than one window is split by counts so ranks
+    finish together (no rank left with a lone batch while others idle)."""
+    sizes = window_samples(30, [25, 10], 4)  # 8 batches (last one short)
+    assert sum(sizes) == 30
+    assert sizes[0] > sizes[1] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5000), batch=st.integers(1, 64),
+       counts=st.lists(st.integers(1, 80), min_size=1, max_size=8))
+def test_progressive_dispatch_covers_every_sample_once(n, batch, counts):
+    """Invariant: cutting an epoch into windows hands out every position exactly once."""
+    span = epoch_span(0, n, 1, 1)
+    cursor, seen = span.start, []
+    while cursor < span.end:
+        for size in window_samples(span.end - cursor, counts, batch):
+            piece, cursor = take(cursor, span, size)
+            if piece is not None:
+                seen.extend(range(piece[1], piece[1] + piece[2]))
+    assert seen == list(range(n))
+
+
+@given(total=st.integers(0, 1000), weights=st.lists(st.floats(0.01, 10), min_size=1, max_size=10))
+def test_largest_remainder_sums_exactly(total, weights):
+    """Invariant: apportioned integers always sum to the total."""
+    assert sum(largest_remainder(total, weights)) == total
