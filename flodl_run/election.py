@@ -18,6 +18,8 @@ COHORT_BAND = 0.85
 DOMINANCE_MARGIN = 1.10
 # Reports without a valid reading from the anchor rank before it loses its pin.
 DEAD_WINDOW_REPORTS = 5
+# Relative slack so a reading exactly on a boundary (26.4 vs 1.1 x 24) counts as on it.
+_SLACK = 1e-9
 
 
 def slow_cohort(ms_per_batch: Sequence[Optional[float]]) -> List[int]:
@@ -25,7 +27,7 @@ def slow_cohort(ms_per_batch: Sequence[Optional[float]]) -> List[int]:
     known = [ms for ms in ms_per_batch if ms is not None]
     if not known:
         return []
-    floor_ms = COHORT_BAND * max(known)
+    floor_ms = COHORT_BAND * max(known) * (1 - _SLACK)
     return [r for r, ms in enumerate(ms_per_batch) if ms is not None and ms >= floor_ms]
 
 
@@ -44,7 +46,7 @@ def elect(ms_per_batch: Sequence[Optional[float]], current: Optional[int]) -> Op
     if current is not None and current in cohort:
         current_ms = ms_per_batch[current]
         slowest = max(cohort, key=lambda r: (ms_per_batch[r], -r))
-        if ms_per_batch[slowest] >= DOMINANCE_MARGIN * current_ms:
+        if ms_per_batch[slowest] >= DOMINANCE_MARGIN * current_ms * (1 - _SLACK):
             return slowest
         return current
     return cohort[0]

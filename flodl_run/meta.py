@@ -84,7 +84,7 @@ class MetaController:
 
     def _nudge(self, phase: Phase, cliff: bool, sustained: bool) -> Optional[MetaNudge]:
         # Both patterns use the current phase's base factor (the issue's "nudge with the
-        # factor of the current phase"); see docs/decisions.md.
+        # factor of the current phase"); see docs/elche.md.
         fired = [name for name, hit in (("lr_cliff", cliff), ("sustained_divergence", sustained))
                  if hit]
         if not fired:

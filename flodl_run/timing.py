@@ -30,6 +30,8 @@ class RankTiming:
     """Time spent in eval/checkpoint/epoch hooks inside the window; subtracted."""
     first_batch_ms: Optional[float] = None
     """Wall of the window's first batch, which carries the fill cost; None = not measured."""
+    fill_ms: Optional[float] = None
+    """Or: the first batch's excess over the mean batch, already split off by the rank."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,14 @@ INVALID = Reading(None)
 
 
 def read(wall_ms: Optional[float], batches: Optional[int], callback_ms: float = 0.0,
-         first_batch_ms: Optional[float] = None, skip_first_batch: bool = False) -> Reading:
+         first_batch_ms: Optional[float] = None, skip_first_batch: bool = False,
+         fill_ms: Optional[float] = None) -> Reading:
     """ms per batch of one window; invalid when nothing usable was measured.
 
-    With `skip_first_batch` (cadence/async) and at least two batches, the first batch is left
-    out of the speed and its excess over the speed is returned as `fill_ms`. A one-batch window
-    cannot be split, so its whole wall counts (else a rank held at anchor 1 never calibrates).
+    With `skip_first_batch` (cadence/async) the first batch's fill cost stays out of the speed
+    and comes back as `fill_ms`: from `first_batch_ms` (needs two batches: the first is left
+    out), else from a `fill_ms` the rank already split off (its excess over the mean batch).
+    A one-batch window without either counts whole (else a rank at anchor 1 never calibrates).
     """
     if wall_ms is None or not batches or batches < 1:
         return INVALID
@@ -65,13 +69,15 @@ def read(wall_ms: Optional[float], batches: Optional[int], callback_ms: float = 
         if 0 < first_batch_ms and rest_ms > 0:
             ms = rest_ms / (batches - 1)
             return Reading(ms, max(0.0, first_batch_ms - ms))
+    if skip_first_batch and fill_ms is not None and 0 <= fill_ms < compute_ms:
+        return Reading((compute_ms - fill_ms) / batches, fill_ms)
     return Reading(compute_ms / batches)
 
 
 def read_timing(timing: RankTiming, skip_first_batch: bool = False) -> Reading:
     """`read` over a RankTiming."""
     return read(timing.wall_ms, timing.batches, timing.callback_ms, timing.first_batch_ms,
-                skip_first_batch)
+                skip_first_batch, timing.fill_ms)
 
 
 class TimingHistory:
