@@ -7,6 +7,7 @@ does; this module only tells it when a child died or the user pressed Ctrl-C. Ne
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -175,6 +176,9 @@ def _announce_controller_only(config: ExperimentConfig, world_size: int, coord: 
     secret_file = run_dir / "secret"
     secret_file.touch(mode=0o600)
     secret_file.write_text(secret.hex())
+    (run_dir / "controller.json").write_text(json.dumps(
+        {"coord": coord, "world_size": world_size, "run_file": str(run_dir / "run.yaml"),
+         "secret_file": str(secret_file)}))
     console.print(
         f"controller-only: waiting for {world_size} ranks. On each node run:\n"
         f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
