@@ -22,7 +22,7 @@ class GpuInfo:
     @property
     def label(self) -> str:
         short = self.name.replace("NVIDIA ", "")
-        return f"{short} ({self.memory_bytes / 1e9:.0f} GB)"
+        return f"{short} ({self.memory_bytes / 2**30:.0f} GB)"  # GiB, as vendors label cards
 
 
 def _nvml_gpus() -> List[GpuInfo]:
