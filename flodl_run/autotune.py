@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from flodl_run.guard import NudgeDown, Stable, SuppressGrowth, Verdict
 from flodl_run.phase import Phase
@@ -32,6 +32,17 @@ _CEIL_SLACK = 1e-9
 def ceil_int(value: float) -> int:
     """ceil() that ignores float noise just above an integer."""
     return math.ceil(value - _CEIL_SLACK)
+
+
+def compute_ms(wall_ms: Sequence[Optional[float]],
+               callback_ms: Optional[Sequence[Optional[float]]] = None) -> float:
+    """The window's compute time: the largest rank wall minus its callback time (0 if none)."""
+    longest = 0.0
+    for rank, wall in enumerate(wall_ms):
+        if wall is not None:
+            spent = wall - ((callback_ms[rank] or 0.0) if callback_ms is not None else 0.0)
+            longest = spent if spent > longest else longest
+    return longest
 
 
 def overhead(sync_ms: float, compute_ms: float) -> Optional[float]:

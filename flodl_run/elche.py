@@ -13,17 +13,20 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from flodl_run import autotune, batch_counts, election
 from flodl_run.config.schema import ElCheConfig, Mode
-from flodl_run.guard import STABLE, NudgeDown, Verdict, make_guard, verdict_from_json, verdict_to_json
-from flodl_run.meta import MetaController, MetaNudge
+from flodl_run.guard import (
+    STABLE,
+    Verdict,
+    make_guard,
+    resolved_threshold,
+    verdict_from_json,
+    verdict_to_json,
+)
+from flodl_run.meta import MetaController, combine
 from flodl_run.phase import Phase
 from flodl_run.throttle import Overshoot
-from flodl_run.timing import RankTiming, TimingHistory, read
+from flodl_run.timing import RankTiming, TimingHistory, read_columns
 
 STATE_VERSION = 1
-# divergence_threshold when unset: replicas of plain averaging sit close to the consensus;
-# EASGD keeps them on a deliberate elastic spread, so its alarm sits higher.
-DEFAULT_THRESHOLD = 0.05
-EASGD_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class ReduceReport:
         fill: List[Optional[float]] = [None] * world_size
         for t in timings:
             wall[t.rank], batches[t.rank] = t.wall_ms, t.batches
-            callback[t.rank], first[t.rank], fill[t.rank] = t.callback_ms, t.first_batch_ms, t.fill_ms
+            callback[t.rank], first[t.rank] = t.callback_ms, t.first_batch_ms
+            fill[t.rank] = t.fill_ms
         return cls(wall_ms=wall, batches=batches, sync_ms=sync_ms, callback_ms=callback,
                    first_batch_ms=first, fill_ms=fill, **kwargs)
 
@@ -117,13 +121,6 @@ class _Cycle:
         self.events.append(Event(kind, message))
 
 
-def resolved_threshold(config: ElCheConfig) -> float:
-    """divergence_threshold, or its default: 0.05, or 0.3 with easgd_alpha."""
-    if config.divergence_threshold is not None:
-        return config.divergence_threshold
-    return EASGD_THRESHOLD if config.easgd_alpha is not None else DEFAULT_THRESHOLD
-
-
 class ElChe:
     """The balancer. Call `plan()` for the first window, then `on_reduce()` once per reduce.
 
@@ -140,7 +137,7 @@ class ElChe:
         self.world_size = world_size
         self.epoch_batches = epoch_batches
         self.min_anchor = config.anchor if config.min_anchor is None else config.min_anchor
-        self.threshold = resolved_threshold(config)
+        self.threshold = resolved_threshold(config.divergence_threshold, config.easgd_alpha)
         self.anchor = min(max(1, config.anchor), config.max_anchor)
         self.shares = _normalized(config.partition_ratios, world_size)
         self.anchor_rank = election.initial_pin(world_size, self.shares, prior)
@@ -189,33 +186,29 @@ class ElChe:
             self.calibration_count += 1
         if self.phase != before:
             cycle.note("phase", f"{before.label} -> {self.phase.label}")
-        cycle.overhead = autotune.overhead(report.sync_ms, _compute_ms(report))
+        cycle.overhead = autotune.overhead(
+            report.sync_ms, autotune.compute_ms(report.wall_ms, report.callback_ms))
         self._maybe_elect(cycle)
         cycle.verdict = self._verdict(report, cycle)
-        if self._tunes_anchor:
-            self._tune_anchor(cycle)
-        self.overshoot = self.overshoot.after(cycle.verdict)
+        if self.phase >= Phase.WARMUP:  # Probe: gather timings, no actions
+            if self._tunes_anchor:
+                self._tune_anchor(cycle)
+            self.overshoot = self.overshoot.after(cycle.verdict)
         self._recount(cycle)
         self._last = self._plan(cycle, report.divergence)
         return self._last
 
     def _ingest(self, report: ReduceReport, cycle: _Cycle) -> bool:
         """Record every living rank's reading; True when at least one was valid."""
-        skip_first = self.config.mode.is_progressive
-        callback = report.callback_ms
-        first, fill = report.first_batch_ms, report.fill_ms
-        any_valid = False
-        for rank in range(self.world_size):
-            if not self.alive[rank]:
-                continue
-            reading = read(report.wall_ms[rank], report.batches[rank],
-                           callback[rank] if callback is not None else 0.0,
-                           first[rank] if first is not None else None, skip_first,
-                           fill[rank] if fill is not None else None)
-            any_valid = any_valid or reading.is_valid
-            if self.timing.record(rank, reading):
-                cycle.note("timing_cleared", f"rank {rank}: 5 windows without a valid reading")
-        return any_valid
+        readings = read_columns(report.wall_ms, report.batches, report.callback_ms,
+                                report.first_batch_ms, report.fill_ms,
+                                self.config.mode.is_progressive)
+        living = [r for r in range(self.world_size) if self.alive[r]]
+        if len(living) < self.world_size:
+            readings = [readings[r] for r in living]
+        for rank in self.timing.record_all(readings, living):
+            cycle.note("timing_cleared", f"rank {rank}: 5 windows without a valid reading")
+        return any(ms is not None for ms, _ in readings)
 
     def _maybe_elect(self, cycle: _Cycle) -> None:
         if self.shares is not None:
@@ -241,7 +234,7 @@ class ElChe:
         if nudge is None:
             return verdict
         cycle.note("nudge", f"meta-controller ({', '.join(nudge.reasons)}): x{nudge.factor:.3f}")
-        return _harsher(verdict, nudge)
+        return combine(verdict, nudge)
 
     def _tune_anchor(self, cycle: _Cycle) -> None:
         """Proposal, then the verdict's ruling, then relax_up (DESIGN §6.5)."""
@@ -346,7 +339,8 @@ class ElChe:
 
     @classmethod
     def from_state(cls, config: ElCheConfig, state: Dict[str, Any], *,
-                   world_size: Optional[int] = None, epoch_batches: Optional[int] = None) -> "ElChe":
+                   world_size: Optional[int] = None,
+                   epoch_batches: Optional[int] = None) -> "ElChe":
         """Resume from `export_state()` under (possibly changed) knobs `config`.
 
         Raises ValueError when `world_size` is given and differs from the saved one. A guard
@@ -374,7 +368,8 @@ class ElChe:
         if state["guard"].get("kind") == self.guard.kind.value:
             self.guard.restore(state["guard"])
         latch = state.get("growth_latch", {})
-        self.latch = autotune.GrowthLatch(bool(latch.get("latched")), int(latch.get("stable_streak", 0)))
+        self.latch = autotune.GrowthLatch(bool(latch.get("latched")),
+                                          int(latch.get("stable_streak", 0)))
         if not self.overshoot.fixed and state.get("overshoot") is not None:
             self.overshoot = Overshoot(int(state["overshoot"]))
         self.meta.restore(state.get("meta", {}))
@@ -382,30 +377,11 @@ class ElChe:
         self._last = self._plan(_Cycle(verdict=verdict))
 
 
-def _compute_ms(report: ReduceReport) -> float:
-    """compute_ms = max over ranks of wall minus callbacks (the slowest rank's compute)."""
-    callback = report.callback_ms
-    best = 0.0
-    for rank, wall in enumerate(report.wall_ms):
-        if wall is None:
-            continue
-        compute = wall - (callback[rank] if callback is not None else 0.0)
-        if compute > best:
-            best = compute
-    return best
-
-
-def _harsher(verdict: Verdict, nudge: MetaNudge) -> Verdict:
-    """A meta nudge replaces the guard's verdict; against a guard nudge the smaller factor wins."""
-    if isinstance(verdict, NudgeDown) and verdict.factor <= nudge.factor:
-        return verdict
-    return NudgeDown(nudge.factor)
-
-
 def _normalized(ratios: Optional[Sequence[float]], world_size: int) -> Optional[List[float]]:
     if ratios is None:
         return None
     if len(ratios) != world_size:
-        raise ValueError(f"elche.partition_ratios has {len(ratios)} shares for world size {world_size}")
+        raise ValueError(
+            f"elche.partition_ratios has {len(ratios)} shares for world size {world_size}")
     total = sum(ratios)
     return [r / total for r in ratios]

@@ -15,6 +15,18 @@ from flodl_run.config.schema import GuardKind
 
 # Norms at or below this count as zero (a model at the origin has no relative divergence).
 ZERO_NORM = 1e-12
+# divergence_threshold when unset: replicas of plain averaging sit close to the consensus;
+# EASGD keeps them on a deliberate elastic spread, so its alarm sits higher.
+DEFAULT_THRESHOLD = 0.05
+EASGD_THRESHOLD = 0.3
+
+
+def resolved_threshold(divergence_threshold: Optional[float],
+                       easgd_alpha: Optional[float]) -> float:
+    """elche.divergence_threshold, or its default: 0.05, or 0.3 when easgd_alpha is set."""
+    if divergence_threshold is not None:
+        return divergence_threshold
+    return EASGD_THRESHOLD if easgd_alpha is not None else DEFAULT_THRESHOLD
 
 
 @dataclass(frozen=True)

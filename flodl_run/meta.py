@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from flodl_run.guard import Verdict, is_divergent, verdict_from_json, verdict_to_json
+from flodl_run.guard import NudgeDown, Verdict, is_divergent, verdict_from_json, verdict_to_json
 from flodl_run.phase import Phase
 
 KEEP_LRS = 3
@@ -36,6 +36,14 @@ class MetaNudge:
     factor: float
     reasons: Tuple[str, ...]
     """Which patterns fired: "lr_cliff", "sustained_divergence"."""
+
+
+def combine(verdict: Verdict, nudge: MetaNudge) -> Verdict:
+    """The verdict ElChe applies: a meta nudge replaces the guard's verdict; against a guard
+    NudgeDown (the rate guard's) the smaller factor wins."""
+    if isinstance(verdict, NudgeDown) and verdict.factor <= nudge.factor:
+        return verdict
+    return NudgeDown(nudge.factor)
 
 
 def effective_factor(base: float, trend: float) -> float:

@@ -55,7 +55,8 @@ def paused_ranks(batches_done: Sequence[int], batch_counts: Sequence[int],
     """
     if max_batch_diff is None:
         return []
-    working = [done for done, count in zip(batches_done, batch_counts) if 0 < count and done < count]
+    working = [done for done, count in zip(batches_done, batch_counts)
+               if 0 < count and done < count]
     if not working:
         return []
     limit = min(working) + max_batch_diff

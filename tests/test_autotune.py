@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run.autotune import GrowthLatch, overhead, propose, relax_up, rule
+from flodl_run.autotune import GrowthLatch, compute_ms, overhead, propose, relax_up, rule
 from flodl_run.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
 from flodl_run.phase import Phase
 
@@ -42,7 +42,10 @@ def test_proposal_rule(anchor, ratio, phase, first, min_a, max_a, expected) -> N
 
 
 def test_overhead_ratio() -> None:
-    """Pins overhead = sync_ms / compute_ms, None when nothing was computed."""
+    """Pins overhead = sync_ms / compute_ms with compute_ms the largest rank wall minus its
+    callbacks (silent ranks skipped); None when nothing was computed."""
+    assert compute_ms([100.0, None, 250.0], [0.0, 0.0, 100.0]) == 150.0
+    assert compute_ms([None, None]) == 0.0
     assert overhead(5.0, 250.0) == pytest.approx(0.02)
     assert overhead(5.0, 0.0) is None
 
@@ -58,8 +61,8 @@ def test_overhead_ratio() -> None:
         (10, 20, NudgeDown(0.3), GrowthLatch(), 3, True, 0.3),       # ceil(10 * 0.3) = 3, not 4
         (10, 10, NudgeDown(0.01), GrowthLatch(), 1, True, 0.1),      # factor clamped to 0.1
         (1, 1, NudgeDown(0.5), GrowthLatch(), 1, True, 0.5),         # never below 1
-        (10, 20, STABLE, GrowthLatch(True, 3), 10, True, None),      # latched: 4th Stable, no growth
-        (10, 20, STABLE, GrowthLatch(True, 4), 20, False, None),     # 5th Stable re-arms and commits
+        (10, 20, STABLE, GrowthLatch(True, 3), 10, True, None),   # latched: 4th Stable, no growth
+        (10, 20, STABLE, GrowthLatch(True, 4), 20, False, None),  # the 5th re-arms and commits
     ],
 )
 def test_verdict_ruling(anchor, proposal, verdict, latch, expected_anchor, expected_latched,

@@ -44,8 +44,8 @@ def test_phase_follows_calibrations() -> None:
     assert phases[0] is Phase.WARMUP and phases[3] is Phase.WARMUP
     assert phases[4] is Phase.STABLE and phases[18] is Phase.STABLE
     assert phases[19] is Phase.MATURE and phases[-1] >= Phase.STABLE
-    assert [e.kind for e in run(ElChe(ElCheConfig(), 2), 1, [10.0, 25.0])[0].events] == ["phase",
-                                                                                         "anchor_rank"]
+    first = run(ElChe(ElCheConfig(), 2), 1, [10.0, 25.0])[0]
+    assert [e.kind for e in first.events] == ["phase", "anchor_rank"]
 
 
 def test_report_without_valid_reading_is_not_a_calibration() -> None:
@@ -54,6 +54,16 @@ def test_report_without_valid_reading_is_not_a_calibration() -> None:
     elche = ElChe(ElCheConfig(), 2)
     assert elche.on_reduce(report(elche.plan(), [None, None])).phase is Phase.PROBE
     assert elche.calibration_count == 0
+
+
+def test_probe_takes_no_actions() -> None:
+    """Pins "Probe: no actions": reduces without any valid timing keep the anchor, the growth
+    latch and the overshoot even when the guard already sees D rising."""
+    elche = ElChe(ElCheConfig(mode=Mode.cpu_async, easgd_alpha=0.5, divergence_threshold=0.05), 2)
+    for d in (0.06, 0.07, 0.08):
+        plan = elche.on_reduce(report(elche.plan(), [None, None], sync_ms=100.0, divergence=d))
+    assert plan.phase is Phase.PROBE and plan.verdict.label == "suppress_growth"
+    assert (plan.anchor, plan.max_overshoot, elche.latch.latched) == (10, 3, False)
 
 
 def test_two_ranks_10_vs_25_get_a_2_5x_count_ratio() -> None:
@@ -97,7 +107,8 @@ def test_guard_vetoes_overhead_growth() -> None:
         elche = ElChe(ElCheConfig(meta_controller=False), 2, prior=[2.0, 1.0])
         for d in series[:-1]:  # into Stable at a low overhead (0.024): no proposal
             elche.on_reduce(report(elche.plan(), [10.0, 25.0], sync_ms=6.0, divergence=d))
-        plan = elche.on_reduce(report(elche.plan(), [10.0, 25.0], sync_ms=30.0, divergence=series[-1]))
+        last = report(elche.plan(), [10.0, 25.0], sync_ms=30.0, divergence=series[-1])
+        plan = elche.on_reduce(last)
         anchors[name] = plan.anchor
         if name == "rising":
             assert plan.verdict.label == "suppress_growth"
@@ -240,7 +251,8 @@ window = st.tuples(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs, world_size=st.integers(1, 6), windows=st.lists(window, min_size=1, max_size=30),
+@given(config=configs, world_size=st.integers(1, 6),
+       windows=st.lists(window, min_size=1, max_size=30),
        cap=st.one_of(st.none(), st.integers(1, 400)))
 def test_invariants_under_random_reports(config, world_size, windows, cap) -> None:
     """Pins the invariants whatever the inputs: living counts >= 1 and summing within the

@@ -53,7 +53,7 @@ class Scenario:
         return self.lr * 0.1 ** sum(1 for w in self.lr_drops if w <= window)
 
 
-RISING = [0.02] * 4 + [0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.10, 0.11, 0.12] + [0.05, 0.03, 0.02]
+RISING = [0.02] * 4 + [round(0.03 + 0.01 * i, 2) for i in range(10)] + [0.05, 0.03, 0.02]
 
 SCENARIOS = [
     Scenario("two_ranks_10_vs_25", [10.0, 25.0], windows=30, sync_ms=30.0, divergence=[0.01]),

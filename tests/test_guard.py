@@ -75,9 +75,9 @@ def _geometric(rate_per_step: float, steps: int, count: int, start: float = 0.01
         # lambda 5e-4 < 1e-3: stable throughout
         (5e-4, ["stable"] * 6),
         # lambda 5e-3: above 1e-3 from the first event -> SuppressGrowth on the 3rd event
-        (5e-3, ["stable", "stable", "stable", "suppress_growth", "suppress_growth", "suppress_growth"]),
+        (5e-3, ["stable"] * 3 + ["suppress_growth"] * 3),
         # lambda 2e-2: above 1e-2 -> NudgeDown(0.5) on the 3rd event (the nudge wins)
-        (2e-2, ["stable", "stable", "stable", "nudge_down", "nudge_down", "nudge_down"]),
+        (2e-2, ["stable"] * 3 + ["nudge_down"] * 3),
     ],
 )
 def test_rate_guard_thresholds_and_streak(rate_per_step, expected) -> None:

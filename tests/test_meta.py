@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl_run.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
-from flodl_run.meta import MetaController, effective_factor
+from flodl_run.meta import MetaController, MetaNudge, combine, effective_factor
 from flodl_run.phase import Phase
 
 
@@ -108,3 +108,14 @@ def test_state_round_trip() -> None:
     copy.restore(meta.export_state())
     assert copy.export_state() == meta.export_state()
     assert copy.observe(Phase.STABLE, 12, STABLE, lr=0.01) is not None
+
+
+@pytest.mark.parametrize(
+    "guard, meta_factor, expected",
+    [(STABLE, 0.5, NudgeDown(0.5)), (SUPPRESS_GROWTH, 0.7, NudgeDown(0.7)),
+     (NudgeDown(0.5), 0.7, NudgeDown(0.5)), (NudgeDown(0.5), 0.3, NudgeDown(0.3))],
+)
+def test_combine_with_the_guard_verdict(guard, meta_factor, expected) -> None:
+    """Pins how a meta nudge meets the guard's verdict: it replaces Stable/SuppressGrowth, and
+    against a guard NudgeDown the harsher (smaller) factor wins."""
+    assert combine(guard, MetaNudge(meta_factor, ("lr_cliff",))) == expected

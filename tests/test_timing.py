@@ -37,7 +37,8 @@ def test_reading_rules(wall_ms, batches, callback_ms, first_ms, skip, fill_ms, e
     assert got.is_valid == expected.is_valid
     if expected.is_valid:
         assert got.ms_per_batch == pytest.approx(expected.ms_per_batch)
-        assert got.fill_ms == (None if expected.fill_ms is None else pytest.approx(expected.fill_ms))
+        want_fill = expected.fill_ms
+        assert got.fill_ms == (None if want_fill is None else pytest.approx(want_fill))
 
 
 def test_read_timing_matches_read() -> None:
