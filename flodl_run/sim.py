@@ -11,7 +11,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, List, NoReturn, Optional, Sequence
 
@@ -71,7 +71,8 @@ def _sim_problems(s: SimConfig) -> Iterator[Problem]:
         elif any(not ms > 0 for ms in s.rank_ms):
             yield Problem("sim.rank_ms", list(s.rank_ms), "every ms per batch must be > 0")
         if s.drift is not None and len(s.drift) != len(s.rank_ms):
-            yield Problem("sim.drift", list(s.drift), f"must have one value per rank ({len(s.rank_ms)})")
+            yield Problem("sim.drift", list(s.drift),
+                          f"must have one value per rank ({len(s.rank_ms)})")
     yield from _skew_problems(s)
     for key in ("noise", "fill_ms", "sync_ms", "sync_ms_per_rank", "divergence_per_step"):
         if not getattr(s, key) >= 0:
@@ -103,7 +104,10 @@ def _skew_problems(s: SimConfig) -> Iterator[Problem]:
 
 def sim_json(result: SimResult) -> dict:
     """The sim.json document: {"windows": [...], "summary": {...}} (issue 3's schema)."""
-    return {"windows": [asdict(w) for w in result.windows], "summary": asdict(result.summary)}
+    keys = [f.name for f in fields(WindowRecord)]
+    # A plain comprehension, not asdict(): asdict deep-copies every 1024-rank counts list.
+    rows = [{key: getattr(w, key) for key in keys} for w in result.windows]
+    return {"windows": rows, "summary": asdict(result.summary)}
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

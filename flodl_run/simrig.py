@@ -8,9 +8,10 @@ printing). It does not train anything; the Hydra app in `flodl_run.sim` prints a
 from __future__ import annotations
 
 import enum
-import random
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
+
+import numpy as np
 
 from flodl_run.config.schema import ElCheConfig, Mode
 from flodl_run.elche import ElChe, Plan, ReduceReport
@@ -88,7 +89,8 @@ class SimConfig:
     spec_prior: bool = True
     """Tell ElChe each rank's nominal speed up front, as GPU specs (NVML) would in a real run."""
     table: TableStyle = TableStyle.auto
-    """Per-window table: full counts, compact (min/median/max), none; auto = compact above 8 ranks."""
+    """Per-window table: full counts, compact (min/median/max) or none; auto = compact above
+    8 ranks."""
 
 
 def expand_rank_ms(cfg: SimConfig) -> List[float]:
@@ -147,7 +149,7 @@ class SimRig:
         self.cfg = cfg
         self.rank_ms = expand_rank_ms(cfg)
         self.drift = expand_drift(cfg)
-        self._rng = random.Random(cfg.seed)
+        self._rng = np.random.default_rng(cfg.seed)
         self._drops = sorted(cfg.lr_drops)
 
     @property
@@ -161,8 +163,9 @@ class SimRig:
             base = [ms * max(MIN_SPEED_FRACTION, 1 + d * window) for ms, d in zip(base, self.drift)]
         noise = self.cfg.noise
         if noise > 0:
-            gauss = self._rng.gauss
-            base = [ms * max(MIN_SPEED_FRACTION, 1 + noise * gauss(0.0, 1.0)) for ms in base]
+            factors = 1.0 + noise * self._rng.standard_normal(len(base))
+            np.maximum(factors, MIN_SPEED_FRACTION, out=factors)
+            base = [ms * f for ms, f in zip(base, factors.tolist())]
         skew = self.cfg.cold_start_skew
         if window < skew.windows:
             base = list(base)

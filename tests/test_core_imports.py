@@ -16,7 +16,7 @@ CORE = ("phase", "timing", "election", "batch_counts", "autotune", "guard", "met
 ALLOWED_INTERNAL = {f"flodl_run.{name}" for name in CORE} | {"flodl_run", "flodl_run.config.schema"}
 # The shell: clocks, sockets, files, logging, tracking, tensors, Hydra.
 FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra", "omegaconf",
-                   "os", "pathlib", "subprocess", "threading", "asyncio", "rich", "numpy",
+                   "os", "pathlib", "subprocess", "threading", "asyncio", "rich",
                    "datetime", "io", "shutil", "tempfile", "sys"}
 
 

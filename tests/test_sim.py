@@ -139,7 +139,8 @@ def test_summary_against_ideal() -> None:
 def test_groups_noise_and_async_run_and_serialize() -> None:
     """Pins the compact rig form (groups), noise, drift and cpu_async: a 3-generation rig runs,
     the slowest generation anchors, and sim.json serializes."""
-    sim = SimConfig(groups=[RankGroup(4, 10.0), RankGroup(3, 18.0, drift=0.001), RankGroup(2, 30.0)],
+    groups = [RankGroup(4, 10.0), RankGroup(3, 18.0, drift=0.001), RankGroup(2, 30.0)]
+    sim = SimConfig(groups=groups,
                     noise=0.05, windows=30, cold_start_skew=ColdStartSkew(0, 3.0, 2))
     result = simulate(sim, ElCheConfig.cpu_async())
     assert result.windows[-1].anchor_rank in (7, 8)
