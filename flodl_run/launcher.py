@@ -1,7 +1,8 @@
 """The launcher: decides the topology of a materialized run and carries it out.
 
-Owns the choice in-process vs one process per rank (DESIGN §3.2), the hardware line and the
-run dir's summary.json. Training itself lives in `solo` (in-process) and the rank runtime.
+Owns the choice in-process vs one process per rank (DESIGN §3.2), the hardware line, the
+tracker's lifetime and the run dir's summary.json. Training itself lives in `solo`
+(in-process) and in the rank runtime (`supervisor`, `coordinator`, `rank`). Never touches CUDA.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from rich.console import Console
 from flodl_run.config.schema import ExperimentConfig, Topology
 from flodl_run.devices import GpuInfo, hardware_line, visible_gpus
 from flodl_run.progress import TerminalProgress
-from flodl_run.recipe import load_recipe
-from flodl_run.summary import write_summary
+from flodl_run.summary import Summary, write_summary
+from flodl_run.tracking import Observers, make_tracker
 
 
 @dataclass(frozen=True)
@@ -49,29 +50,46 @@ def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
     """Run the job; returns the summary status (completed, interrupted, failed, ...)."""
     plan = plan_topology(config)
     console.print(hardware_line(plan.gpus, plan.world_size), highlight=False)
-    if not plan.in_process:
-        from flodl_run.supervisor import launch_ranks
+    tracker = make_tracker(config)
+    tracker.start(config, run_dir)
+    progress = TerminalProgress(console)
+    observer = Observers(progress, tracker)
+    try:
+        if plan.in_process:
+            summary = _train_in_process(config, observer)
+        else:
+            from flodl_run.supervisor import launch_ranks
 
-        return launch_ranks(config, plan, run_dir, console)
-    return _launch_in_process(config, run_dir, console)
+            summary = launch_ranks(config, plan, run_dir, console, observer)
+    finally:
+        progress.close()
+    summary.mlflow_run_id = tracker.run_id
+    write_summary(run_dir / "summary.json", summary)
+    tracker.finish(summary, run_dir)
+    _report(summary, run_dir, console)
+    return summary.status
 
 
-def _launch_in_process(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
+def _train_in_process(config: ExperimentConfig, observer: Observers) -> Summary:
+    from flodl_run.recipe import load_recipe
     from flodl_run.solo import SoloTrainer
 
     recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
-    progress = TerminalProgress(console)
-    trainer = SoloTrainer(config, recipe, progress)
+    trainer = SoloTrainer(config, recipe, observer)
     try:
         trainer.run()
     except KeyboardInterrupt:
-        console.print("interrupted: summary.json marked interrupted", highlight=False)
-    finally:
-        progress.close()
-        write_summary(run_dir / "summary.json", trainer.summary)
-    summary = trainer.summary
+        pass  # the trainer marked its summary interrupted; the caller writes it
+    return trainer.summary
+
+
+def _report(summary: Summary, run_dir: Path, console: Console) -> None:
     if summary.status == "completed":
         final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
+        syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)" if summary.world_size > 1 else ""
         console.print(f"done: final eval {final} | {summary.wall_s:.1f}s | "
-                      f"{summary.samples_per_s:,.0f} samples/s | {run_dir}", highlight=False, soft_wrap=True)
-    return summary.status
+                      f"{summary.samples_per_s:,.0f} samples/s{syncs} | {run_dir}",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"[bold red]{summary.status}:[/] {summary.message} | {run_dir}",
+                      highlight=False, soft_wrap=True)

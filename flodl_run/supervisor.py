@@ -23,8 +23,8 @@ from rich.console import Console
 
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
-from flodl_run.progress import TerminalProgress
-from flodl_run.summary import Summary, write_summary
+from flodl_run.solo import TrainObserver
+from flodl_run.summary import Summary
 from flodl_run.wire import new_secret
 
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
@@ -138,11 +138,11 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
             coordinator.request_stop("interrupted by SIGINT")
 
 
-def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console) -> str:
-    """Run a distributed job on this host; returns the summary status."""
+def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
+                 observer: Optional[TrainObserver] = None) -> Summary:
+    """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
-    progress = TerminalProgress(console)
-    coordinator = Coordinator(config, plan.world_size, secret, observer=progress)
+    coordinator = Coordinator(config, plan.world_size, secret, observer=observer)
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
                               name="coordinator", daemon=True)
@@ -159,12 +159,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         _watch(coordinator, thread, procs)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        progress.close()
         stop_ranks(procs)
-    summary = summary_box[0] if summary_box else coordinator.summary
-    write_summary(run_dir / "summary.json", summary)
-    _report(summary, run_dir, console)
-    return summary.status
+    return summary_box[0] if summary_box else coordinator.summary
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -184,16 +180,3 @@ def _announce_controller_only(config: ExperimentConfig, world_size: int, coord: 
         f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
         f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
         highlight=False, soft_wrap=True)
-
-
-def _report(summary: Summary, run_dir: Path, console: Console) -> None:
-    if summary.status == "completed":
-        final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
-        console.print(f"done: final eval {final} | {summary.wall_s:.1f}s | "
-                      f"{summary.samples_per_s:,.0f} samples/s | {summary.syncs} syncs "
-                      f"({summary.avg_sync_ms:.2f} ms avg) | {run_dir}", highlight=False, soft_wrap=True)
-    else:
-        console.print(f"[bold red]{summary.status}:[/] {summary.message} | {run_dir}",
-                      highlight=False, soft_wrap=True)
-
-
