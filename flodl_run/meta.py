@@ -109,8 +109,9 @@ class MetaController:
         return (self.anchors[-1] - mean) / mean if mean > 0 else 0.0
 
     def is_settled(self) -> bool:
-        """The anchor has stopped moving (|trend| < 0.10): usable as an early-stop hint."""
-        return abs(self.trend()) < SETTLED_TREND
+        """The anchor has stopped moving (|trend| < 0.10 over a full window of 5 anchors):
+        usable as an early-stop hint, so never true before there is a window to judge."""
+        return len(self.anchors) == KEEP_ANCHORS and abs(self.trend()) < SETTLED_TREND
 
     def export_state(self) -> Dict[str, Any]:
         return {"lrs": list(self.lrs), "anchors": list(self.anchors),

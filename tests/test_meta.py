@@ -79,11 +79,15 @@ def test_both_patterns_multiply() -> None:
 
 
 def test_trend_and_is_settled() -> None:
-    """Pins trend = (anchor now - mean of last 5) / mean, and is_settled() = |trend| < 0.10."""
+    """Pins trend = (anchor now - mean of last 5) / mean, and is_settled() = |trend| < 0.10
+    once 5 anchors are in (an early-stop hint must not fire at the start of a run)."""
     meta = MetaController()
+    assert not meta.is_settled()
     for anchor in (10, 10, 10, 10):
         meta.observe(Phase.STABLE, anchor, STABLE)
-    assert meta.trend() == 0.0 and meta.is_settled()
+    assert meta.trend() == 0.0 and not meta.is_settled()
+    meta.observe(Phase.STABLE, 10, STABLE)
+    assert meta.is_settled()
     meta.observe(Phase.STABLE, 20, STABLE)  # mean of 10,10,10,10,20 = 12
     assert meta.trend() == pytest.approx(8 / 12)
     assert not meta.is_settled()
