@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Set
 
 import zmq
 
-from flodl_run.balance import Balance
 from flodl_run.config.schema import ExperimentConfig
+from flodl_run.elche import ElChe, Plan, ReduceReport
 from flodl_run.dispatch import EpochSpan, epoch_span, equal_split, take, window_samples
 from flodl_run.solo import NullObserver, TrainObserver
 from flodl_run.summary import EpochRecord, Summary
@@ -105,7 +105,8 @@ class Coordinator:
         self.num_samples = 0
         self.summary = Summary(mode=self.mode.value, outer=config.outer.kind.value,
                                world_size=world_size)
-        self.balance: Optional[Balance] = None
+        self.elche: Optional[ElChe] = None
+        self.plan: Optional[Plan] = None
         self._stop = threading.Event()
         self._stop_reason = ""
         self._failure: Optional[RunAborted] = None
@@ -150,8 +151,8 @@ class Coordinator:
             raise RunAborted("failed", f"ranks see different train set sizes: {sorted(sizes)}")
         self.num_samples = sizes.pop()
         self.summary.devices = [self.joined[r].device_name for r in range(self.world_size)]
-        self.balance = Balance(self.config.elche, self.world_size, self._epoch_batches(0),
-                               self.config.batch_size)
+        self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0))
+        self.plan = self.elche.plan()
 
     def _epoch_batches(self, epoch: int) -> int:
         span = self._span(epoch)
@@ -190,7 +191,7 @@ class Coordinator:
         """Progressive dispatch: each window hands every rank its planned count of batches."""
         cursor = span.start
         while cursor < span.end:
-            sizes = window_samples(span.end - cursor, self.balance.batch_counts, self.config.batch_size)
+            sizes = window_samples(span.end - cursor, self.plan.batch_counts, self.config.batch_size)
             window = _WindowTally.empty(self.world_size)
             waiting: Set[int] = set()
             for rank, size in enumerate(sizes):
@@ -274,9 +275,11 @@ class Coordinator:
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
         lr = next((x for x in window.lr if x is not None), None)
-        self.balance.on_reduce(window.wall_ms, window.batches, window.fill_ms, sync_ms,
-                               max(divergences), lr)
-        self.summary.anchor_trajectory.append(self.balance.anchor)
+        self.plan = self.elche.on_reduce(ReduceReport(
+            wall_ms=window.wall_ms, batches=window.batches, sync_ms=sync_ms,
+            fill_ms=window.fill_ms if self.mode.is_progressive else None,
+            divergence=max(divergences), lr=lr))
+        self.summary.anchor_trajectory.append(self.plan.anchor)
 
     # ---- epoch records and callbacks --------------------------------------------------------
 
@@ -298,7 +301,8 @@ class Coordinator:
         policy = self.config.epoch_callback_policy
         if policy.startswith("rank:"):
             return int(policy.split(":", 1)[1])
-        return self.balance.fastest_rank()
+        known = [(ms, rank) for rank, ms in enumerate(self.elche.smoothed_ms()) if ms is not None]
+        return min(known)[1] if known else 0
 
     def _evaluate(self, epoch: int) -> Optional[float]:
         rank = self._callback_rank()
@@ -352,8 +356,8 @@ class Coordinator:
         self.summary.wall_s = wall_s
         self.summary.syncs = len(self._sync_ms)
         self.summary.avg_sync_ms = sum(self._sync_ms) / len(self._sync_ms) if self._sync_ms else 0.0
-        if self.balance is not None:
-            self.summary.phase = self.balance.phase_name
+        if self.plan is not None:
+            self.summary.phase = self.plan.phase.name.lower()
         self.summary.samples_per_s = self._samples_per_s()
 
     def _samples_per_s(self) -> float:
