@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import ExperimentConfig
     from flodl_run.recipe import Recipe
-    from flodl_run.solo import TrainObserver, TrainResult
+    from flodl_run.observe import Observer
+    from flodl_run.solo import TrainResult
 
 __version__ = "0.1.0"
 
 
 def train(config: Optional["ExperimentConfig"] = None, recipe: Optional["Recipe"] = None,
-          observer: Optional["TrainObserver"] = None) -> "TrainResult":
+          observer: Optional["Observer"] = None) -> "TrainResult":
     """Train in-process and return the model and its summary.
 
     `config` defaults to `ExperimentConfig()` (the CLI's defaults); `recipe` defaults to the

@@ -17,8 +17,8 @@ import zmq
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.elche import ElChe, Plan, ReduceReport
 from flodl_run.dispatch import EpochSpan, epoch_span, equal_split, take, window_samples
-from flodl_run.solo import NullObserver, TrainObserver
-from flodl_run.summary import EpochRecord, Summary
+from flodl_run.observe import Observer
+from flodl_run.summary import EpochRecord, ReduceRecord, Summary
 from flodl_run.wire import (
     Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced, Stop,
     SyncNow, Train, WindowDone,
@@ -86,10 +86,10 @@ class Coordinator:
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
-                 observer: Optional[TrainObserver] = None):
+                 observer: Optional[Observer] = None):
         self.config, self.world_size = config, world_size
         self.mode = config.elche.mode
-        self.observer = observer or NullObserver()
+        self.observer = observer or Observer()
         self.ctx = zmq.Context.instance()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -200,7 +200,7 @@ class Coordinator:
                     self._send_train(rank, span, [piece])
                     waiting.add(rank)
             self._collect_windows(waiting, window, span.epoch, epoch_tally)
-            self._reduce(window, epoch_tally)
+            self._reduce(window, epoch_tally, span.epoch)
 
     def _run_sync_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
         """Equal split; a reduce fires once every rank with data has stepped since the last one,
@@ -214,7 +214,7 @@ class Coordinator:
         while any(c < e for c, e in zip(cursors, ends)):
             window = _WindowTally.empty(self.world_size)
             self._sync_window(span, cursors, ends, window, epoch_tally)
-            self._reduce(window, epoch_tally)
+            self._reduce(window, epoch_tally, span.epoch)
 
     def _sync_window(self, span: EpochSpan, cursors: List[int], ends: List[int],
                      window: _WindowTally, epoch_tally: _EpochTally) -> None:
@@ -259,7 +259,7 @@ class Coordinator:
 
     # ---- the reduce -------------------------------------------------------------------------
 
-    def _reduce(self, window: _WindowTally, epoch_tally: _EpochTally) -> None:
+    def _reduce(self, window: _WindowTally, epoch_tally: _EpochTally, epoch: int) -> None:
         """Order the consensus, wait for every rank, then let ElChe plan the next window."""
         self._window += 1
         self._round += 1
@@ -280,6 +280,16 @@ class Coordinator:
             fill_ms=window.fill_ms if self.mode.is_progressive else None,
             divergence=max(divergences), lr=lr))
         self.summary.anchor_trajectory.append(self.plan.anchor)
+        self._observe_reduce(epoch, sync_ms, max(divergences))
+
+    def _observe_reduce(self, epoch: int, sync_ms: float, divergence: float) -> None:
+        plan = self.plan
+        self.observer.on_reduce(ReduceRecord(
+            self._round, epoch, sync_ms, divergence, plan.anchor, plan.anchor_rank,
+            list(plan.batch_counts), plan.overhead, str(plan.verdict), plan.phase.name.lower(),
+            plan.nudge_factor))
+        for event in plan.events:
+            self.observer.on_event(event.kind, event.message)
 
     # ---- epoch records and callbacks --------------------------------------------------------
 

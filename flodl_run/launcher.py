@@ -17,7 +17,8 @@ from flodl_run.config.schema import ExperimentConfig, Topology
 from flodl_run.devices import GpuInfo, hardware_line, visible_gpus
 from flodl_run.progress import TerminalProgress
 from flodl_run.summary import Summary, write_summary
-from flodl_run.tracking import Observers, make_tracker
+from flodl_run.observe import Observers
+from flodl_run.tracking import make_tracker
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Progress on the launcher's terminal: a live bar on a TTY, plain lines in logs (CI).
 
-Implements the TrainObserver protocol; everything here is presentation.
+An Observer; everything here is presentation.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from flodl_run.observe import Observer
 from flodl_run.summary import EpochRecord
 
 
@@ -25,7 +26,7 @@ def _fmt(value: Optional[float], spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-class TerminalProgress:
+class TerminalProgress(Observer):
     """Epochs, batches, loss, throughput and ETA; degrades to one line per epoch without a TTY."""
 
     def __init__(self, console: Optional[Console] = None):

@@ -1,41 +1,23 @@
 """In-process training on one device: the path of `cluster=solo` and of hosts with 0-1 GPU.
 
 Owns the epoch loop of a single replica (permutation per pass, batches, eval cadence, epoch
-records). It reports through a TrainObserver and never prints; writing files is the caller's.
+records). It reports through an Observer and never prints; writing files is the caller's.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Protocol
+from typing import List, Optional
 
 import torch
 
 from flodl_run.config.schema import ExperimentConfig
+from flodl_run.observe import Observer
 from flodl_run.data import BatchSource, num_batches, permutation
 from flodl_run.recipe import Recipe
 from flodl_run.replica import Replica
 from flodl_run.summary import EpochRecord, Summary
-
-
-class TrainObserver(Protocol):
-    """Receives progress; the CLI renders it, tests record it."""
-
-    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None: ...
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None: ...
-    def on_epoch(self, record: EpochRecord) -> None: ...
-
-
-class NullObserver:
-    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
-        pass
-
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
-        pass
-
-    def on_epoch(self, record: EpochRecord) -> None:
-        pass
 
 
 @dataclass
@@ -63,10 +45,10 @@ class SoloTrainer:
     """One replica trained over the whole data set, epoch by epoch."""
 
     def __init__(self, config: ExperimentConfig, recipe: Recipe,
-                 observer: Optional[TrainObserver] = None):
+                 observer: Optional[Observer] = None):
         self.config = config
         self.recipe = recipe
-        self.observer = observer or NullObserver()
+        self.observer = observer or Observer()
         self.device = resolve_device(config.device)
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
         self.train_source = BatchSource(recipe.call("train_dataset"), self.device)
@@ -147,7 +129,7 @@ class SoloTrainer:
 
 
 def train_solo(config: ExperimentConfig, recipe: Recipe,
-               observer: Optional[TrainObserver] = None) -> TrainResult:
+               observer: Optional[Observer] = None) -> TrainResult:
     return SoloTrainer(config, recipe, observer).run()
 
 

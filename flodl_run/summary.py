@@ -27,6 +27,23 @@ class EpochRecord:
 
 
 @dataclass
+class ReduceRecord:
+    """One reduce as the coordinator saw it, with ElChe's plan for the next window."""
+
+    round: int
+    epoch: int
+    sync_ms: float
+    divergence: float
+    anchor: int
+    anchor_rank: Optional[int]
+    batch_counts: List[int]
+    overhead: Optional[float]
+    verdict: str
+    phase: str
+    nudge_factor: Optional[float] = None
+
+
+@dataclass
 class Summary:
     status: str = "completed"
     """completed | failed | interrupted | shutdown_with_save."""

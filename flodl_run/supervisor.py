@@ -23,7 +23,7 @@ from rich.console import Console
 
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
-from flodl_run.solo import TrainObserver
+from flodl_run.observe import Observer
 from flodl_run.summary import Summary
 from flodl_run.wire import new_secret
 
@@ -139,7 +139,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
 
 
 def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
-                 observer: Optional[TrainObserver] = None) -> Summary:
+                 observer: Optional[Observer] = None) -> Summary:
     """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
     coordinator = Coordinator(config, plan.world_size, secret, observer=observer)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig, TrackingKind
+from flodl_run.observe import Observer
 from flodl_run.summary import EpochRecord, Summary
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
@@ -36,19 +37,12 @@ def _params(config: ExperimentConfig) -> Dict[str, str]:
     return {k: str(v)[:MAX_PARAM_CHARS] for k, v in items.items()}
 
 
-class NullTracker:
+class NullTracker(Observer):
+    """tracking=off: observes nothing, logs nothing."""
+
     run_id: Optional[str] = None
 
     def start(self, config: ExperimentConfig, run_dir: Path) -> None:
-        pass
-
-    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
-        pass
-
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
-        pass
-
-    def on_epoch(self, record: EpochRecord) -> None:
         pass
 
     def finish(self, summary: Summary, run_dir: Path) -> None:
@@ -120,22 +114,3 @@ def make_tracker(config: ExperimentConfig) -> NullTracker:
     if config.tracking.kind is TrackingKind.off:
         return NullTracker()
     return MlflowTracker(config)
-
-
-class Observers:
-    """Fans observer calls out to several observers (progress bar, tracker, ...)."""
-
-    def __init__(self, *observers: Any):
-        self.observers = observers
-
-    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
-        for o in self.observers:
-            o.on_start(total_epochs, batches_per_epoch, world_size)
-
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
-        for o in self.observers:
-            o.on_batch(epoch, batches_done, loss)
-
-    def on_epoch(self, record: EpochRecord) -> None:
-        for o in self.observers:
-            o.on_epoch(record)
