@@ -17,6 +17,13 @@ if TYPE_CHECKING:  # pragma: no cover
 __version__ = "0.1.0"
 
 
+def record_scalar(name: str, value: float) -> None:
+    """Record a user metric from inside train_step; rolled up per epoch by `scalar_reductions`."""
+    from flodl_run.scalars import record_scalar as _record
+
+    _record(name, value)
+
+
 def train(config: Optional["ExperimentConfig"] = None, recipe: Optional["Recipe"] = None,
           observer: Optional["Observer"] = None) -> "TrainResult":
     """Train in-process and return the model and its summary.

@@ -18,7 +18,8 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.elche import ElChe, Plan, ReduceReport
 from flodl_run.dispatch import EpochSpan, epoch_span, equal_split, take, window_samples
 from flodl_run.observe import Observer
-from flodl_run.summary import EpochRecord, ReduceRecord, Summary
+from flodl_run.scalars import merge, roll_up
+from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.wire import (
     Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced, Stop,
     SyncNow, Train, WindowDone,
@@ -45,6 +46,7 @@ class _WindowTally:
     fill_ms: List[float]
     loss_sum: List[float]
     lr: List[Optional[float]]
+    scalars: Dict[str, List[float]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, n: int) -> "_WindowTally":
@@ -59,6 +61,7 @@ class _WindowTally:
         self.wall_ms[r] += done.wall_ms
         self.loss_sum[r] += done.loss_sum
         self.lr[r] = done.lr
+        merge(self.scalars, done.scalars)
 
 
 @dataclass
@@ -67,6 +70,10 @@ class _EpochTally:
     samples: List[int]
     wall_ms: List[float]
     loss_sum: List[float]
+    scalars: Dict[str, List[float]] = field(default_factory=dict)
+    reported_batches: int = 0
+    reported_loss: float = 0.0
+    reports: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -79,6 +86,7 @@ class _EpochTally:
             self.samples[r] += window.samples[r]
             self.wall_ms[r] += window.wall_ms[r]
             self.loss_sum[r] += window.loss_sum[r]
+        merge(self.scalars, window.scalars)
 
 
 class Coordinator:
@@ -281,6 +289,24 @@ class Coordinator:
             divergence=max(divergences), lr=lr))
         self.summary.anchor_trajectory.append(self.plan.anchor)
         self._observe_reduce(epoch, sync_ms, max(divergences))
+        self._maybe_report(epoch, epoch_tally)
+
+    def _maybe_report(self, epoch: int, tally: _EpochTally) -> None:
+        """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n."""
+        n = self.config.reports_per_epoch
+        if not n:
+            return
+        done = sum(tally.batches)
+        fraction = done / max(self._epoch_batches(epoch), 1)
+        if tally.reports >= n or fraction < (tally.reports + 1) / n:
+            return
+        tally.reports = min(n, int(fraction * n + 1e-9))
+        batches = done - tally.reported_batches
+        loss = sum(tally.loss_sum) - tally.reported_loss
+        tally.reported_batches, tally.reported_loss = done, sum(tally.loss_sum)
+        self.observer.on_report(ReportRecord(
+            epoch, tally.reports, fraction, self._global_step, loss / max(batches, 1),
+            roll_up(tally.scalars, self.config.scalar_reductions)))
 
     def _observe_reduce(self, epoch: int, sync_ms: float, divergence: float) -> None:
         plan = self.plan
@@ -305,6 +331,7 @@ class Coordinator:
             per_rank_throughput=[s / (w / 1000.0) if w > 0 else 0.0
                                  for s, w in zip(tally.samples, tally.wall_ms)],
             per_rank_batch_share=[b / total_batches for b in tally.batches],
+            scalars=roll_up(tally.scalars, self.config.scalar_reductions),
         )
 
     def _callback_rank(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from flodl_run.summary import EpochRecord, ReduceRecord
+from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord
 
 
 class Observer:
@@ -22,6 +22,9 @@ class Observer:
 
     def on_reduce(self, record: ReduceRecord) -> None:
         """After each reduce, with ElChe's plan for the next window."""
+
+    def on_report(self, record: ReportRecord) -> None:
+        """A sub-epoch report (reports_per_epoch), at a reduce boundary."""
 
     def on_epoch(self, record: EpochRecord) -> None:
         """When an epoch is aggregated (in ascending order)."""
@@ -47,6 +50,10 @@ class Observers(Observer):
     def on_reduce(self, record: ReduceRecord) -> None:
         for o in self.observers:
             o.on_reduce(record)
+
+    def on_report(self, record: ReportRecord) -> None:
+        for o in self.observers:
+            o.on_report(record)
 
     def on_epoch(self, record: EpochRecord) -> None:
         for o in self.observers:

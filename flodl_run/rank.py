@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from flodl_run import scalars
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.config.compose import experiment_from_yaml
@@ -183,7 +184,7 @@ class RankWorker:
         self._steps_since_reduce += len(step_ms)
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, len(step_ms), samples, sum(step_ms),
-            _fill_ms(step_ms), loss_sum, self.replica.lr))
+            _fill_ms(step_ms), loss_sum, self.replica.lr, scalars.drain()))
 
     def _emulate_slowdown(self, began: float) -> None:
         """DESIGN §13: sleep (f - 1) x the measured step time so this rank acts f times slower."""

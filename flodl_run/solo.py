@@ -14,6 +14,7 @@ import torch
 
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.observe import Observer
+from flodl_run.scalars import drain, roll_up
 from flodl_run.data import BatchSource, num_batches, permutation
 from flodl_run.recipe import Recipe
 from flodl_run.replica import Replica
@@ -109,6 +110,7 @@ class SoloTrainer:
             epoch_ms=compute_s * 1000.0,
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
             per_rank_batch_share=[1.0],
+            scalars=roll_up(drain(), self.config.scalar_reductions),
         )
 
     def _maybe_eval(self, epoch: int) -> Optional[float]:

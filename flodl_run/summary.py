@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -24,6 +24,8 @@ class EpochRecord:
     """Samples per second of compute, per rank."""
     per_rank_batch_share: List[float]
     """Share of the epoch's batches each rank trained."""
+    scalars: Dict[str, float] = field(default_factory=dict)
+    """User scalars (record_scalar), rolled up by scalar_reductions."""
 
 
 @dataclass
@@ -41,6 +43,21 @@ class ReduceRecord:
     verdict: str
     phase: str
     nudge_factor: Optional[float] = None
+
+
+@dataclass
+class ReportRecord:
+    """A sub-epoch report (reports_per_epoch) at a reduce boundary."""
+
+    epoch: int
+    index: int
+    """1..reports_per_epoch within the epoch."""
+    fraction: float
+    """Share of the epoch's batches done when the report fired."""
+    global_step: int
+    avg_loss: float
+    """Per-batch loss since the previous report."""
+    scalars: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from hashlib import sha256
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import zmq
@@ -55,6 +55,8 @@ class WindowDone(Message):
     """Excess of the window's first batch over the rank's mean batch (cadence/async)."""
     loss_sum: float
     lr: float
+    scalars: Dict[str, List[float]] = {}
+    """User scalars recorded during the window (record_scalar)."""
 
 
 class Reduced(Message):
