@@ -7,25 +7,30 @@ runs the eval callback. It never touches a device; ranks do the training and the
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import zmq
 
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.averaging.central import CentralAverager, CentralResult, Snapshot
+from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
+from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.outer import OuterOptimizer
 from flodl_run.elche import ElChe, Plan, ReduceReport
 from flodl_run.dispatch import EpochSpan, epoch_span, equal_split, take, window_samples
 from flodl_run.observe import Observer
 from flodl_run.scalars import merge, roll_up
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.wire import (
-    Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced, Stop,
-    SyncNow, Train, WindowDone,
+    Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced,
+    SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone,
 )
 
 POLL_MS = 200
+log = logging.getLogger(__name__)
 
 
 class RunAborted(Exception):
@@ -89,6 +94,13 @@ class _EpochTally:
         merge(self.scalars, window.scalars)
 
 
+@dataclass
+class _Cursor:
+    """Position of the next undispatched sample in an epoch's span."""
+
+    at: int
+
+
 class Coordinator:
     """Runs on a thread of the launcher; `run()` returns the Summary of the whole run."""
 
@@ -113,6 +125,9 @@ class Coordinator:
         self.num_samples = 0
         self.summary = Summary(mode=self.mode.value, outer=config.outer.kind.value,
                                world_size=world_size)
+        self.averager = CentralAverager(OuterOptimizer(config.outer), config.elche.gamma,
+                                        config.elche.easgd_alpha if self.mode is Mode.cpu_async else None)
+        self._payloads: List[memoryview] = []
         self.elche: Optional[ElChe] = None
         self.plan: Optional[Plan] = None
         self._stop = threading.Event()
@@ -144,16 +159,24 @@ class Coordinator:
             self.summary.status = "completed"
         except RunAborted as exc:
             self.summary.status, self.summary.message = exc.status, exc.reason
+        except Exception as exc:  # a bug of ours: fail the run loudly, never report success
+            log.exception("coordinator failed")
+            self.summary.status = "failed"
+            self.summary.message = f"coordinator error: {type(exc).__name__}: {exc}"
         finally:
             self._finish(time.perf_counter() - started)
         return self.summary
 
     def _await_ranks(self) -> None:
         deadline = time.monotonic() + max(300.0, self.config.heartbeat_timeout_secs)
-        while len(self.joined) < self.world_size:
+        seeded = self.mode is not Mode.cpu_async
+        while len(self.joined) < self.world_size or not seeded:
             if time.monotonic() > deadline:
                 raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
-            self._next(expect=RankJoined)
+            message = self._next(expect=(RankJoined, SnapshotTaken))
+            if isinstance(message, SnapshotTaken):  # cpu_async: rank 0's initial weights
+                self.averager.seed_center(self._snapshot(message).params)
+                seeded = True
         sizes = {j.num_samples for j in self.joined.values()}
         if len(sizes) != 1:
             raise RunAborted("failed", f"ranks see different train set sizes: {sorted(sizes)}")
@@ -196,19 +219,28 @@ class Coordinator:
         return epoch_tally
 
     def _run_cadence_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
-        """Progressive dispatch: each window hands every rank its planned count of batches."""
-        cursor = span.start
-        while cursor < span.end:
-            sizes = window_samples(span.end - cursor, self.plan.batch_counts, self.config.batch_size)
-            window = _WindowTally.empty(self.world_size)
-            waiting: Set[int] = set()
+        """Progressive dispatch: each window hands every rank its planned count of batches; the
+        next window's orders ride on the reduce (folded into the update on the coordinator
+        backend)."""
+        cursor = _Cursor(span.start)
+
+        def plan_window() -> Dict[int, Train]:
+            sizes = window_samples(span.end - cursor.at, self.plan.batch_counts, self.config.batch_size)
+            trains = {}
             for rank, size in enumerate(sizes):
-                piece, cursor = take(cursor, span, size)
+                piece, cursor.at = take(cursor.at, span, size)
                 if piece is not None:
-                    self._send_train(rank, span, [piece])
-                    waiting.add(rank)
-            self._collect_windows(waiting, window, span.epoch, epoch_tally)
-            self._reduce(window, epoch_tally, span.epoch)
+                    trains[rank] = self._train_order(span.epoch, [piece])
+            return trains
+
+        trains = plan_window()
+        for rank, order in trains.items():
+            self._send(rank, order)
+        while trains:
+            window = _WindowTally.empty(self.world_size)
+            self._collect_windows(set(trains), window, span.epoch, epoch_tally)
+            trains = self._reduce(window, epoch_tally, span.epoch,
+                                  plan_window if cursor.at < span.end else None)
 
     def _run_sync_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
         """Equal split; a reduce fires once every rank with data has stepped since the last one,
@@ -248,9 +280,12 @@ class Coordinator:
             if not gate_open and cursors[done.rank] < ends[done.rank]:
                 give(done.rank)  # ahead of the others: keep stepping until the gate opens
 
-    def _send_train(self, rank: int, span: EpochSpan, slices: list) -> None:
+    def _train_order(self, epoch: int, slices: list, overshoot: int = 0) -> Train:
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
-        self._send(rank, Train(self._window, span.epoch, slices, batches))
+        return Train(self._window, epoch, slices, batches, overshoot)
+
+    def _send_train(self, rank: int, span: EpochSpan, slices: list) -> None:
+        self._send(rank, self._train_order(span.epoch, slices))
 
     def _collect_windows(self, waiting: Set[int], window: _WindowTally, epoch: int,
                          epoch_tally: _EpochTally) -> None:
@@ -267,29 +302,82 @@ class Coordinator:
 
     # ---- the reduce -------------------------------------------------------------------------
 
-    def _reduce(self, window: _WindowTally, epoch_tally: _EpochTally, epoch: int) -> None:
-        """Order the consensus, wait for every rank, then let ElChe plan the next window."""
+    def _reduce(self, window: _WindowTally, epoch_tally: _EpochTally, epoch: int,
+                plan_next: Optional[Callable[[], Dict[int, Train]]] = None) -> Dict[int, Train]:
+        """Order the consensus, wait for every rank, let ElChe plan, then send the next window
+        (`plan_next`) — after the collective, or folded into the coordinator's update."""
         self._window += 1
         self._round += 1
         began = time.perf_counter()
         for rank in range(self.world_size):
             self._send(rank, SyncNow(self._round, self._global_step))
-        divergences: List[float] = []
-        while len(divergences) < self.world_size:
-            reduced = self._next(expect=Reduced)
-            divergences.append(reduced.divergence)
+        result = None
+        if self.mode.is_collective:
+            divergence = self._collect_reduced()
+        else:
+            result = self._central_round()
+            divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
-        self._sync_ms.append(sync_ms)
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
+        self._after_reduce(window, epoch, sync_ms, divergence)
+        trains = plan_next() if plan_next is not None else {}
+        if result is not None or not self.mode.is_collective:
+            self._send_updates(result, trains)
+        else:
+            for rank, order in trains.items():
+                self._send(rank, order)
+        self._maybe_report(epoch, epoch_tally)
+        return trains
+
+    def _collect_reduced(self) -> float:
+        divergences: List[float] = []
+        while len(divergences) < self.world_size:
+            divergences.append(self._next(expect=Reduced).divergence)
+        return max(divergences)
+
+    def _after_reduce(self, window: _WindowTally, epoch: int, sync_ms: float, divergence: float) -> None:
+        """Feed ElChe one ReduceReport and publish what it decided."""
+        self._sync_ms.append(sync_ms)
         lr = next((x for x in window.lr if x is not None), None)
         self.plan = self.elche.on_reduce(ReduceReport(
             wall_ms=window.wall_ms, batches=window.batches, sync_ms=sync_ms,
             fill_ms=window.fill_ms if self.mode.is_progressive else None,
-            divergence=max(divergences), lr=lr))
+            divergence=divergence, lr=lr))
         self.summary.anchor_trajectory.append(self.plan.anchor)
-        self._observe_reduce(epoch, sync_ms, max(divergences))
-        self._maybe_report(epoch, epoch_tally)
+        self._observe_reduce(epoch, sync_ms, divergence)
+
+    # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
+
+    def _central_round(self) -> Optional[CentralResult]:
+        """Collect every rank's snapshot and average them here, on CPU."""
+        snapshots: List[Snapshot] = []
+        while len(snapshots) < self.world_size:
+            snapshots.append(self._snapshot(self._next(expect=SnapshotTaken)))
+        snapshots.sort(key=lambda snap: snap.rank)
+        return self.averager.reduce(snapshots)
+
+    def _snapshot(self, taken: SnapshotTaken) -> Snapshot:
+        count = len(taken.dtypes)
+        params = from_frames(self._payloads[:count], taken.dtypes)
+        buffers = from_frames(self._payloads[count:], ["torch.float32"])[0]
+        return Snapshot(taken.rank, taken.steps, params, buffers)
+
+    def _send_updates(self, result: Optional[CentralResult], trains: Dict[int, Train]) -> None:
+        """Every rank gets the result (blend 1.0 = overwrite; EASGD alpha in cpu_async)."""
+        frames: List[memoryview] = []
+        dtypes: List[str] = []
+        blend, buffers, stepped = 0.0, False, False  # nobody trained: nothing to adopt
+        if result is not None:
+            alpha = self.config.elche.easgd_alpha if self.mode is Mode.cpu_async else None
+            blend, stepped = (alpha if alpha is not None else 1.0), result.outer_stepped
+            frames, dtypes = [as_frame(p) for p in result.params], dtype_names(result.params)
+            buffers = result.float_buffers is not None
+            if buffers:
+                frames.append(as_frame(result.float_buffers))
+        for rank in range(self.world_size):
+            self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes,
+                                    stepped, trains.get(rank)), frames)
 
     def _maybe_report(self, epoch: int, tally: _EpochTally) -> None:
         """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n."""
@@ -349,10 +437,10 @@ class Coordinator:
 
     # ---- messaging --------------------------------------------------------------------------
 
-    def _send(self, rank: int, message: Message) -> None:
-        self.channel.send(message, identity=self.identities[rank])
+    def _send(self, rank: int, message: Message, payloads: Sequence[memoryview] = ()) -> None:
+        self.channel.send(message, payloads, identity=self.identities[rank])
 
-    def _next(self, expect: type) -> Message:
+    def _next(self, expect: type | tuple) -> Message:
         """The next message of type `expect`; heartbeats and failures are handled on the way."""
         while True:
             if self._failure is not None:
@@ -373,6 +461,7 @@ class Coordinator:
             elif isinstance(message, RankFailed):
                 raise RunAborted("failed", f"rank {message.rank} failed: {message.error}")
             if isinstance(message, expect):
+                self._payloads = received.payloads
                 return message
             if not isinstance(message, (Heartbeat, RankJoined)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")

@@ -14,9 +14,10 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,15 +26,16 @@ import zmq
 from flodl_run import scalars
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
 from flodl_run.config.compose import experiment_from_yaml
-from flodl_run.config.schema import ExperimentConfig, OuterKind
+from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
 from flodl_run.data import BatchSource, permutation
 from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
-    Channel, Evaluate, Evaluated, Heartbeat, RankFailed, RankJoined, Reduced, Stop, SyncNow,
-    Train, WindowDone,
+    Channel, Evaluate, Evaluated, Heartbeat, RankFailed, RankJoined, Reduced, SnapshotTaken, Stop,
+    SyncNow, Train, Update, WindowDone,
 )
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -110,8 +112,14 @@ class RankWorker:
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
         slow = config.cluster.emulate_slowdown
         self.slowdown = slow[env.rank] if slow and env.rank < len(slow) else 1.0
+        self.mode = config.elche.mode
         self._perms: Dict[int, torch.Tensor] = {}
         self._steps_since_reduce = 0
+        self.jobs: Deque[_Job] = deque()
+        self._awaiting_update = False
+        self._sync_pending = False  # cpu_async: window done, SyncNow not yet received
+        self._overshoot_used = 0
+        self._staging = HostStaging(self.flat.buffers)
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -121,48 +129,70 @@ class RankWorker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> int:
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=max(60.0, 10 * self.config.heartbeat_timeout_secs))
-        dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size,
-                                timeout=timeout, device_id=self.device if backend == "nccl" else None)
+        collective = self.mode.is_collective
+        if collective:  # the coordinator backend needs no process group (and no NCCL)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            timeout = datetime.timedelta(seconds=max(60.0, 10 * self.config.heartbeat_timeout_secs))
+            dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size,
+                                    timeout=timeout, device_id=self.device if backend == "nccl" else None)
         heartbeat = _Heartbeat(self.ctx, self.env)
         heartbeat.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
                                      socket.gethostname(), str(self.device), name,
                                      len(self.source)))
+        if self.mode is Mode.cpu_async and self.env.rank == 0:
+            self._send_snapshot(0, steps=0)  # the EASGD center starts at the initial weights
+            self._awaiting_update = False
         try:
             self._serve()
         finally:
             heartbeat.stopped.set()
-            dist.destroy_process_group()
+            if collective:
+                dist.destroy_process_group()
         return 0
 
     def _serve(self) -> None:
+        """Batch-granular loop: handle every order that arrived, then train one batch if allowed."""
         while True:
-            received = self.channel.recv(timeout_ms=1000)
+            received = self.channel.recv(timeout_ms=0 if self._can_train() else 1000)
             if received is None:
-                if self._orphaned():
+                if self._can_train():
+                    self._train_one()
+                elif self._orphaned():
                     raise SystemExit("flodl_run.rank: the launcher is gone; exiting")
                 continue
-            order = received.message
-            if isinstance(order, Stop):
+            if isinstance(received.message, Stop):
                 return
-            self._handle(order)
+            self._handle(received.message, received.payloads)
 
     def _orphaned(self) -> bool:
         return self.env.parent_pid is not None and os.getppid() != self.env.parent_pid
 
-    def _handle(self, order: Any) -> None:
+    def _handle(self, order: Any, payloads: List[memoryview]) -> None:
         if isinstance(order, Train):
-            self._train(order)
+            self.jobs.append(_Job(order, self._order_batches(order)))
         elif isinstance(order, SyncNow):
             self._reduce(order)
+        elif isinstance(order, Update):
+            self._apply_update(order, payloads)
         elif isinstance(order, Evaluate):
-            score = self.replica.evaluate(self.eval_data) if self.eval_data is not None else float("nan")
-            self.channel.send(Evaluated(self.env.rank, order.epoch, score))
+            self._evaluate(order, payloads)
 
     # ---- training --------------------------------------------------------------------------
+
+    def _can_train(self) -> bool:
+        """Work queued, no update awaited (cpu_sync/cadence), and within the async overshoot."""
+        if not self.jobs or self._awaiting_update:
+            return False
+        return not (self._sync_pending and self._overshoot_used >= self.jobs[0].order.overshoot)
+
+    def _order_batches(self, order: Train) -> List[torch.Tensor]:
+        batches = []
+        for pass_index, offset, size in order.slices:
+            indices = self._indices(pass_index, offset, size)
+            batches += list(indices.split(self.config.batch_size))
+        return batches
 
     def _indices(self, pass_index: int, offset: int, size: int) -> torch.Tensor:
         if pass_index not in self._perms:
@@ -170,21 +200,29 @@ class RankWorker:
                                                    self.config.seed, pass_index)}
         return self._perms[pass_index][offset:offset + size] % len(self.source)
 
-    def _train(self, order: Train) -> None:
-        step_ms: List[float] = []
-        loss_sum, samples = 0.0, 0
-        for pass_index, offset, size in order.slices:
-            indices = self._indices(pass_index, offset, size)
-            for batch in self.source.batches(indices, self.config.batch_size):
-                began = time.perf_counter()
-                loss_sum += self.replica.step(batch)
-                self._emulate_slowdown(began)
-                step_ms.append((time.perf_counter() - began) * 1000.0)
-                samples += len(batch[0]) if isinstance(batch, (list, tuple)) else self.config.batch_size
-        self._steps_since_reduce += len(step_ms)
+    def _train_one(self) -> None:
+        job = self.jobs[0]
+        indices = job.batches[job.done]
+        began = time.perf_counter()
+        job.loss_sum += self.replica.step(self.source.gather(indices))
+        self._emulate_slowdown(began)
+        job.step_ms.append((time.perf_counter() - began) * 1000.0)
+        job.done += 1
+        job.samples += len(indices)
+        self._steps_since_reduce += 1
+        if self._sync_pending:
+            self._overshoot_used += 1
+        if job.done == len(job.batches):
+            self.jobs.popleft()
+            self._window_done(job)
+
+    def _window_done(self, job: "_Job") -> None:
+        order = job.order
         self.channel.send(WindowDone(
-            self.env.rank, order.window, order.epoch, len(step_ms), samples, sum(step_ms),
-            _fill_ms(step_ms), loss_sum, self.replica.lr, scalars.drain()))
+            self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
+            _fill_ms(job.step_ms), job.loss_sum, self.replica.lr, scalars.drain()))
+        if self.mode is Mode.cpu_async and not self._sync_pending:
+            self._sync_pending, self._overshoot_used = True, 0
 
     def _emulate_slowdown(self, began: float) -> None:
         """DESIGN §13: sleep (f - 1) x the measured step time so this rank acts f times slower."""
@@ -193,14 +231,84 @@ class RankWorker:
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
 
+    # ---- reduces ---------------------------------------------------------------------------
+
     def _reduce(self, order: SyncNow) -> None:
+        if not self.mode.is_collective:
+            self._send_snapshot(order.round)
+            return
         outcome = weighted_reduce_(self.flat, self._steps_since_reduce, self.config.elche.gamma)
-        if outcome.applied and self.outer.step_(self.flat.buffers) and \
-                self.config.outer.kind is OuterKind.diloco:
-            self.replica.optimizer.state.clear()  # DiLoCo: inner state restarts from the new global
+        if outcome.applied and self.outer.step_(self.flat.buffers):
+            self._after_outer_step()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight))
+
+    def _after_outer_step(self) -> None:
+        if self.config.outer.kind is OuterKind.diloco:
+            self.replica.optimizer.state.clear()  # DiLoCo: inner state restarts from the new global
+
+    def _send_snapshot(self, round_: int, steps: Optional[int] = None) -> None:
+        """Coordinator backend: stage parameters and float buffers on the host and send them."""
+        params = self._staging.stage(self.flat.buffers)
+        frames = [as_frame(p) for p in params] + [as_frame(self.flat.flat_float_buffers())]
+        steps = self._steps_since_reduce if steps is None else steps
+        self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params)), frames)
+        self._steps_since_reduce = 0
+        if self.mode is Mode.cpu_async:
+            self._sync_pending = False  # keep training while the round trip is in flight
+        else:
+            self._awaiting_update = True  # cpu_sync / cpu_cadence: block until the update lands
+
+    def _apply_update(self, update: Update, payloads: List[memoryview]) -> None:
+        """Blend in the coordinator's parameters (1.0 = overwrite), overwrite float buffers."""
+        count = len(update.dtypes)
+        params = from_frames(payloads[:count], update.dtypes)
+        with torch.no_grad():
+            for local, remote in zip(self.flat.buffers, params):
+                local.lerp_(remote.to(local.device, non_blocking=True), update.blend)
+            if update.buffers:
+                self.flat.load_float_buffers_(from_frames(payloads[count:], ["torch.float32"])[0])
+        if update.outer_stepped:
+            self._after_outer_step()
+        self.replica.seek_schedule(update.global_step)
+        self._awaiting_update = False
+        if update.train is not None:
+            self.jobs.append(_Job(update.train, self._order_batches(update.train)))
+
+    # ---- callbacks -------------------------------------------------------------------------
+
+    def _evaluate(self, order: Evaluate, payloads: List[memoryview]) -> None:
+        """Score the consensus (this replica after a reduce) or the parameters sent along."""
+        if self.eval_data is None:
+            score = float("nan")
+        elif order.dtypes:
+            score = self._evaluate_sent(order, payloads)
+        else:
+            score = self.replica.evaluate(self.eval_data)
+        self.channel.send(Evaluated(self.env.rank, order.epoch, score))
+
+    def _evaluate_sent(self, order: Evaluate, payloads: List[memoryview]) -> float:
+        saved = self.flat.clone()
+        with torch.no_grad():
+            for local, remote in zip(self.flat.buffers, from_frames(payloads, order.dtypes)):
+                local.copy_(remote)
+        try:
+            return self.replica.evaluate(self.eval_data)
+        finally:
+            self.flat.copy_(saved)
+
+
+@dataclass
+class _Job:
+    """One Train order being worked through, batch by batch."""
+
+    order: Train
+    batches: List[torch.Tensor]
+    done: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    step_ms: List[float] = field(default_factory=list)
 
 
 def _fill_ms(step_ms: List[float]) -> float:

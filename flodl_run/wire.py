@@ -69,6 +69,17 @@ class Reduced(Message):
     weight: float
 
 
+class SnapshotTaken(Message):
+    """A rank's parameters at a reduce (coordinator backend); frames: one per flat parameter
+    buffer (dtypes in order), then one of flat float buffers."""
+
+    rank: int
+    round: int
+    steps: int
+    """Batches trained since the previous snapshot (the consensus weight's n_k)."""
+    dtypes: List[str]
+
+
 class Evaluated(Message):
     rank: int
     epoch: int
@@ -89,6 +100,8 @@ class Train(Message):
     epoch: int
     slices: List[Tuple[int, int, int]]
     num_batches: int
+    overshoot: int = 0
+    """cpu_async: batches this rank may run past the window before it must wait for SyncNow."""
 
 
 class SyncNow(Message):
@@ -96,16 +109,33 @@ class SyncNow(Message):
     global_step: int
 
 
+class Update(Message):
+    """Adopt the coordinator's result (frames as in SnapshotTaken): blend parameters with
+    weight `blend` (1.0 = overwrite; EASGD alpha in cpu_async), overwrite float buffers when
+    `buffers`, then train `train` if given (the next chunk, folded in)."""
+
+    round: int
+    global_step: int
+    blend: float
+    buffers: bool
+    dtypes: List[str]
+    outer_stepped: bool = False
+    train: Optional[Train] = None
+
+
 class Evaluate(Message):
+    """Score the eval set; with `dtypes`, on the parameters in the frames (the EASGD center)."""
+
     epoch: int
+    dtypes: List[str] = []
 
 
 class Stop(Message):
     reason: str
 
 
-AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, Evaluated, RankFailed,
-                   Train, SyncNow, Evaluate, Stop]
+AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated,
+                   RankFailed, Train, SyncNow, Update, Evaluate, Stop]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

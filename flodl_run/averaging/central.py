@@ -1,0 +1,86 @@
+"""The coordinator backend's consensus on CPU (DESIGN §7.1-§7.4, cpu_* modes).
+
+Owns one round of the central reduce: the work-weighted mean of the ranks' snapshots, the
+float-buffer rule (equal weight among ranks that stepped), the outer step (once, here), the
+divergence of each rank from the consensus, and the EASGD center for cpu_async. Plain torch
+on CPU tensors; receiving snapshots and sending updates are the coordinator's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from flodl_run.averaging.collective import consensus_weight
+from flodl_run.averaging.flat import relative_distance
+from flodl_run.outer import OuterOptimizer
+
+
+@dataclass
+class Snapshot:
+    """One rank's state at a reduce: flat parameters per dtype and its flat float buffers."""
+
+    rank: int
+    steps: int
+    params: List[torch.Tensor]
+    float_buffers: torch.Tensor
+
+
+@dataclass
+class CentralResult:
+    params: List[torch.Tensor]
+    """What ranks adopt: the consensus after the outer step, or the EASGD center."""
+    float_buffers: Optional[torch.Tensor]
+    """New float buffers (None when no rank stepped: keep local ones)."""
+    divergence: float
+    """D = max_k ||theta_k - consensus|| / ||consensus||."""
+    weights: List[float]
+    outer_stepped: bool = False
+    """The outer optimizer moved the parameters (DiLoCo then resets inner optimizer state)."""
+
+
+class CentralAverager:
+    """State that outlives a round: the outer optimizer and the EASGD center."""
+
+    def __init__(self, outer: OuterOptimizer, gamma: float, easgd_alpha: Optional[float]):
+        self.outer = outer
+        self.gamma = gamma
+        self.alpha = easgd_alpha
+        self.center: Optional[List[torch.Tensor]] = None
+
+    def seed_center(self, params: Sequence[torch.Tensor]) -> None:
+        """EASGD: the center starts at the initial parameters."""
+        self.center = [p.clone() for p in params]
+
+    def reduce(self, snapshots: Sequence[Snapshot]) -> Optional[CentralResult]:
+        """One round; None when every weight is 0 (nobody trained)."""
+        weights = [consensus_weight(s.steps, self.gamma) for s in snapshots]
+        total = sum(weights)
+        if total <= 0:
+            return None
+        consensus = [torch.zeros_like(p) for p in snapshots[0].params]
+        for snap, w in zip(snapshots, weights):
+            for acc, p in zip(consensus, snap.params):
+                acc.add_(p, alpha=w / total)
+        divergence = max(relative_distance(s.params, consensus) for s in snapshots)
+        stepped = self.outer.step_(consensus)
+        params = self._easgd(consensus) if self.alpha is not None else consensus
+        return CentralResult(params, _mean_buffers(snapshots), divergence, weights, stepped)
+
+    def _easgd(self, consensus: List[torch.Tensor]) -> List[torch.Tensor]:
+        """center <- (1 - a) * center + a * m_t; replicas then blend toward the new center."""
+        if self.center is None:
+            self.center = [c.clone() for c in consensus]
+            return self.center
+        for center, m in zip(self.center, consensus):
+            center.lerp_(m, self.alpha)
+        return self.center
+
+
+def _mean_buffers(snapshots: Sequence[Snapshot]) -> Optional[torch.Tensor]:
+    movers = [s.float_buffers for s in snapshots if s.steps > 0]
+    if not movers or movers[0].numel() == 0:
+        return None
+    return torch.stack(movers).mean(dim=0)
