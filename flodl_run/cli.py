@@ -26,9 +26,14 @@ def fail_config(message: str, console: Console) -> NoReturn:
     sys.exit(EXIT_CONFIG)
 
 
+class JobFailed(Exception):
+    """A sweep job ended failed: raised (not exited) so Hydra records it and runs the next job."""
+
+
 def run_job(cfg: Any) -> None:
     """The body of one Hydra job (also one job of a multirun sweep)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from flodl_run.launcher import launch
 
@@ -41,16 +46,23 @@ def run_job(cfg: Any) -> None:
     for warning in materialized.warnings:
         err.print(f"[yellow]warning:[/] {warning}", highlight=False)
     (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
-    status = launch(materialized.config, run_dir, Console())
+    try:
+        status = launch(materialized.config, run_dir, Console())
+    except ConfigError as exc:  # what only the hosts can tell (topology hosts): exit 2 as well
+        fail_config(str(exc), err)
     if status == "interrupted":
         sys.exit(EXIT_INTERRUPTED)
     if status not in ("completed",):
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise JobFailed(f"job ended {status}: {run_dir}")
         sys.exit(1)
 
 
 def main() -> None:
     """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
     import hydra
+
+    from flodl_run.sweep import end_active
 
     if os.environ.get("FLODL_RUN_TRACEBACK"):
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
@@ -72,4 +84,8 @@ def main() -> None:
         raise
     except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there
         fail_config(str(exc), Console(stderr=True))
+    finally:
+        # Hydra's on_multirun_end is skipped when a job failed or Ctrl-C stopped the sweep:
+        # the jobs that ran still get their comparison and the parent run its status.
+        end_active()
 

@@ -26,7 +26,7 @@ from flodl_run.scalars import merge, roll_up
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.wire import (
     Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced,
-    SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone,
+    SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone, Received,
 )
 
 POLL_MS = 200
@@ -85,6 +85,15 @@ class _EpochTally:
     def empty(cls, n: int) -> "_EpochTally":
         return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n)
 
+    def add_done(self, done: WindowDone) -> None:
+        """cpu_async: windows straddle epochs, so epochs count WindowDone messages directly."""
+        r = done.rank
+        self.batches[r] += done.batches
+        self.samples[r] += done.samples
+        self.wall_ms[r] += done.wall_ms
+        self.loss_sum[r] += done.loss_sum
+        merge(self.scalars, done.scalars)
+
     def add(self, window: _WindowTally) -> None:
         for r in range(len(self.batches)):
             self.batches[r] += window.batches[r]
@@ -128,6 +137,7 @@ class Coordinator:
         self.averager = CentralAverager(OuterOptimizer(config.outer), config.elche.gamma,
                                         config.elche.easgd_alpha if self.mode is Mode.cpu_async else None)
         self._payloads: List[memoryview] = []
+        self._deferred: List[Received] = []
         self.elche: Optional[ElChe] = None
         self.plan: Optional[Plan] = None
         self._stop = threading.Event()
@@ -196,17 +206,25 @@ class Coordinator:
     def _train_all_epochs(self) -> None:
         total = self.config.num_epochs * self.config.data.epoch_splits
         self.observer.on_start(total, self._epoch_batches(0), self.world_size)
-        for epoch in range(total):
-            tally = self._run_epoch(self._span(epoch))
-            record = self._epoch_record(epoch, tally)
-            self.summary.epochs.append(record)
-            self.observer.on_epoch(record)
+        if self.mode is Mode.cpu_async:
+            from flodl_run.overlap import AsyncLoop
+
+            AsyncLoop(self, total).run()
+        else:
+            for epoch in range(total):
+                self.close_epoch(epoch, self._run_epoch(self._span(epoch)))
         last = self.summary.epochs[-1] if self.summary.epochs else None
         if last is not None and last.eval is None and self.config.recipe is not None:
             last_eval = self._evaluate(total - 1)
             self.summary.final_eval = last_eval
         elif last is not None:
             self.summary.final_eval = last.eval
+
+    def close_epoch(self, epoch: int, tally: "_EpochTally") -> None:
+        """Aggregate a finished epoch (callbacks included) and publish it."""
+        record = self._epoch_record(epoch, tally)
+        self.summary.epochs.append(record)
+        self.observer.on_epoch(record)
 
     # ---- one epoch --------------------------------------------------------------------------
 
@@ -258,27 +276,41 @@ class Coordinator:
 
     def _sync_window(self, span: EpochSpan, cursors: List[int], ends: List[int],
                      window: _WindowTally, epoch_tally: _EpochTally) -> None:
-        batch = self.config.batch_size
-        in_flight: Set[int] = set()
+        in_flight: Dict[int, float] = {}  # rank -> when its batch was sent
 
         def give(rank: int) -> None:
-            piece = (span.pass_index, cursors[rank], min(batch, ends[rank] - cursors[rank]))
+            piece = (span.pass_index, cursors[rank], min(self.config.batch_size, ends[rank] - cursors[rank]))
             cursors[rank] += piece[2]
             self._send_train(rank, span, [piece])
-            in_flight.add(rank)
+            in_flight[rank] = time.perf_counter()
 
         for rank in range(self.world_size):
             if cursors[rank] < ends[rank]:
                 give(rank)
         while in_flight:
             done = self._next(expect=WindowDone)
-            in_flight.discard(done.rank)
+            del in_flight[done.rank]
             window.add(done)
             self._progress(span.epoch, epoch_tally, window, done)
-            gate_open = all(window.batches[r] > 0 or cursors[r] >= ends[r]
-                            for r in range(self.world_size) if r not in in_flight)
-            if not gate_open and cursors[done.rank] < ends[done.rank]:
-                give(done.rank)  # ahead of the others: keep stepping until the gate opens
+            if cursors[done.rank] < ends[done.rank] and self._keeps_stepping(done.rank, window, in_flight):
+                give(done.rank)
+
+    def _keeps_stepping(self, rank: int, window: _WindowTally, in_flight: Dict[int, float]) -> bool:
+        """Sync modes: a rank that moved goes on stepping while a rank that has not moved yet
+        still needs more than half of this rank's step (so a homogeneous rig reduces once per
+        step), unless max_batch_diff caps its lead."""
+        laggards = [r for r in in_flight if window.batches[r] == 0]
+        if not laggards:
+            return False
+        ms = self.elche.smoothed_ms()
+        if ms[rank] is None:
+            return False
+        now = time.perf_counter()
+        remaining = [ms[r] - (now - in_flight[r]) * 1000.0 for r in laggards if ms[r] is not None]
+        if not remaining or max(remaining) <= 0.5 * ms[rank]:
+            return False
+        limit = self.config.elche.max_batch_diff
+        return limit is None or window.batches[rank] < limit + min(window.batches)
 
     def _train_order(self, epoch: int, slices: list, overshoot: int = 0) -> Train:
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
@@ -431,7 +463,11 @@ class Coordinator:
 
     def _evaluate(self, epoch: int) -> Optional[float]:
         rank = self._callback_rank()
-        self._send(rank, Evaluate(epoch))
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        if center is not None:  # under EASGD, eval scores the center, not a replica
+            self._send(rank, Evaluate(epoch, dtype_names(center)), [as_frame(p) for p in center])
+        else:
+            self._send(rank, Evaluate(epoch))
         result = self._next(expect=Evaluated)
         return None if result.score != result.score else result.score  # NaN: no eval set
 
@@ -441,7 +477,14 @@ class Coordinator:
         self.channel.send(message, payloads, identity=self.identities[rank])
 
     def _next(self, expect: type | tuple) -> Message:
-        """The next message of type `expect`; heartbeats and failures are handled on the way."""
+        """The next message of type `expect`; heartbeats and failures are handled on the way.
+        Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async) are
+        kept, in order, for the call that expects them."""
+        for i, waiting in enumerate(self._deferred):
+            if isinstance(waiting.message, expect):
+                del self._deferred[i]
+                self._payloads = waiting.payloads
+                return waiting.message
         while True:
             if self._failure is not None:
                 raise self._failure
@@ -463,7 +506,9 @@ class Coordinator:
             if isinstance(message, expect):
                 self._payloads = received.payloads
                 return message
-            if not isinstance(message, (Heartbeat, RankJoined)):
+            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced)):
+                self._deferred.append(received)
+            elif not isinstance(message, (Heartbeat, RankJoined)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
 
     def _check_heartbeats(self) -> None:

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from rich.console import Console
 
 from flodl_run.config.schema import ExperimentConfig, Topology
+from flodl_run.dashboard import Dashboard
 from flodl_run.devices import GpuInfo, hardware_line, visible_gpus
 from flodl_run.progress import TerminalProgress
+from flodl_run.records import RecordLog
 from flodl_run.summary import Summary, write_summary
 from flodl_run.observe import Observers
 from flodl_run.tracking import make_tracker
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flodl_run.hosts import HostLayout
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class Plan:
     world_size: int
     in_process: bool
     gpus: List[GpuInfo]
+    hosts: Optional["HostLayout"] = None
+    """Ranks per worker host for topology hosts (DESIGN §12)."""
 
 
 def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None) -> Plan:
@@ -40,7 +47,10 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     if cluster.topology is Topology.local_gpus:
         return Plan(len(cluster.devices), False, [])
     if cluster.topology is Topology.hosts:
-        return Plan(0, False, [])
+        from flodl_run.hosts import plan_hosts
+
+        layout = plan_hosts(config)  # asks each host over ssh; ConfigError when one cannot serve
+        return Plan(layout.world_size, False, layout.gpus, layout)
     gpus = visible_gpus() if gpus is None else gpus
     if len(gpus) >= 2:
         return Plan(len(gpus), False, gpus)
@@ -50,11 +60,20 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
 def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
     """Run the job; returns the summary status (completed, interrupted, failed, ...)."""
     plan = plan_topology(config)
-    console.print(hardware_line(plan.gpus, plan.world_size), highlight=False)
+    if plan.hosts is not None:
+        from flodl_run.hosts import hosts_line
+
+        console.print(hosts_line(plan.hosts), highlight=False)
+    else:
+        console.print(hardware_line(plan.gpus, plan.world_size), highlight=False)
     tracker = make_tracker(config)
     tracker.start(config, run_dir)
     progress = TerminalProgress(console)
-    observer = Observers(progress, tracker)
+    # Teardown outputs (record log, dashboard) finish before the tracker, which uploads them.
+    outputs = [o for o in (RecordLog.for_run(config, run_dir), Dashboard.for_run(config, run_dir))
+               if o is not None]
+    observer = Observers(progress, *outputs, tracker)
+    error: Optional[Exception] = None
     try:
         if plan.in_process:
             summary = _train_in_process(config, observer)
@@ -62,11 +81,20 @@ def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
             from flodl_run.supervisor import launch_ranks
 
             summary = launch_ranks(config, plan, run_dir, console, observer)
+    except Exception as exc:  # the recipe raised in this process: still close the run's records
+        error = exc
+        summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",
+                          mode="solo" if plan.in_process else config.elche.mode.value,
+                          outer=config.outer.kind.value, world_size=plan.world_size)
     finally:
         progress.close()
     summary.mlflow_run_id = tracker.run_id
     write_summary(run_dir / "summary.json", summary)
+    for output in outputs:
+        output.finish(summary, run_dir)
     tracker.finish(summary, run_dir)
+    if error is not None:
+        raise error
     _report(summary, run_dir, console)
     return summary.status
 

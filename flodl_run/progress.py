@@ -1,6 +1,8 @@
 """Progress on the launcher's terminal: a live bar on a TTY, plain lines in logs (CI).
 
-An Observer; everything here is presentation.
+An Observer; everything here is presentation. The bar shows epoch, batches, loss, the last
+epoch's samples/s per rank, elapsed time and ETA; every epoch (and sub-epoch report) also
+prints one plain line, which is all a non-terminal (CI log) gets.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from rich.progress import (
 )
 
 from flodl_run.observe import Observer
-from flodl_run.summary import EpochRecord
+from flodl_run.summary import EpochRecord, ReportRecord
 
 
 def _fmt(value: Optional[float], spec: str = ".4f") -> str:
@@ -46,12 +48,14 @@ class TerminalProgress(Observer):
             return
         self._progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(), console=self.console, transient=True,
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rates]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, transient=True,
         )
         self._progress.start()
         self._task = self._progress.add_task(
-            "epoch 1", total=total_epochs * batches_per_epoch, loss="-")
+            "epoch 1", total=total_epochs * batches_per_epoch, loss="-",
+            rates="samples/s -" if world_size > 1 else "")
 
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
         if self._progress is not None:
@@ -69,6 +73,22 @@ class TerminalProgress(Observer):
                 f"eval {_fmt(record.eval)}  {record.epoch_ms:,.0f} ms  samples/s [{rates}]  "
                 f"share [{shares}]  ETA {eta:,.0f}s")
         self.console.print(line, highlight=False, soft_wrap=True)
+        if self._progress is not None:  # the bar shows the last epoch's per-rank rates
+            label = "rank samples/s" if len(record.per_rank_throughput) > 1 else "samples/s"
+            self._progress.update(self._task, rates=f"{label} {rates.replace(' ', ' | ')}")
+
+    def on_report(self, record: ReportRecord) -> None:
+        """Sub-epoch reports get a line of their own (long epochs in CI logs)."""
+        self.console.print(
+            f"epoch {record.epoch + 1}/{self._total_epochs}  report {record.index}  "
+            f"{record.fraction:.0%}  loss {_fmt(record.avg_loss)}  step {record.global_step}",
+            highlight=False, soft_wrap=True)
+
+    def on_event(self, kind: str, message: str) -> None:
+        """Events that change who trains (rank lost, shutdown) are worth a line; the rest go to
+        the record log, the dashboard and MLflow."""
+        if kind.startswith(("rank_", "shutdown")) or kind in ("failed", "interrupted"):
+            self.console.print(f"[yellow]{kind}:[/] {message}", highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

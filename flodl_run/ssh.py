@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import SshConfig
@@ -87,8 +87,12 @@ def _rank_environ(base: Dict[str, str], env: Dict[str, str], run_file: Path) -> 
     return merged
 
 
-def _await_eof(stream: IO[bytes], closed: threading.Event) -> None:
-    while stream.read(4096):
+def _await_eof(fd: int, closed: threading.Event) -> None:
+    # The raw fd, not sys.stdin: a thread parked in a buffered read blocks interpreter exit.
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
         pass
     closed.set()
 
@@ -109,7 +113,7 @@ def _stop(child: subprocess.Popen) -> None:
 def _supervise(child: subprocess.Popen, rank: str) -> int:
     """Wait for the rank; stop it when the session's stdin closes or we are signalled."""
     closed = threading.Event()
-    threading.Thread(target=_await_eof, args=(sys.stdin.buffer, closed), daemon=True).start()
+    threading.Thread(target=_await_eof, args=(sys.stdin.fileno(), closed), daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: closed.set())
     while child.poll() is None:

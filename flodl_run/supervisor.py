@@ -42,6 +42,8 @@ class RankProcess:
     process: subprocess.Popen
     log: TextIO
     forwarder: Optional[threading.Thread] = None
+    host: Optional[str] = None
+    """Worker host of a rank started over ssh (`hosts`); None for a local rank."""
 
 
 def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
@@ -133,16 +135,32 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
                 code = p.process.poll()
                 if code is not None and code != 0 and p.rank not in reported:
                     reported.add(p.rank)
-                    coordinator.report_failure("failed", f"rank {p.rank} exited with code {code}")
+                    coordinator.report_failure("failed", _exit_reason(p, code, procs))
         except KeyboardInterrupt:
             coordinator.request_stop("interrupted by SIGINT")
+
+
+def _exit_reason(proc: RankProcess, code: int, procs: List[RankProcess]) -> str:
+    """`rank 1 exited ...`; for ssh ranks also the host, and whether the whole host is gone."""
+    if proc.host is None:
+        return f"rank {proc.rank} exited with code {code}"
+    mates = [p for p in procs if p.host == proc.host]
+    gone = [p for p in mates if p.process.poll() is not None]
+    how = "ssh connection lost" if code == 255 else f"exit code {code}"
+    if code - 128 in {s.value for s in signal.Signals}:  # how a remote shell says "killed by n"
+        how = f"killed by {signal.Signals(code - 128).name}"
+    if len(gone) == len(mates):
+        ranks = ", ".join(str(p.rank) for p in mates)
+        return f"host {proc.host} lost: rank{'s' if len(mates) > 1 else ''} {ranks} gone ({how})"
+    return f"rank {proc.rank} on host {proc.host} exited ({how})"
 
 
 def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
                  observer: Optional[Observer] = None) -> Summary:
     """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
-    coordinator = Coordinator(config, plan.world_size, secret, observer=observer)
+    coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
+                              observer=observer)
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
                               name="coordinator", daemon=True)
@@ -150,7 +168,11 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     procs: List[RankProcess] = []
     try:
         thread.start()
-        if config.cluster.launch_ranks:
+        if config.cluster.launch_ranks and plan.hosts is not None:
+            from flodl_run.hosts import start_hosts
+
+            procs = start_hosts(config, plan.hosts, coordinator.address, secret, run_dir, console)
+        elif config.cluster.launch_ranks:
             uuids = [g.uuid for g in plan.gpus] if plan.gpus else None
             procs = spawn_ranks(config, plan.world_size, coordinator.address, secret, run_dir,
                                 console, uuids)
@@ -161,6 +183,14 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         signal.signal(signal.SIGTERM, previous)
         stop_ranks(procs)
     return summary_box[0] if summary_box else coordinator.summary
+
+
+def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:
+    """Loopback for ranks on this host (DESIGN §14); cluster.controller when ranks come from
+    other hosts (hosts topology, or controller-only for torchrun/srun)."""
+    if plan.hosts is not None or not config.cluster.launch_ranks:
+        return config.cluster.controller.host, config.cluster.controller.port
+    return "127.0.0.1", 0
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -294,7 +294,8 @@ def _workers(cfg: ExperimentConfig) -> Iterator[Any]:
         key = f"cluster.workers.{i}"
         devices = w.local_devices
         if isinstance(devices, (list, tuple)):
-            if len(set(map(str, devices))) != len(devices):
+            gpus = [str(d) for d in devices if str(d) != "cpu"]  # "cpu" is a slot: repeat it per rank
+            if len(set(gpus)) != len(gpus):
                 yield Problem(f"{key}.local_devices", list(devices), "must not repeat a device")
         elif devices != "all":
             yield Problem(f"{key}.local_devices", devices, "must be a list of devices or 'all'")
@@ -306,7 +307,7 @@ def _workers(cfg: ExperimentConfig) -> Iterator[Any]:
             if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
                 yield Problem(f"{key}.env.{name}", w.env[name], "is reserved for the launcher")
     seen = [(w.host, str(d)) for w in workers if isinstance(w.local_devices, (list, tuple))
-            for d in w.local_devices]
+            for d in w.local_devices if str(d) != "cpu"]
     dupes = sorted({f"{h}:{d}" for h, d in seen if seen.count((h, d)) > 1})
     if dupes:
         yield Problem("cluster.workers", dupes, "must not give one device of a host to two ranks")

@@ -1,0 +1,157 @@
+"""The comparison of a sweep's jobs: one row per job from its summary.json, as a markdown and a
+CSV table, and a PNG of loss and eval against wall time (DESIGN §11.4).
+
+Owns the figures and their layout only; which jobs belong to a sweep and where the files go
+(MLflow parent run, multirun directory) is `sweep`'s business.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from itertools import accumulate
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+COLUMNS = ("job", "overrides", "status", "final_loss", "final_eval", "wall_s", "samples_per_s",
+           "loss_at_epoch_n", "loss_drop_per_s", "wall_per_epoch_s", "mlflow_run_id")
+
+
+@dataclass
+class JobOutcome:
+    """One job of a sweep: what it was asked (overrides) and what it wrote (summary.json)."""
+
+    num: int
+    overrides: List[str]
+    run_dir: Path
+    summary: Dict = field(default_factory=dict)
+    """summary.json as a dict; empty when the job wrote none (it crashed before)."""
+
+    @classmethod
+    def read(cls, num: int, overrides: Sequence[str], run_dir: Path) -> "JobOutcome":
+        path = Path(run_dir) / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            summary = {}
+        return cls(num, list(overrides), Path(run_dir), summary)
+
+    @property
+    def status(self) -> str:
+        return self.summary.get("status", "failed")
+
+    @property
+    def losses(self) -> List[float]:
+        return [e["avg_loss"] for e in self.summary.get("epochs", [])]
+
+    def wall_axis(self) -> List[float]:
+        """Seconds of training at the end of each epoch (cumulative epoch_ms)."""
+        return [ms / 1000.0 for ms in accumulate(e["epoch_ms"] for e in self.summary.get("epochs", []))]
+
+    def evals(self) -> Tuple[List[float], List[float]]:
+        """(wall s, eval) of every evaluated epoch, plus the final eval if it came after them."""
+        xs, ys = [], []
+        for x, epoch in zip(self.wall_axis(), self.summary.get("epochs", [])):
+            if epoch.get("eval") is not None:
+                xs.append(x)
+                ys.append(epoch["eval"])
+        final = self.summary.get("final_eval")
+        wall = self.wall_axis()
+        if final is not None and wall and (not xs or xs[-1] < wall[-1]):
+            xs.append(wall[-1])
+            ys.append(final)
+        return xs, ys
+
+
+def varying(jobs: Sequence[JobOutcome]) -> Tuple[List[List[str]], List[str]]:
+    """Per job, the overrides that differ between jobs; and the ones every job shares."""
+    common = [o for o in jobs[0].overrides if all(o in j.overrides for j in jobs)] if jobs else []
+    return [[o for o in j.overrides if o not in common] for j in jobs], common
+
+
+def common_epochs(jobs: Sequence[JobOutcome]) -> int:
+    """N of "loss at epoch N": the most epochs every job with any epoch completed."""
+    counts = [len(j.losses) for j in jobs if j.losses]
+    return min(counts) if counts else 0
+
+
+def rows(jobs: Sequence[JobOutcome]) -> List[Dict[str, object]]:
+    """One dict per job with the COLUMNS; None where a job has no such figure."""
+    n = common_epochs(jobs)
+    out = []
+    for job, own in zip(jobs, varying(jobs)[0]):
+        s, losses, wall = job.summary, job.losses, job.wall_axis()
+        train_s = wall[-1] if wall else None
+        drop = (losses[0] - losses[-1]) / train_s if len(losses) > 1 and train_s else None
+        out.append({
+            "job": job.num, "overrides": " ".join(own), "status": job.status,
+            "final_loss": losses[-1] if losses else None, "final_eval": s.get("final_eval"),
+            "wall_s": s.get("wall_s"), "samples_per_s": s.get("samples_per_s"),
+            "loss_at_epoch_n": losses[n - 1] if n and len(losses) >= n else None,
+            "loss_drop_per_s": drop,
+            "wall_per_epoch_s": train_s / len(losses) if losses and train_s else None,
+            "mlflow_run_id": s.get("mlflow_run_id"),
+        })
+    return out
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def to_markdown(jobs: Sequence[JobOutcome]) -> str:
+    n = common_epochs(jobs)
+    common = varying(jobs)[1]
+    header = ["job", "overrides", "status", "final loss", "final eval", "wall s", "samples/s",
+              f"loss @ epoch {n}", "loss drop / s", "wall s / epoch", "MLflow run"]
+    lines = [f"# Sweep comparison ({len(jobs)} jobs)", ""]
+    if common:
+        lines += [f"Shared overrides: `{' '.join(common)}`", ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows(jobs):
+        lines.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
+    lines += ["", f"`loss @ epoch {n}`: mean training loss of epoch {n}, the last epoch every job "
+              "finished. `loss drop / s`: (loss of the first epoch - final loss) / training "
+              "wall seconds (sum of epoch_ms); higher is better.", ""]
+    return "\n".join(lines)
+
+
+def to_csv(jobs: Sequence[JobOutcome]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    for row in rows(jobs):
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return buf.getvalue()
+
+
+def plot(jobs: Sequence[JobOutcome], path: Path) -> Optional[Path]:
+    """Loss and eval against training wall time, one line per job; None when nothing to draw."""
+    if not any(j.losses for j in jobs):
+        return None
+    from matplotlib.figure import Figure  # Agg canvas, no pyplot: no global backend, no display
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    loss_ax, eval_ax = fig.subplots(1, 2)
+    for job, own in zip(jobs, varying(jobs)[0]):
+        label = f"#{job.num} {' '.join(own) or 'job'}"
+        if job.losses:
+            loss_ax.plot(job.wall_axis(), job.losses, marker="o", markersize=3, label=label)
+        xs, ys = job.evals()
+        if xs:
+            eval_ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    for ax, name in ((loss_ax, "training loss (epoch mean)"), (eval_ax, "eval")):
+        ax.set_xlabel("training wall time (s)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    loss_ax.set_title("loss vs wall time")
+    eval_ax.set_title("eval vs wall time")
+    loss_ax.legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,129 @@
+"""cpu_async: training overlapped with the reduce round trip (DESIGN §5, §6.8, §7.3).
+
+Owns the event loop of the async mode: each rank gets its next chunk the moment it finishes
+a window (so it may run up to `max_overshoot` batches ahead, across epoch boundaries), a
+reduce starts once every rank reached its count, snapshots are averaged into the EASGD center
+while ranks keep training, and epochs close in ascending order once all their chunks are done.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List, Optional, Set
+
+from flodl_run.averaging.central import Snapshot
+from flodl_run.dispatch import take
+from flodl_run.wire import SnapshotTaken, SyncNow, WindowDone
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flodl_run.coordinator import Coordinator
+
+
+class AsyncLoop:
+    def __init__(self, coord: "Coordinator", total_epochs: int):
+        from flodl_run.coordinator import _EpochTally, _WindowTally
+
+        self.c = coord
+        self.world = coord.world_size
+        self.spans = [coord._span(e) for e in range(total_epochs)]
+        self.cursor = [span.start for span in self.spans]
+        self.outstanding = [0] * total_epochs
+        self.tallies = [_EpochTally.empty(self.world) for _ in range(total_epochs)]
+        self.new_window = lambda: _WindowTally.empty(self.world)
+        self.window = self.new_window()
+        self.window_done: Set[int] = set()
+        # Windows that ranks finish while a round is in flight belong to the next gate.
+        self.next_window = self.new_window()
+        self.next_done: Set[int] = set()
+        self.idle: Set[int] = set()
+        self.dispatch_epoch = 0
+        self.closed = 0
+        self.snapshots: Optional[List[Snapshot]] = None
+        self.round_began = 0.0
+
+    def run(self) -> None:
+        for rank in range(self.world):
+            self._give(rank)
+        while self.closed < len(self.spans):
+            message = self.c._next(expect=(WindowDone, SnapshotTaken))
+            if isinstance(message, WindowDone):
+                self._on_window_done(message)
+            else:
+                self._on_snapshot(message)
+            self._close_epochs()
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def _give(self, rank: int) -> None:
+        """Next chunk for `rank`: its planned count, from the oldest epoch with data left."""
+        while self.dispatch_epoch < len(self.spans) and \
+                self.cursor[self.dispatch_epoch] >= self.spans[self.dispatch_epoch].end:
+            self.dispatch_epoch += 1
+        if self.dispatch_epoch >= len(self.spans):
+            self.idle.add(rank)
+            return
+        epoch = self.dispatch_epoch
+        count = max(1, self.c.plan.batch_counts[rank])
+        piece, self.cursor[epoch] = take(self.cursor[epoch], self.spans[epoch],
+                                         count * self.c.config.batch_size)
+        self.outstanding[epoch] += 1
+        if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
+            self.tallies[epoch].started = time.perf_counter()
+        self.c._send(rank, self.c._train_order(epoch, [piece], self._overshoot(count)))
+
+    def _overshoot(self, count: int) -> int:
+        """Batches past the window a rank may run before SyncNow; below its next count so a
+        window never completes twice per reduce, and within max_batch_diff when set."""
+        budget = self.c.plan.max_overshoot or 0
+        limit = self.c.config.elche.max_batch_diff
+        if limit is not None:
+            budget = min(budget, limit)
+        return max(0, min(budget, count - 1))
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def _on_window_done(self, done: WindowDone) -> None:
+        self.tallies[done.epoch].add_done(done)
+        self.outstanding[done.epoch] -= 1
+        in_flight = self.snapshots is not None
+        (self.next_window if in_flight else self.window).add(done)
+        (self.next_done if in_flight else self.window_done).add(done.rank)
+        self.c._progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
+        self._give(done.rank)
+        self._maybe_start_round()
+
+    def _maybe_start_round(self) -> None:
+        """Reduce once every rank reached its count (ranks without data count as done)."""
+        if self.snapshots is not None or not self.window_done:
+            return
+        if any(r not in self.window_done and r not in self.idle for r in range(self.world)):
+            return
+        self.c._window += 1
+        self.c._round += 1
+        self.round_began = time.perf_counter()
+        for rank in range(self.world):
+            self.c._send(rank, SyncNow(self.c._round, self.c._global_step))
+        self.snapshots = []
+
+    def _on_snapshot(self, taken: SnapshotTaken) -> None:
+        self.snapshots.append(self.c._snapshot(taken))
+        if len(self.snapshots) < self.world:
+            return
+        snapshots = sorted(self.snapshots, key=lambda snap: snap.rank)
+        result = self.c.averager.reduce(snapshots)
+        sync_ms = (time.perf_counter() - self.round_began) * 1000.0
+        self.c._global_step += sum(s.steps for s in snapshots)
+        epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
+        self.c._after_reduce(self.window, epoch, sync_ms, result.divergence if result else 0.0)
+        self.c._send_updates(result, {})
+        self.window, self.window_done = self.next_window, self.next_done
+        self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
+        self._maybe_start_round()
+
+    def _close_epochs(self) -> None:
+        """Close finished epochs in order, only between rounds (their work is in the center)."""
+        while self.closed < len(self.spans) and self.snapshots is None \
+                and self.cursor[self.closed] >= self.spans[self.closed].end \
+                and self.outstanding[self.closed] == 0 and not self.window_done:
+            self.c.close_epoch(self.closed, self.tallies[self.closed])
+            self.closed += 1
