@@ -347,7 +347,7 @@ class Coordinator:
         if self.mode.is_collective:
             divergence = self._collect_reduced()
         else:
-            result = self._central_round()
+            result = self._central_round(window)
             divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
         self._global_step += sum(window.batches)
@@ -381,13 +381,21 @@ class Coordinator:
 
     # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
 
-    def _central_round(self) -> Optional[CentralResult]:
+    def _central_round(self, window: _WindowTally) -> Optional[CentralResult]:
         """Collect every rank's snapshot and average them here, on CPU."""
         snapshots: List[Snapshot] = []
         while len(snapshots) < self.world_size:
             snapshots.append(self._snapshot(self._next(expect=SnapshotTaken)))
+            self.check_snapshot(snapshots[-1], window.batches[snapshots[-1].rank], allowance=0)
         snapshots.sort(key=lambda snap: snap.rank)
         return self.averager.reduce(snapshots)
+
+    def check_snapshot(self, snap: Snapshot, window_batches: int, allowance: int) -> None:
+        """A rank may not train past its window plus `allowance` before a reduce: cpu_sync and
+        cpu_cadence block (allowance 0); cpu_async has its overshoot budget."""
+        if snap.steps > window_batches + allowance:
+            raise RunAborted("failed", f"rank {snap.rank} round {self._round}: {snap.steps} steps "
+                                       f"since the last reduce, budget {window_batches} + {allowance}")
 
     def _snapshot(self, taken: SnapshotTaken) -> Snapshot:
         count = len(taken.dtypes)

@@ -39,6 +39,7 @@ class AsyncLoop:
         self.dispatch_epoch = 0
         self.closed = 0
         self.snapshots: Optional[List[Snapshot]] = None
+        self.overshoot = [0] * self.world  # budget of each rank's latest chunk
         self.round_began = 0.0
 
     def run(self) -> None:
@@ -69,7 +70,8 @@ class AsyncLoop:
         self.outstanding[epoch] += 1
         if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
             self.tallies[epoch].started = time.perf_counter()
-        self.c._send(rank, self.c._train_order(epoch, [piece], self._overshoot(count)))
+        self.overshoot[rank] = self._overshoot(count)
+        self.c._send(rank, self.c._train_order(epoch, [piece], self.overshoot[rank]))
 
     def _overshoot(self, count: int) -> int:
         """Batches past the window a rank may run before SyncNow; below its next count so a
@@ -106,7 +108,9 @@ class AsyncLoop:
         self.snapshots = []
 
     def _on_snapshot(self, taken: SnapshotTaken) -> None:
-        self.snapshots.append(self.c._snapshot(taken))
+        snap = self.c._snapshot(taken)
+        self.c.check_snapshot(snap, self.window.batches[snap.rank], self.overshoot[snap.rank])
+        self.snapshots.append(snap)
         if len(self.snapshots) < self.world:
             return
         snapshots = sorted(self.snapshots, key=lambda snap: snap.rank)

@@ -6,15 +6,19 @@ Faults and speeds are data: each fake rank reports `ms_per_batch` of compute per
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from typing import List
 
+import pytest
+import torch
 import zmq
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.wire import (
-    Channel, Evaluate, Evaluated, RankJoined, Reduced, Stop, SyncNow, Train, WindowDone, new_secret,
+    Channel, Evaluate, Evaluated, RankJoined, Reduced, SnapshotTaken, Stop, SyncNow, Train, Update,
+    WindowDone, new_secret,
 )
 
 NUM_SAMPLES = 640
@@ -22,31 +26,58 @@ NUM_SAMPLES = 640
 
 class FakeRank(threading.Thread):
     def __init__(self, rank: int, world: int, address: str, secret: bytes, ms_per_batch: float,
-                 batch_size: int):
+                 batch_size: int, mode: str):
         super().__init__(daemon=True)
         self.rank, self.world, self.address, self.secret = rank, world, address, secret
         self.ms_per_batch, self.batch_size = ms_per_batch, batch_size
         self.slices: List[tuple] = []
         self.orders: List[str] = []
+        self.steps = 0
+        self.mode = mode
+        self.sync_pending = False
+        self.held: List[Train] = []
 
     def run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(self.address)
         ch = Channel(sock, self.secret)
         ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
+        if self.mode == "cpu_async" and self.rank == 0:
+            self._snapshot(ch, 0)  # the EASGD center's starting point
         while True:
             order = ch.recv(timeout_ms=10_000).message
             self.orders.append(type(order).__name__)
             if isinstance(order, Stop):
                 break
-            ch.send(self._answer(order))
+            if isinstance(order, SyncNow) and self.mode.startswith("cpu_"):
+                self._snapshot(ch, order.round)
+                self.sync_pending = False
+                for held in self.held:  # chunks that waited for the reduce
+                    ch.send(self._answer(held))
+                self.held = []
+            elif isinstance(order, Train) and self.sync_pending:
+                self.held.append(order)  # stay within the overshoot budget: run it after the reduce
+            elif isinstance(order, Update):
+                if order.train is not None:
+                    ch.send(self._answer(order.train))
+            else:
+                ch.send(self._answer(order))
         sock.close()
+
+    def _snapshot(self, ch, round_):
+        params = torch.full((4,), float(self.rank))
+        ch.send(SnapshotTaken(self.rank, round_, self.steps, ["torch.float32"]),
+                [memoryview(params.numpy()).cast("B"), b""])
+        self.steps = 0
 
     def _answer(self, order):
         if isinstance(order, Train):
+            self.steps += order.num_batches
+            self.sync_pending = self.mode == "cpu_async"
             self.slices.extend(order.slices)
             samples = sum(s[2] for s in order.slices)
             n = order.num_batches
+            time.sleep(n * self.ms_per_batch / 1000.0)  # the compute the report claims (not a sync)
             return WindowDone(self.rank, order.window, order.epoch, n, samples,
                               n * self.ms_per_batch, 0.0, 1.0 * n, 0.1)
         if isinstance(order, SyncNow):
@@ -60,7 +91,7 @@ def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8):
     config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=batch_size)
     secret = new_secret()
     coord = Coordinator(config, len(ms), secret)
-    ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size) for r, m in enumerate(ms)]
+    ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
     for r in ranks:
         r.start()
     summary = coord.run()
@@ -78,10 +109,11 @@ def _positions(ranks, epochs):
     return seen
 
 
-def test_cadence_covers_every_sample_once_and_favours_the_fast_rank():
-    """Pins progressive dispatch: each sample of each epoch trained exactly once, and a rank
-    2.5x faster ends with the larger batch share."""
-    summary, ranks = _run("nccl_cadence", [4.0, 10.0], epochs=3)
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
+def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode):
+    """Pins progressive dispatch: each sample of each epoch trained exactly once (async too,
+    across epoch boundaries), and a rank 2.5x faster ends with the larger batch share."""
+    summary, ranks = _run(mode, [4.0, 10.0], epochs=3)
     assert summary.status == "completed", summary.message
     seen = _positions(ranks, 3)
     assert set(seen.values()) == {1}
@@ -89,9 +121,10 @@ def test_cadence_covers_every_sample_once_and_favours_the_fast_rank():
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
-def test_sync_on_a_homogeneous_rig_reduces_once_per_step():
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
+def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce."""
-    summary, ranks = _run("nccl_sync", [5.0, 5.0], epochs=1)
+    summary, ranks = _run(mode, [5.0, 5.0], epochs=1)
     assert summary.status == "completed", summary.message
     per_rank_batches = NUM_SAMPLES // 2 // 8
     assert summary.syncs == per_rank_batches
