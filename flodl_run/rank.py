@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zmq
 
 from flodl_run import scalars
+from flodl_run.averaging.central import blend_
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
@@ -264,9 +265,8 @@ class RankWorker:
         """Blend in the coordinator's parameters (1.0 = overwrite), overwrite float buffers."""
         count = len(update.dtypes)
         params = from_frames(payloads[:count], update.dtypes)
+        blend_(self.flat.buffers, params, update.blend)
         with torch.no_grad():
-            for local, remote in zip(self.flat.buffers, params):
-                local.lerp_(remote.to(local.device, non_blocking=True), update.blend)
             if update.buffers:
                 self.flat.load_float_buffers_(from_frames(payloads[count:], ["torch.float32"])[0])
         if update.outer_stepped:

@@ -114,15 +114,18 @@ def _supervise(child: subprocess.Popen, rank: str) -> int:
     """Wait for the rank; stop it when the session's stdin closes or we are signalled."""
     closed = threading.Event()
     threading.Thread(target=_await_eof, args=(sys.stdin.fileno(), closed), daemon=True).start()
+    threading.Thread(target=_stop_when, args=(closed, child, rank), daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: closed.set())
-    while child.poll() is None:
-        if closed.wait(0.2):
-            print(f"rank {rank}: ssh session closed; stopping the rank", file=sys.stderr, flush=True)
-            _stop(child)
-            break
-    code = child.wait()
+    code = child.wait()  # returns as soon as the rank ends, however it ends
     return 128 - code if code < 0 else code  # killed by signal n -> 128 + n, as a shell reports
+
+
+def _stop_when(closed: threading.Event, child: subprocess.Popen, rank: str) -> None:
+    closed.wait()
+    if child.poll() is None:
+        print(f"rank {rank}: ssh session closed; stopping the rank", file=sys.stderr, flush=True)
+        _stop(child)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -144,15 +144,35 @@ def _exit_reason(proc: RankProcess, code: int, procs: List[RankProcess]) -> str:
     """`rank 1 exited ...`; for ssh ranks also the host, and whether the whole host is gone."""
     if proc.host is None:
         return f"rank {proc.rank} exited with code {code}"
-    mates = [p for p in procs if p.host == proc.host]
-    gone = [p for p in mates if p.process.poll() is not None]
     how = "ssh connection lost" if code == 255 else f"exit code {code}"
     if code - 128 in {s.value for s in signal.Signals}:  # how a remote shell says "killed by n"
         how = f"killed by {signal.Signals(code - 128).name}"
-    if len(gone) == len(mates):
+    mates = [p for p in procs if p.host == proc.host]
+    if all(_died(p) for p in mates):
         ranks = ", ".join(str(p.rank) for p in mates)
         return f"host {proc.host} lost: rank{'s' if len(mates) > 1 else ''} {ranks} gone ({how})"
     return f"rank {proc.rank} on host {proc.host} exited ({how})"
+
+
+def _died(proc: RankProcess) -> bool:
+    """An ssh rank ended from outside: its connection dropped (255) or a signal killed it.
+
+    Our own teardown never causes these codes: it kills the local ssh client (a negative code).
+    """
+    code = proc.process.poll()
+    return proc.host is not None and code is not None and (
+        code == 255 or code - 128 in {s.value for s in signal.Signals})
+
+
+def _name_the_cause(summary: Summary, procs: List[RankProcess]) -> None:
+    """Put a lost host first in a failed run's message: survivors' collectives break when it
+    goes, and one of their errors may have reached the coordinator before the exit was seen."""
+    dead = [p for p in procs if _died(p)]
+    if summary.status != "failed" or not dead:
+        return
+    cause = _exit_reason(dead[0], dead[0].process.returncode, procs)
+    if cause not in (summary.message or ""):
+        summary.message = f"{cause} (then: {summary.message})"
 
 
 def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
@@ -182,7 +202,9 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_ranks(procs)
-    return summary_box[0] if summary_box else coordinator.summary
+    summary = summary_box[0] if summary_box else coordinator.summary
+    _name_the_cause(summary, procs)
+    return summary
 
 
 def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:

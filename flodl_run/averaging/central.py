@@ -79,6 +79,13 @@ class CentralAverager:
         return self.center
 
 
+def blend_(local: Sequence[torch.Tensor], remote: Sequence[torch.Tensor], alpha: float) -> None:
+    """Rank side: local <- (1 - alpha) * local + alpha * remote (alpha 1.0 = overwrite)."""
+    with torch.no_grad():
+        for mine, theirs in zip(local, remote):
+            mine.lerp_(theirs.to(mine.device, non_blocking=True), alpha)
+
+
 def _mean_buffers(snapshots: Sequence[Snapshot]) -> Optional[torch.Tensor]:
     movers = [s.float_buffers for s in snapshots if s.steps > 0]
     if not movers or movers[0].numel() == 0:

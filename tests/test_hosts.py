@@ -1,0 +1,218 @@
+"""Multi-host pieces without a network: ssh command lines, the stdin handshake, device
+resolution against a host inventory, the rank layout and each remote rank's environment,
+and the probe's readiness verdict. (Real sshd runs: tests/test_multi_host.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flodl_run.config.materialize import ConfigError
+from flodl_run.config.schema import (
+    ClusterConfig, ControllerConfig, ExperimentConfig, Mode, SshConfig, Topology, WorkerConfig,
+)
+from flodl_run.config.validate import validate
+from flodl_run.devices import GpuInfo
+from flodl_run.hosts import hosts_line, plan_hosts, rank_environment
+from flodl_run.probe import HostReport, host_problems, resolve_devices, skew_flags
+from flodl_run.ssh import decode_handshake, encode_handshake, remote_command, ssh_argv
+
+GPUS = [[0, "GPU-aaaa-0", "NVIDIA H200", 141 * 2**30], [1, "GPU-bbbb-1", "NVIDIA A100", 80 * 2**30]]
+
+
+def facts(gpus=(), **more) -> dict:
+    base = {"python": "3.11.7", "flodl_run": "0.1.0", "path": "/srv/x", "cpu_count": 8,
+            "free_port": 29511, "gpus": list(gpus)}
+    base.update(more)
+    return base
+
+
+def config(*workers: WorkerConfig, mode: Mode = Mode.nccl_cadence, **cluster) -> ExperimentConfig:
+    cfg = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=list(workers),
+                                                 **cluster))
+    cfg.elche.mode = mode
+    return cfg
+
+
+def fake_ask(by_host: dict):
+    """An inventory that answers from a table (host -> facts, or an error string)."""
+    def ask(worker, path, full):
+        answer = by_host[worker.host]
+        if isinstance(answer, str):
+            return HostReport(worker.host, answer)
+        return HostReport(worker.host, None, answer)
+    return ask
+
+
+# ---- ssh command line and handshake ---------------------------------------------------------
+
+
+def test_ssh_argv_puts_user_options_first_and_never_prompts():
+    """Pins the option order (ssh keeps the first value, so the worker's own options win) and
+    BatchMode, no tty, the port/user/key flags and `--` before the host."""
+    ssh = SshConfig(user="ml", port=2222, identity_file="~/.ssh/k", options=["ConnectTimeout=3"])
+    argv = ssh_argv("node-b", ssh, "cd /x && exec python3 -m flodl_run.ssh")
+    assert argv[:2] == ["ssh", "-T"]
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert opts.index("ConnectTimeout=3") < opts.index("ConnectTimeout=10")
+    assert "BatchMode=yes" in opts and "IdentitiesOnly=yes" in opts
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-l") + 1] == "ml"
+    assert not argv[argv.index("-i") + 1].startswith("~")
+    assert argv[-3:] == ["--", "node-b", "cd /x && exec python3 -m flodl_run.ssh"]
+    assert "-p" not in ssh_argv("h", SshConfig(), "true")  # port 22: leave ~/.ssh/config's Port
+
+
+def test_remote_command_quotes_every_word_and_expands_home():
+    """Pins quoting for paths with spaces and the remote `~` expansion."""
+    assert remote_command("/srv/my proj", "python3", ["-m", "flodl_run.ssh"]) == \
+        "cd '/srv/my proj' && exec python3 -m flodl_run.ssh"
+    assert remote_command("~/flodl run", "py", []).startswith("cd ~/'flodl run' && exec py")
+
+
+def test_handshake_round_trips_and_refuses_another_version():
+    """Pins the stdin handshake (env with the secret + run.yaml) and the version check that names
+    a launcher/host flodl_run mismatch."""
+    line = encode_handshake({"RANK": "2", "FLODL_RUN_SECRET": "ab" * 32}, "seed: 0\n")
+    assert line.endswith("\n") and line.count("\n") == 1
+    env, text = decode_handshake(line.encode())
+    assert env["FLODL_RUN_SECRET"] == "ab" * 32 and text == "seed: 0\n"
+    with pytest.raises(ValueError, match="no handshake"):
+        decode_handshake(b"")
+    with pytest.raises(ValueError, match="differs between the launcher"):
+        decode_handshake(json.dumps({"version": 99, "env": {}, "run_yaml": ""}).encode())
+
+
+# ---- devices and readiness ------------------------------------------------------------------
+
+
+def test_all_never_makes_cpu_ranks_and_lists_resolve_to_uuids():
+    """Pins the `all` decision (GPUs only; CPU ranks only from an explicit list) and that
+    indices/UUID prefixes become full UUIDs for CUDA_VISIBLE_DEVICES."""
+    gpus = [GpuInfo(*g) for g in GPUS]
+    assert resolve_devices("all", gpus) == (["GPU-aaaa-0", "GPU-bbbb-1"], [])
+    devices, errors = resolve_devices("all", [])
+    assert devices == [] and "[cpu, cpu]" in errors[0]
+    assert resolve_devices([1, "GPU-aaaa", "cpu", "cpu"], gpus) == \
+        (["GPU-bbbb-1", "GPU-aaaa-0", "cpu", "cpu"], [])
+    _, errors = resolve_devices([2, "GPU-zz", "tpu"], gpus)
+    assert len(errors) == 3 and "has 2 GPUs" in errors[0]
+
+
+def test_host_problems_name_missing_pieces():
+    """Pins the not-ready reasons: unreachable, old Python, no flodl_run, no torch."""
+    assert host_problems(HostReport("a", "ssh failed: refused")) == ["ssh failed: refused"]
+    broken = HostReport("b", None, facts(python="3.8.10", flodl_run=None,
+                                         flodl_run_error="ModuleNotFoundError"))
+    problems = host_problems(broken, full=True)
+    assert any("3.8.10" in p for p in problems)
+    assert any("flodl_run does not import" in p for p in problems)
+    assert any("torch does not import" in p for p in problems)
+    assert host_problems(HostReport("c", None, facts(torch="2.11")), [0, "cpu"], full=True) \
+        == ["GPU index 0 does not exist (the host has 0 GPUs)"]
+
+
+def test_skew_flags_torch_and_nccl_across_hosts():
+    """Pins the version-skew flags (a warning, not a failure) with the hosts on each side."""
+    reports = [HostReport("a", None, facts(torch="2.11.0", nccl="2.27.5")),
+               HostReport("b", None, facts(torch="2.11.0", nccl="2.26.2")),
+               HostReport("c", None, facts(torch="2.10.0", nccl="2.27.5"))]
+    flags = skew_flags(reports)
+    assert any(f.startswith("torch version skew") and "2.10.0 on c" in f for f in flags)
+    assert any(f.startswith("nccl version skew") and "2.26.2 on b" in f for f in flags)
+    assert skew_flags(reports[:1]) == []
+
+
+# ---- layout -------------------------------------------------------------------------------
+
+
+def test_ranks_follow_worker_order_and_all_probes_the_host():
+    """Pins global ranks in worker order, `all` = the probed GPUs, MASTER_ADDR = rank 0's host
+    when cluster.master_addr is loopback, and MASTER_PORT from that host's free port."""
+    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[1], nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="10.0.0.2", local_devices="all", nccl_socket_ifname="eth0"),
+                 controller=ControllerConfig(host="10.0.0.1", port=29400))
+    layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+    assert [w.ranks for w in layout.workers] == [[0], [1, 2]]
+    assert layout.workers[0].devices == ["GPU-bbbb-1"]
+    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.1", 29511)
+    assert hosts_line(layout) == ("ddp: 3 ranks on 2 hosts | 10.0.0.1: A100 (80 GB) | "
+                                  "10.0.0.2: H200 (141 GB), A100 (80 GB)")
+
+
+def test_layout_problems_are_config_errors_naming_the_worker():
+    """Pins the exit-2 errors only the hosts can tell, all reported together: an unreachable
+    host, `all` on a host without GPUs."""
+    cfg = config(WorkerConfig(host="10.0.0.1", local_devices="all", nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="10.0.0.2", local_devices=["cpu"], nccl_socket_ifname="eth0"),
+                 controller=ControllerConfig(host="10.0.0.9"))
+    ask = fake_ask({"10.0.0.1": facts(), "10.0.0.2": "ssh failed: Connection refused"})
+    with pytest.raises(ConfigError) as info:
+        plan_hosts(cfg, ask=ask)
+    text = str(info.value)
+    assert "cluster.workers.0.local_devices" in text and "no NVIDIA GPU" in text
+    assert "cluster.workers.1.host" in text and "Connection refused" in text
+
+
+@pytest.mark.parametrize("case, changes, key", [
+    ("mixed backends", dict(devices=([0], ["cpu"])), "cluster.workers"),
+    ("loopback controller", dict(controller=ControllerConfig(host="127.0.0.1")),
+     "cluster.controller.host"),
+    ("ratios per rank", dict(ratios=[1.0]), "elche.partition_ratios"),
+])
+def test_layout_refuses_what_needs_the_world(case, changes, key):
+    """Pins the rules checked once the layout is known: one collective backend, a controller
+    the workers can reach, and world-size rules (partition_ratios) with the probed size."""
+    devices = changes.get("devices", (["cpu"], ["cpu"]))
+    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=devices[0], nccl_socket_ifname="e"),
+                 WorkerConfig(host="10.0.0.2", local_devices=devices[1], nccl_socket_ifname="e"),
+                 controller=changes.get("controller", ControllerConfig(host="10.0.0.1")))
+    cfg.elche.partition_ratios = changes.get("ratios")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+
+
+def test_controller_only_takes_lists_as_given_and_refuses_all():
+    """Pins controller-only hosts layouts: nothing is asked over ssh, `all` cannot be resolved."""
+    def never(*_):
+        raise AssertionError("controller-only must not ssh")
+    cfg = config(WorkerConfig(host="a", local_devices=[0, 1], nccl_socket_ifname="e"),
+                 WorkerConfig(host="b", local_devices=[0], nccl_socket_ifname="e"),
+                 controller=ControllerConfig(host="10.0.0.1"), master_addr="10.0.0.5",
+                 launch_ranks=False)
+    assert plan_hosts(cfg, ask=never).world_size == 3
+    cfg.cluster.workers[1].local_devices = "all"
+    with pytest.raises(ConfigError, match=r"cluster\.workers\.1\.local_devices"):
+        plan_hosts(cfg, ask=never)
+
+
+def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
+    """Pins what a remote rank is given: RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_*,
+    the coordinator, NCCL/Gloo interface, the worker's env block, threads per CPU rank; the
+    secret is not part of it (it is added to the stdin handshake only)."""
+    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[0], nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="10.0.0.2", local_devices=["cpu", "cpu"], nccl_socket_ifname="ib0",
+                              env={"LD_PRELOAD": "/opt/nccl.so"}),
+                 controller=ControllerConfig(host="10.0.0.1"), mode=Mode.cpu_cadence)
+    layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts()}))
+    env = rank_environment(cfg, layout, layout.workers[1], 1, "tcp://10.0.0.1:29400")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "2", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
+    assert env["FLODL_RUN_COORD"] == "tcp://10.0.0.1:29400"
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert env["LD_PRELOAD"] == "/opt/nccl.so" and env["FLODL_RUN_DEVICE"] == "cpu"
+    assert env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 CPU ranks
+    assert "FLODL_RUN_SECRET" not in env
+    gpu = rank_environment(cfg, layout, layout.workers[0], 0, "tcp://x:1")
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa-0" and gpu["FLODL_RUN_DEVICE"] == "cuda:0"
+
+
+def test_cpu_slots_may_repeat_in_local_devices():
+    """Pins that [cpu, cpu] (two CPU ranks on one host) passes validation while a GPU repeated
+    still fails."""
+    ok = config(WorkerConfig(host="a", local_devices=["cpu", "cpu"]))
+    assert validate(ok).ok and validate(ok).problems == []
+    bad = config(WorkerConfig(host="a", local_devices=[0, 0, "cpu", "cpu"]))
+    assert "cluster.workers.0.local_devices" in [p.key for p in validate(bad).problems]

@@ -1,0 +1,44 @@
+"""Launcher terminal progress: a live bar with per-rank rates on a TTY, plain lines otherwise."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from flodl_run.progress import TerminalProgress
+from flodl_run.summary import EpochRecord, ReportRecord
+
+
+def _drive(console: Console) -> TerminalProgress:
+    progress = TerminalProgress(console)
+    progress.on_start(2, 10, 2)
+    progress.on_batch(0, 5, 1.25)
+    progress.on_report(ReportRecord(0, 1, 0.5, 5, 1.25))
+    progress.on_epoch(EpochRecord(0, 1.0, 0.8, 120.0, [41000.0, 16500.0], [0.7, 0.3]))
+    progress.on_event("phase", "probe -> warmup")
+    progress.on_event("rank_lost", "rank 1 exited")
+    return progress
+
+
+def test_plain_lines_without_a_terminal():
+    """Pins CI output: no bar or control codes, one line per epoch with per-rank samples/s and
+    ETA, one per sub-epoch report, and rank-loss events (not routine ElChe events)."""
+    out = io.StringIO()
+    _drive(Console(file=out, force_terminal=False, width=200)).close()
+    lines = out.getvalue().splitlines()
+    assert "\x1b" not in out.getvalue()
+    assert lines[0].startswith("epoch 1/2  report 1  50%  loss 1.2500")
+    assert lines[1].startswith("epoch 1/2  loss 1.0000  eval 0.8000") and "[41,000 16,500]" in lines[1]
+    assert "ETA" in lines[1]
+    assert lines[2:] == ["rank_lost: rank 1 exited"]
+
+
+def test_live_bar_shows_per_rank_throughput():
+    """Pins the live bar: after an epoch it carries each rank's samples/s next to the loss."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    progress = _drive(console)
+    progress._progress.refresh()
+    progress.close()
+    assert "rank samples/s 41,000 | 16,500" in out.getvalue()
