@@ -216,3 +216,38 @@ def test_cpu_slots_may_repeat_in_local_devices():
     assert validate(ok).ok and validate(ok).problems == []
     bad = config(WorkerConfig(host="a", local_devices=[0, 0, "cpu", "cpu"]))
     assert "cluster.workers.0.local_devices" in [p.key for p in validate(bad).problems]
+
+
+# ---- the remote entry's orphan guard --------------------------------------------------------
+
+
+def test_remote_entry_stops_its_rank_when_the_session_stdin_closes():
+    """Pins the orphan cleanup on a worker: when the ssh session's stdin closes (launcher killed,
+    teardown, network loss) the entry SIGTERMs its rank's process group and reports 128 + 15."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import subprocess, sys\n"
+              "from flodl_run.ssh import _supervise\n"
+              "child = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+              "print(child.pid, flush=True)\n"
+              "sys.exit(_supervise(child, '7'))\n")
+    entry = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = int(entry.stdout.readline())
+    entry.stdin.close()
+    assert entry.wait(timeout=10) == 128 + 15
+    assert "rank 7: ssh session closed; stopping the rank" in entry.stderr.read()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return ") Z " not in stat.read()
+    except OSError:
+        return False
