@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 MAX_PARAMS_PER_BATCH = 100   # MLflow's log_batch limit on params
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit on metrics
 MAX_PARAM_CHARS = 250        # keep values short: long lists belong in run.yaml
+MAX_TAG_CHARS = 5000         # below every MLflow version's tag value limit
 STATUS = {"completed": "FINISHED", "interrupted": "KILLED", "failed": "FAILED",
           "shutdown_with_save": "FAILED"}
 # Events that end a run or shrink it; the last one is also a tag (the rest: events.jsonl).
@@ -246,7 +247,11 @@ class MlflowTracker(NullTracker):
             self.on_event(summary.status, summary.message or summary.status)
         self._guarded("flushing reduce metrics", self._flush)
         self._guarded("logging the run's outcome", lambda: self._log_outcome(summary, run_dir))
-        self.client.set_terminated(self.run_id, STATUS.get(summary.status, "FAILED"))
+        try:  # even after an error above: the status is what the run list shows
+            self.client.set_terminated(self.run_id, STATUS.get(summary.status, "FAILED"))
+        except Exception as exc:
+            log.warning("mlflow: could not end run %s (%s: %s); summary.json has the outcome",
+                        self.run_id, type(exc).__name__, exc)
 
     def _log_outcome(self, summary: Summary, run_dir: Path) -> None:
         from mlflow.entities import RunTag
@@ -255,7 +260,7 @@ class MlflowTracker(NullTracker):
                 "status": summary.status}
         stops = [e for e in self._events if e["kind"] in STOP_EVENT_KINDS]
         if stops:
-            tags["last_event"] = f"{stops[-1]['kind']}: {stops[-1]['message']}"[:MAX_PARAM_CHARS * 20]
+            tags["last_event"] = f"{stops[-1]['kind']}: {stops[-1]['message']}"[:MAX_TAG_CHARS]
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         if self._events:
             self.client.log_text(self.run_id, "".join(json.dumps(e) + "\n" for e in self._events),
