@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from flodl_run.averaging.collective import consensus_weight
-from flodl_run.averaging.flat import relative_distance
+from flodl_run.averaging.flat import relative_distance, squared_norm
 from flodl_run.outer import OuterOptimizer
 
 
@@ -60,11 +60,12 @@ class CentralAverager:
         total = sum(weights)
         if total <= 0:
             return None
-        consensus = [torch.zeros_like(p) for p in snapshots[0].params]
-        for snap, w in zip(snapshots, weights):
+        consensus = [torch.mul(p, weights[0] / total) for p in snapshots[0].params]
+        for snap, w in zip(snapshots[1:], weights[1:]):
             for acc, p in zip(consensus, snap.params):
                 acc.add_(p, alpha=w / total)
-        divergence = max(relative_distance(s.params, consensus) for s in snapshots)
+        norm_sq = squared_norm(consensus)
+        divergence = max(relative_distance(s.params, consensus, norm_sq) for s in snapshots)
         stepped = self.outer.step_(consensus)
         params = self._easgd(consensus) if self.alpha is not None else consensus
         return CentralResult(params, _mean_buffers(snapshots), divergence, weights, stepped)

@@ -8,7 +8,7 @@ DESIGN §7.2 (float buffers ride the reduce, integer buffers stay local); not th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -62,10 +62,34 @@ class FlatParams:
             offset += n
 
 
-def relative_distance(before: List[torch.Tensor], after: List[torch.Tensor]) -> float:
-    """||before - after|| / ||after|| over all buffers (global L2); 0 when ||after|| ~ 0."""
-    diff_sq = sum(float(torch.sum((b.double() - a.double()) ** 2)) for b, a in zip(before, after))
-    norm_sq = sum(float(torch.sum(a.double() ** 2)) for a in after)
+_CHUNK = 1 << 18  # 256K elements: float32 dot products this short stay accurate to ~1e-6,
+                  # and their sum is accumulated in a Python float (double)
+
+
+@torch.no_grad()
+def _sum_squares(tensors: List[torch.Tensor], minus: Optional[List[torch.Tensor]] = None) -> float:
+    total = 0.0
+    for i, t in enumerate(tensors):
+        flat = t.reshape(-1)
+        other = None if minus is None else minus[i].reshape(-1)
+        scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=flat.dtype, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            piece = flat[start:start + _CHUNK]
+            if other is not None:
+                piece = torch.sub(piece, other[start:start + _CHUNK], out=scratch[:piece.numel()])
+            total += float(torch.dot(piece.float(), piece.float()))
+    return total
+
+
+def relative_distance(before: List[torch.Tensor], after: List[torch.Tensor],
+                      after_norm_sq: Optional[float] = None) -> float:
+    """||before - after|| / ||after|| over all buffers (global L2, float64 accumulation);
+    0 when ||after|| ~ 0. Pass `after_norm_sq` to reuse ||after||^2 across several `before`."""
+    norm_sq = _sum_squares(after) if after_norm_sq is None else after_norm_sq
     if norm_sq <= 1e-24:
         return 0.0
-    return (diff_sq / norm_sq) ** 0.5
+    return (_sum_squares(before, minus=after) / norm_sq) ** 0.5
+
+
+def squared_norm(tensors: List[torch.Tensor]) -> float:
+    return _sum_squares(tensors)
