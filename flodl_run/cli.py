@@ -48,7 +48,7 @@ def run_job(cfg: Any) -> None:
     (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
     try:
         status = launch(materialized.config, run_dir, Console())
-    except ConfigError as exc:  # what only the hosts can tell (topology hosts): exit 2 as well
+    except ConfigError as exc:  # what only the hardware or the hosts can tell: exit 2 as well
         fail_config(str(exc), err)
     if status == "interrupted":
         sys.exit(EXIT_INTERRUPTED)

@@ -84,3 +84,17 @@ def hardware_line(gpus: List[GpuInfo], ranks: int) -> str:
     kinds = {(g.name, g.memory_bytes) for g in gpus}
     shape = "heterogeneous" if len(kinds) > 1 else "homogeneous"
     return f"ddp: {len(gpus)} GPUs ({shape}) | " + " | ".join(g.label for g in gpus)
+
+
+def pick_gpus(tokens: List[str]) -> List[GpuInfo]:
+    """The visible GPUs named by `tokens` (indices in visible order, or UUID prefixes), in order;
+    a GPU may be named twice (ranks sharing a device). Raises LookupError naming a missing one."""
+    gpus = visible_gpus()
+    picked = []
+    for token in tokens:
+        found = select_visible(gpus, str(token))
+        if not found:
+            names = ", ".join(f"{g.index}:{g.uuid}" for g in gpus) or "none"
+            raise LookupError(f"no visible GPU {token!r} (visible: {names})")
+        picked.append(found[0])
+    return picked

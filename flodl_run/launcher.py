@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, List, Optional
 
 from rich.console import Console
 
+from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig, Topology
+from flodl_run.config.validate import Problem
 from flodl_run.dashboard import Dashboard
-from flodl_run.devices import GpuInfo, hardware_line, visible_gpus
+from flodl_run.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.progress import TerminalProgress
 from flodl_run.records import RecordLog
 from flodl_run.summary import Summary, write_summary
@@ -45,7 +47,11 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     if cluster.topology is Topology.cpu:
         return Plan(cluster.num_ranks or 1, False, [])
     if cluster.topology is Topology.local_gpus:
-        return Plan(len(cluster.devices), False, [])
+        try:
+            picked = pick_gpus(list(cluster.devices)) if gpus is None else gpus
+        except LookupError as exc:
+            raise ConfigError([Problem("cluster.devices", list(cluster.devices), str(exc))]) from None
+        return Plan(len(picked), False, picked)
     if cluster.topology is Topology.hosts:
         from flodl_run.hosts import plan_hosts
 

@@ -271,8 +271,10 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     if c.topology is Topology.local_gpus:
         if not c.devices:
             yield Problem("cluster.devices", [], "must list at least one device with topology local_gpus")
-        if len(set(c.devices)) != len(c.devices):
-            yield Problem("cluster.devices", list(c.devices), "must not repeat a device")
+        if len(set(c.devices)) != len(c.devices) and cfg.elche.mode.is_collective:
+            yield Problem("cluster.devices", list(c.devices),
+                          "must not repeat a device in collective modes (NCCL needs one GPU per "
+                          "rank); cpu_* modes may share one")
     if c.emulate_slowdown is not None:
         if any(f < 1.0 for f in c.emulate_slowdown):
             yield Problem("cluster.emulate_slowdown", list(c.emulate_slowdown), "every factor must be >= 1.0")
