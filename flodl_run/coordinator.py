@@ -147,6 +147,8 @@ class Coordinator:
         self._round = 0
         self._global_step = 0
         self._sync_ms: List[float] = []
+        self._compute_ms = [0.0] * world_size
+        self._train_started: Optional[float] = None
 
     # ---- thread-safe controls ---------------------------------------------------------------
 
@@ -206,6 +208,7 @@ class Coordinator:
     def _train_all_epochs(self) -> None:
         total = self.config.num_epochs * self.config.data.epoch_splits
         self.observer.on_start(total, self._epoch_batches(0), self.world_size)
+        self._train_started = time.perf_counter()
         if self.mode is Mode.cpu_async:
             from flodl_run.overlap import AsyncLoop
 
@@ -222,6 +225,8 @@ class Coordinator:
 
     def close_epoch(self, epoch: int, tally: "_EpochTally") -> None:
         """Aggregate a finished epoch (callbacks included) and publish it."""
+        for rank, ms in enumerate(tally.wall_ms):
+            self._compute_ms[rank] += ms
         record = self._epoch_record(epoch, tally)
         self.summary.epochs.append(record)
         self.observer.on_epoch(record)
@@ -538,6 +543,9 @@ class Coordinator:
         if self.plan is not None:
             self.summary.phase = self.plan.phase.name.lower()
         self.summary.samples_per_s = self._samples_per_s()
+        if self._train_started is not None:
+            train_ms = (time.perf_counter() - self._train_started) * 1000.0
+            self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self._compute_ms]
 
     def _samples_per_s(self) -> float:
         """Samples trained per second of epoch time (eval callbacks included, startup not)."""

@@ -74,6 +74,8 @@ class Summary:
     samples_per_s: float = 0.0
     syncs: int = 0
     avg_sync_ms: float = 0.0
+    idle_fraction: List[float] = field(default_factory=list)
+    """Per rank: share of the training wall time it spent not computing (waiting, reducing)."""
     anchor_trajectory: List[int] = field(default_factory=list)
     phase: Optional[str] = None
     dead_ranks: List[int] = field(default_factory=list)
