@@ -83,7 +83,9 @@ def _rank_environ(base: Dict[str, str], env: Dict[str, str], run_file: Path) -> 
     merged.update(env)
     merged["FLODL_RUN_FILE"] = str(run_file)
     merged["FLODL_RUN_PARENT_PID"] = str(os.getpid())  # the rank's own orphan check watches us
-    merged["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), base.get("PYTHONPATH")) if p)
+    # The project path first (recipes import as on the launcher), then the worker's env block's
+    # PYTHONPATH, or the login shell's when the block sets none.
+    merged["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), merged.get("PYTHONPATH")) if p)
     return merged
 
 

@@ -218,7 +218,24 @@ def test_cpu_slots_may_repeat_in_local_devices():
     assert "cluster.workers.0.local_devices" in [p.key for p in validate(bad).problems]
 
 
-# ---- the remote entry's orphan guard --------------------------------------------------------
+# ---- the remote entry ----------------------------------------------------------------------
+
+
+def test_remote_rank_environ_keeps_the_env_blocks_pythonpath_after_the_project(tmp_path, monkeypatch):
+    """Pins the environment the remote entry gives its rank: the handshake over the login env,
+    the project path first on PYTHONPATH then the worker env block's (e.g. extra site dirs), the
+    run file it wrote, and itself as the parent the rank's orphan check watches."""
+    import os
+
+    from flodl_run.ssh import _rank_environ
+
+    monkeypatch.chdir(tmp_path)
+    env = _rank_environ({"PYTHONPATH": "/login", "HOME": "/root"},
+                        {"PYTHONPATH": "/opt/site", "RANK": "2"}, tmp_path / "run.yaml")
+    assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path), "/opt/site"])
+    assert env["HOME"] == "/root" and env["RANK"] == "2"
+    assert env["FLODL_RUN_FILE"] == str(tmp_path / "run.yaml")
+    assert env["FLODL_RUN_PARENT_PID"] == str(os.getpid())
 
 
 def test_remote_entry_stops_its_rank_when_the_session_stdin_closes():
