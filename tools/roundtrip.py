@@ -11,6 +11,7 @@ The floor is one memcpy of the bytes that must move (two snapshots in, two updat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -47,14 +48,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=int, default=10_000_000)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--ipc", action="store_true", help="unix socket instead of TCP loopback")
     args = parser.parse_args()
     torch.set_num_threads(1)
     secret = new_secret()
     sock = zmq.Context().socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    if args.ipc:
+        address = f"ipc:///tmp/flodl-rt-{os.getpid()}"
+        sock.bind(address)
+    else:
+        address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     ch = Channel(sock, secret)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, f"tcp://127.0.0.1:{port}", secret, args.params, args.rounds))
+    procs = [ctx.Process(target=_rank, args=(r, address, secret, args.params, args.rounds))
              for r in range(2)]
     for p in procs:
         p.start()
