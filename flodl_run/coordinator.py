@@ -7,6 +7,7 @@ runs the eval callback. It never touches a device; ranks do the training and the
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -15,21 +16,26 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import zmq
 
+from flodl_run import checkpoint
 from flodl_run.averaging.central import CentralAverager, CentralResult, Snapshot
 from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
+from flodl_run.checkpoint import BundleMeta, Coverage, load_tensors, read_meta, save_meta, save_tensors
+from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig, Mode
-from flodl_run.outer import OuterOptimizer
+from flodl_run.dispatch import EpochPool, EpochSpan, epoch_span, equal_split, window_samples
 from flodl_run.elche import ElChe, Plan, ReduceReport
-from flodl_run.dispatch import EpochSpan, epoch_span, equal_split, take, window_samples
 from flodl_run.observe import Observer
+from flodl_run.outer import OuterOptimizer
 from flodl_run.scalars import merge, roll_up
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.wire import (
-    Channel, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined, Reduced,
+    Channel, CheckpointSaved, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined,
+    Reduced, SaveCheckpoint,
     SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone, Received,
 )
 
 POLL_MS = 200
+STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
 
 
@@ -103,13 +109,6 @@ class _EpochTally:
         merge(self.scalars, window.scalars)
 
 
-@dataclass
-class _Cursor:
-    """Position of the next undispatched sample in an epoch's span."""
-
-    at: int
-
-
 class Coordinator:
     """Runs on a thread of the launcher; `run()` returns the Summary of the whole run."""
 
@@ -142,18 +141,24 @@ class Coordinator:
         self.plan: Optional[Plan] = None
         self._stop = threading.Event()
         self._stop_reason = ""
+        self._stop_deadline = float("inf")
         self._failure: Optional[RunAborted] = None
         self._window = 0
         self._round = 0
         self._global_step = 0
         self._sync_ms: List[float] = []
         self._compute_ms = [0.0] * world_size
+        self._start_epoch = 0
+        self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
 
     # ---- thread-safe controls ---------------------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Ask the loop to stop at the next message (SIGINT)."""
+        """Stop at the next reduce boundary and save (SIGINT/SIGTERM); a second request, or no
+        boundary within STOP_GRACE_S, stops at once without saving."""
+        now = time.monotonic()
+        self._stop_deadline = now if self._stop.is_set() else now + STOP_GRACE_S
         self._stop_reason = reason
         self._stop.set()
 
@@ -195,6 +200,8 @@ class Coordinator:
         self.num_samples = sizes.pop()
         self.summary.devices = [self.joined[r].device_name for r in range(self.world_size)]
         self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0))
+        if self.config.resume_from:
+            self._restore(self.config.resume_from)
         self.plan = self.elche.plan()
 
     def _epoch_batches(self, epoch: int) -> int:
@@ -212,92 +219,164 @@ class Coordinator:
         if self.mode is Mode.cpu_async:
             from flodl_run.overlap import AsyncLoop
 
-            AsyncLoop(self, total).run()
+            AsyncLoop(self, total, self._start_epoch).run()
         else:
-            for epoch in range(total):
-                self.close_epoch(epoch, self._run_epoch(self._span(epoch)))
+            for epoch in range(self._start_epoch, total):
+                self.close_epoch(epoch, self._run_epoch(epoch, self._epoch_pool(epoch)))
         last = self.summary.epochs[-1] if self.summary.epochs else None
         if last is not None and last.eval is None and self.config.recipe is not None:
             last_eval = self._evaluate(total - 1)
             self.summary.final_eval = last_eval
         elif last is not None:
             self.summary.final_eval = last.eval
+        self.save_bundle("checkpoint", total, [])
+
+    def _epoch_pool(self, epoch: int) -> EpochPool:
+        """The whole epoch, or only what a resumed mid-epoch bundle left uncovered."""
+        span = self._span(epoch)
+        if epoch == self._start_epoch and self._resume_uncovered:
+            return EpochPool(span.pass_index, [(s, e) for _, s, e in self._resume_uncovered])
+        return EpochPool.whole(span)
 
     def close_epoch(self, epoch: int, tally: "_EpochTally") -> None:
-        """Aggregate a finished epoch (callbacks included) and publish it."""
+        """Aggregate a finished epoch (callbacks included), publish it, and checkpoint_every."""
         for rank, ms in enumerate(tally.wall_ms):
             self._compute_ms[rank] += ms
         record = self._epoch_record(epoch, tally)
         self.summary.epochs.append(record)
         self.observer.on_epoch(record)
+        every = self.config.checkpoint_every
+        total = self.config.num_epochs * self.config.data.epoch_splits
+        if every and (epoch + 1) % every == 0 and epoch + 1 < total:
+            self.save_bundle("checkpoint", epoch + 1, [])
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
+        """The callback rank writes model and optimizer, the coordinator the rest (DESIGN §10).
+        `epoch` is where a resume starts; `uncovered` what of it the weights do not include."""
+        stem = self.config.save_path
+        if not stem:
+            return None
+        writer = self._callback_rank()
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        for rank in range(self.world_size):
+            if rank != writer:  # the others keep their own optimizer state (momentum differs)
+                self._send(rank, SaveCheckpoint(stem, write_model=False))
+        if center is not None:  # under EASGD the model of record is the center
+            self._send(writer, SaveCheckpoint(stem, dtype_names(center)), [as_frame(p) for p in center])
+        else:
+            self._send(writer, SaveCheckpoint(stem))
+        for _ in range(self.world_size):
+            saved = self._next(expect=CheckpointSaved)
+            if saved.error:
+                raise RunAborted("failed", f"rank {saved.rank} could not save {stem}: {saved.error}")
+        if not self.mode.is_collective and self.averager.outer.active or center is not None:
+            state = dict(self.averager.outer.state_dict(), center=center)
+            save_tensors(checkpoint.paths(stem)["outer"], state)
+        save_meta(stem, self._bundle_meta(reason, epoch, uncovered))
+        self.summary.checkpoint = stem
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        return stem
+
+    def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]]) -> BundleMeta:
+        data = self.config.data
+        coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
+                            [list(u) for u in uncovered])
+        return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, self._global_step, self._round,
+                          self.world_size, reason, self.elche.export_state(), coverage,
+                          json.loads(json.dumps(dotted_items(self.config), default=str)))
+
+    def _restore(self, stem: str) -> None:
+        """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
+        meta = read_meta(stem)
+        self.elche = ElChe.from_state(self.config.elche, meta.elche_state, world_size=self.world_size,
+                                      epoch_batches=self._epoch_batches(0))
+        self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
+        self._global_step, self._round = meta.global_step, meta.sync_round
+        outer_file = checkpoint.paths(stem)["outer"]
+        if not self.mode.is_collective and outer_file.is_file():
+            state = load_tensors(outer_file)
+            self.averager.outer.load_state_dict(state)
+            if state.get("center") is not None:
+                self.averager.center = state["center"]
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
+                                         f"({meta.elche_state.get('phase')}, step {meta.global_step})")
+
+    def _graceful_stop(self, epoch: int, uncovered: List[List[int]]) -> None:
+        """SIGINT/SIGTERM at a reduce boundary: save what the consensus holds, then stop."""
+        stem = self.save_bundle("graceful_shutdown", epoch, uncovered)
+        raise RunAborted("interrupted", f"{self._stop_reason}; saved {stem}" if stem else self._stop_reason)
 
     # ---- one epoch --------------------------------------------------------------------------
 
-    def _run_epoch(self, span: EpochSpan) -> _EpochTally:
+    def _run_epoch(self, epoch: int, pool: EpochPool) -> _EpochTally:
         epoch_tally = _EpochTally.empty(self.world_size)
         if self.mode.is_sync:
-            self._run_sync_epoch(span, epoch_tally)
+            self._run_sync_epoch(epoch, pool, epoch_tally)
         else:
-            self._run_cadence_epoch(span, epoch_tally)
+            self._run_cadence_epoch(epoch, pool, epoch_tally)
         return epoch_tally
 
-    def _run_cadence_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
+    def _run_cadence_epoch(self, epoch: int, pool: EpochPool, epoch_tally: _EpochTally) -> None:
         """Progressive dispatch: each window hands every rank its planned count of batches; the
         next window's orders ride on the reduce (folded into the update on the coordinator
         backend)."""
-        cursor = _Cursor(span.start)
 
         def plan_window() -> Dict[int, Train]:
-            sizes = window_samples(span.end - cursor.at, self.plan.batch_counts, self.config.batch_size)
+            sizes = window_samples(pool.remaining, self.plan.batch_counts, self.config.batch_size)
             trains = {}
             for rank, size in enumerate(sizes):
-                piece, cursor.at = take(cursor.at, span, size)
-                if piece is not None:
-                    trains[rank] = self._train_order(span.epoch, [piece])
+                slices = pool.take(size)
+                if slices:
+                    trains[rank] = self._train_order(epoch, slices)
             return trains
 
         trains = plan_window()
         for rank, order in trains.items():
             self._send(rank, order)
+        reduces = 0
         while trains:
             window = _WindowTally.empty(self.world_size)
-            self._collect_windows(set(trains), window, span.epoch, epoch_tally)
-            trains = self._reduce(window, epoch_tally, span.epoch,
-                                  plan_window if cursor.at < span.end else None)
+            self._collect_windows(set(trains), window, epoch, epoch_tally)
+            trains = self._reduce(window, epoch_tally, epoch,
+                                  plan_window if pool.remaining and not self._stop.is_set() else None)
+            reduces += 1
+            in_flight = [s for order in trains.values() for s in order.slices]
+            if self._stop.is_set():
+                self._graceful_stop(epoch, pool.uncovered())
+            if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
+                self.save_bundle("checkpoint", epoch, pool.uncovered() + [list(s) for s in in_flight])
 
-    def _run_sync_epoch(self, span: EpochSpan, epoch_tally: _EpochTally) -> None:
+    def _run_sync_epoch(self, epoch: int, pool: EpochPool, epoch_tally: _EpochTally) -> None:
         """Equal split; a reduce fires once every rank with data has stepped since the last one,
         and ranks that are ahead keep stepping meanwhile (sync is not lockstep)."""
-        shares = equal_split(span.size, self.world_size, self.config.elche.partition_ratios)
-        cursors, ends, start = [], [], span.start
-        for share in shares:
-            cursors.append(start)
-            ends.append(start + share)
-            start += share
-        while any(c < e for c, e in zip(cursors, ends)):
+        shares = equal_split(pool.remaining, self.world_size, self.config.elche.partition_ratios)
+        parts = pool.split(shares)
+        while any(part.remaining for part in parts):
             window = _WindowTally.empty(self.world_size)
-            self._sync_window(span, cursors, ends, window, epoch_tally)
-            self._reduce(window, epoch_tally, span.epoch)
+            self._sync_window(epoch, parts, window, epoch_tally)
+            self._reduce(window, epoch_tally, epoch)
+            if self._stop.is_set():
+                self._graceful_stop(epoch, [r for part in parts for r in part.uncovered()])
 
-    def _sync_window(self, span: EpochSpan, cursors: List[int], ends: List[int],
-                     window: _WindowTally, epoch_tally: _EpochTally) -> None:
+    def _sync_window(self, epoch: int, parts: List[EpochPool], window: _WindowTally,
+                     epoch_tally: _EpochTally) -> None:
         in_flight: Dict[int, float] = {}  # rank -> when its batch was sent
 
         def give(rank: int) -> None:
-            piece = (span.pass_index, cursors[rank], min(self.config.batch_size, ends[rank] - cursors[rank]))
-            cursors[rank] += piece[2]
-            self._send_train(rank, span, [piece])
+            self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size)))
             in_flight[rank] = time.perf_counter()
 
         for rank in range(self.world_size):
-            if cursors[rank] < ends[rank]:
+            if parts[rank].remaining:
                 give(rank)
         while in_flight:
             done = self._next(expect=WindowDone)
             del in_flight[done.rank]
             window.add(done)
-            self._progress(span.epoch, epoch_tally, window, done)
-            if cursors[done.rank] < ends[done.rank] and self._keeps_stepping(done.rank, window, in_flight):
+            self._progress(epoch, epoch_tally, window, done)
+            if parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
                 give(done.rank)
 
     def _keeps_stepping(self, rank: int, window: _WindowTally, in_flight: Dict[int, float]) -> bool:
@@ -320,9 +399,6 @@ class Coordinator:
     def _train_order(self, epoch: int, slices: list, overshoot: int = 0) -> Train:
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
         return Train(self._window, epoch, slices, batches, overshoot)
-
-    def _send_train(self, rank: int, span: EpochSpan, slices: list) -> None:
-        self._send(rank, self._train_order(span.epoch, slices))
 
     def _collect_windows(self, waiting: Set[int], window: _WindowTally, epoch: int,
                          epoch_tally: _EpochTally) -> None:
@@ -501,8 +577,9 @@ class Coordinator:
         while True:
             if self._failure is not None:
                 raise self._failure
-            if self._stop.is_set():
-                raise RunAborted("interrupted", self._stop_reason or "stopped")
+            if self._stop.is_set() and time.monotonic() > self._stop_deadline:
+                raise RunAborted("interrupted", f"{self._stop_reason or 'stopped'} (no reduce "
+                                                f"boundary within {STOP_GRACE_S:.0f}s: not saved)")
             received = self.channel.recv(timeout_ms=POLL_MS)
             if received is None:
                 self._check_heartbeats()
@@ -519,7 +596,7 @@ class Coordinator:
             if isinstance(message, expect):
                 self._payloads = received.payloads
                 return message
-            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced)):
+            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, CheckpointSaved)):
                 self._deferred.append(received)
             elif not isinstance(message, (Heartbeat, RankJoined)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")

@@ -85,3 +85,49 @@ def take(span_cursor: int, span: EpochSpan, size: int) -> Tuple[Optional[SliceT]
 
 def slice_batches(size: int, batch_size: int) -> int:
     return -(-size // batch_size)
+
+
+class EpochPool:
+    """The positions of one epoch not yet handed out, as (start, end) ranges of one pass.
+
+    Work handed to a rank that died comes back with `give_back` and is handed out first, so
+    nothing is skipped; `uncovered()` is what a mid-epoch checkpoint records.
+    """
+
+    def __init__(self, pass_index: int, ranges: Sequence[Tuple[int, int]]):
+        self.pass_index = pass_index
+        self.ranges: List[List[int]] = [[s, e] for s, e in ranges if e > s]
+
+    @classmethod
+    def whole(cls, span: EpochSpan) -> "EpochPool":
+        return cls(span.pass_index, [(span.start, span.end)])
+
+    @property
+    def remaining(self) -> int:
+        return sum(e - s for s, e in self.ranges)
+
+    def take(self, size: int) -> List[SliceT]:
+        """Up to `size` positions from the front, as slices (several if ranges are split)."""
+        out: List[SliceT] = []
+        while size > 0 and self.ranges:
+            start, end = self.ranges[0]
+            n = min(size, end - start)
+            out.append((self.pass_index, start, n))
+            size -= n
+            if start + n >= end:
+                self.ranges.pop(0)
+            else:
+                self.ranges[0][0] = start + n
+        return out
+
+    def give_back(self, slices: Sequence[SliceT]) -> None:
+        """Return slices (of a dead rank) to the front of the pool."""
+        self.ranges[:0] = [[off, off + n] for p, off, n in slices if p == self.pass_index and n > 0]
+
+    def split(self, sizes: Sequence[int]) -> List["EpochPool"]:
+        """Consecutive sub-pools of the given sizes (sync modes' per-rank partitions)."""
+        return [EpochPool(self.pass_index, [(off, off + n) for _, off, n in self.take(size)])
+                for size in sizes]
+
+    def uncovered(self) -> List[List[int]]:
+        return [[self.pass_index, s, e] for s, e in self.ranges]

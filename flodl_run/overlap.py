@@ -9,10 +9,10 @@ while ranks keep training, and epochs close in ascending order once all their ch
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, List, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 from flodl_run.averaging.central import Snapshot
-from flodl_run.dispatch import take
+from flodl_run.dispatch import EpochPool
 from flodl_run.wire import SnapshotTaken, SyncNow, WindowDone
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -20,14 +20,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class AsyncLoop:
-    def __init__(self, coord: "Coordinator", total_epochs: int):
+    def __init__(self, coord: "Coordinator", total_epochs: int, start_epoch: int = 0):
         from flodl_run.coordinator import _EpochTally, _WindowTally
 
         self.c = coord
         self.world = coord.world_size
         self.spans = [coord._span(e) for e in range(total_epochs)]
-        self.cursor = [span.start for span in self.spans]
+        self.pools = [coord._epoch_pool(e) if e >= start_epoch else EpochPool(0, [])
+                      for e in range(total_epochs)]
         self.outstanding = [0] * total_epochs
+        self.in_hand: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}  # (epoch, slices)
         self.tallies = [_EpochTally.empty(self.world) for _ in range(total_epochs)]
         self.new_window = lambda: _WindowTally.empty(self.world)
         self.window = self.new_window()
@@ -36,10 +38,11 @@ class AsyncLoop:
         self.next_window = self.new_window()
         self.next_done: Set[int] = set()
         self.idle: Set[int] = set()
-        self.dispatch_epoch = 0
-        self.closed = 0
+        self.dispatch_epoch = start_epoch
+        self.closed = start_epoch
         self.snapshots: Optional[List[Snapshot]] = None
         self.overshoot = [0] * self.world  # budget of each rank's latest chunk
+        self.rounds_started = 0
         self.round_began = 0.0
 
     def run(self) -> None:
@@ -57,21 +60,20 @@ class AsyncLoop:
 
     def _give(self, rank: int) -> None:
         """Next chunk for `rank`: its planned count, from the oldest epoch with data left."""
-        while self.dispatch_epoch < len(self.spans) and \
-                self.cursor[self.dispatch_epoch] >= self.spans[self.dispatch_epoch].end:
+        while self.dispatch_epoch < len(self.spans) and not self.pools[self.dispatch_epoch].remaining:
             self.dispatch_epoch += 1
-        if self.dispatch_epoch >= len(self.spans):
+        if self.dispatch_epoch >= len(self.spans) or self.c._stop.is_set():
             self.idle.add(rank)
             return
         epoch = self.dispatch_epoch
         count = max(1, self.c.plan.batch_counts[rank])
-        piece, self.cursor[epoch] = take(self.cursor[epoch], self.spans[epoch],
-                                         count * self.c.config.batch_size)
+        slices = self.pools[epoch].take(count * self.c.config.batch_size)
         self.outstanding[epoch] += 1
+        self.in_hand[rank].append((epoch, slices))
         if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
             self.tallies[epoch].started = time.perf_counter()
         self.overshoot[rank] = self._overshoot(count)
-        self.c._send(rank, self.c._train_order(epoch, [piece], self.overshoot[rank]))
+        self.c._send(rank, self.c._train_order(epoch, slices, self.overshoot[rank]))
 
     def _overshoot(self, count: int) -> int:
         """Batches past the window a rank may run before SyncNow; below its next count so a
@@ -87,9 +89,12 @@ class AsyncLoop:
     def _on_window_done(self, done: WindowDone) -> None:
         self.tallies[done.epoch].add_done(done)
         self.outstanding[done.epoch] -= 1
-        in_flight = self.snapshots is not None
-        (self.next_window if in_flight else self.window).add(done)
-        (self.next_done if in_flight else self.window_done).add(done.rank)
+        self.in_hand[done.rank].pop(0)
+        # A window the rank finished before it handled the in-flight SyncNow went into that
+        # round's snapshot; one finished after belongs to the next gate.
+        later = self.snapshots is not None and done.reduces_seen >= self.rounds_started
+        (self.next_window if later else self.window).add(done)
+        (self.next_done if later else self.window_done).add(done.rank)
         self.c._progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
         self._give(done.rank)
         self._maybe_start_round()
@@ -102,6 +107,7 @@ class AsyncLoop:
             return
         self.c._window += 1
         self.c._round += 1
+        self.rounds_started += 1
         self.round_began = time.perf_counter()
         for rank in range(self.world):
             self.c._send(rank, SyncNow(self.c._round, self.c._global_step))
@@ -122,12 +128,20 @@ class AsyncLoop:
         self.c._send_updates(result, {})
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
+        if self.c._stop.is_set():
+            self.c._graceful_stop(self.closed, self._uncovered(self.closed))
         self._maybe_start_round()
+
+    def _uncovered(self, epoch: int) -> List[List[int]]:
+        """What of `epoch` the center does not include yet: undispatched and in-hand work."""
+        held = [list(s) for chunks in self.in_hand.values() for e, slices in chunks if e == epoch
+                for s in slices]
+        return self.pools[epoch].uncovered() + held
 
     def _close_epochs(self) -> None:
         """Close finished epochs in order, only between rounds (their work is in the center)."""
         while self.closed < len(self.spans) and self.snapshots is None \
-                and self.cursor[self.closed] >= self.spans[self.closed].end \
+                and not self.pools[self.closed].remaining \
                 and self.outstanding[self.closed] == 0 and not self.window_done:
             self.c.close_epoch(self.closed, self.tallies[self.closed])
             self.closed += 1

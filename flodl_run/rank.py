@@ -8,6 +8,7 @@ told, reduces when told, and reports facts; it decides nothing about cadence.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -17,13 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 import zmq
 
-from flodl_run import scalars
+from flodl_run import checkpoint, scalars
 from flodl_run.averaging.central import blend_
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
@@ -35,8 +36,8 @@ from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
-    Channel, Evaluate, Evaluated, Heartbeat, RankFailed, RankJoined, Reduced, SnapshotTaken, Stop,
-    SyncNow, Train, Update, WindowDone,
+    Channel, CheckpointSaved, Evaluate, Evaluated, Heartbeat, RankFailed, RankJoined, Reduced,
+    SaveCheckpoint, SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone,
 )
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -120,7 +121,10 @@ class RankWorker:
         self._awaiting_update = False
         self._sync_pending = False  # cpu_async: window done, SyncNow not yet received
         self._overshoot_used = 0
+        self._reduces_seen = 0
         self._staging = HostStaging(self.flat.buffers)
+        if config.resume_from:
+            self._resume(config.resume_from)
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -179,6 +183,8 @@ class RankWorker:
             self._apply_update(order, payloads)
         elif isinstance(order, Evaluate):
             self._evaluate(order, payloads)
+        elif isinstance(order, SaveCheckpoint):
+            self._save(order, payloads)
 
     # ---- training --------------------------------------------------------------------------
 
@@ -221,7 +227,8 @@ class RankWorker:
         order = job.order
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
-            _fill_ms(job.step_ms), job.loss_sum, self.replica.lr, scalars.drain()))
+            _fill_ms(job.step_ms), job.loss_sum, self.replica.lr, scalars.drain(),
+            reduces_seen=self._reduces_seen))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
 
@@ -235,6 +242,7 @@ class RankWorker:
     # ---- reduces ---------------------------------------------------------------------------
 
     def _reduce(self, order: SyncNow) -> None:
+        self._reduces_seen += 1
         if not self.mode.is_collective:
             self._send_snapshot(order.round)
             return
@@ -289,14 +297,51 @@ class RankWorker:
         self.channel.send(Evaluated(self.env.rank, order.epoch, score))
 
     def _evaluate_sent(self, order: Evaluate, payloads: List[memoryview]) -> float:
+        with self._parameters(payloads, order.dtypes):
+            return self.replica.evaluate(self.eval_data)
+
+    @contextlib.contextmanager
+    def _parameters(self, payloads: List[memoryview], dtypes: List[str]) -> Iterator[None]:
+        """Temporarily swap in parameters sent along (the EASGD center), then restore ours."""
+        if not dtypes:
+            yield
+            return
         saved = self.flat.clone()
         with torch.no_grad():
-            for local, remote in zip(self.flat.buffers, from_frames(payloads, order.dtypes)):
+            for local, remote in zip(self.flat.buffers, from_frames(payloads, dtypes)):
                 local.copy_(remote)
         try:
-            return self.replica.evaluate(self.eval_data)
+            yield
         finally:
             self.flat.copy_(saved)
+
+    def _save(self, order: SaveCheckpoint, payloads: List[memoryview]) -> None:
+        """Model (or the center sent along) and optimizer; the outer state in collective modes."""
+        files = checkpoint.paths(order.stem)
+        error = ""
+        try:
+            optim = _cpu(self.replica.optimizer.state_dict())
+            checkpoint.save_tensors(checkpoint.rank_optim_path(order.stem, self.env.rank), optim)
+            if order.write_model:
+                with self._parameters(payloads, order.dtypes):
+                    checkpoint.save_tensors(files["model"], _cpu(self.replica.model.state_dict()))
+                checkpoint.save_tensors(files["optim"], optim)
+                if self.mode.is_collective and self.outer.active and self.outer.prev is not None:
+                    checkpoint.save_tensors(files["outer"], _cpu(self.outer.state_dict()))
+        except Exception as exc:  # a full disk must not kill the rank: the coordinator decides
+            error = f"{type(exc).__name__}: {exc}"
+        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error))
+
+    def _resume(self, stem: str) -> None:
+        """Load a bundle's model, optimizer and (collective) outer state before training."""
+        files = checkpoint.paths(stem)
+        self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
+        own = checkpoint.rank_optim_path(stem, self.env.rank)
+        self.replica.optimizer.load_state_dict(checkpoint.load_tensors(own if own.is_file() else files["optim"]))
+        if self.mode.is_collective and self.outer.active and files["outer"].is_file():
+            state = checkpoint.load_tensors(files["outer"])
+            self.outer.load_state_dict({k: [t.to(self.device) for t in v] for k, v in state.items()
+                                        if v is not None})
 
 
 @dataclass
@@ -309,6 +354,17 @@ class _Job:
     samples: int = 0
     loss_sum: float = 0.0
     step_ms: List[float] = field(default_factory=list)
+
+
+def _cpu(state: Any) -> Any:
+    """A state dict with every tensor on the CPU (bundles load anywhere)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cpu(v) for v in state)
+    return state
 
 
 def _fill_ms(step_ms: List[float]) -> float:

@@ -60,6 +60,9 @@ class WindowDone(Message):
     lr: float
     scalars: Dict[str, List[float]] = {}
     """User scalars recorded during the window (record_scalar)."""
+    reduces_seen: int = 0
+    """SyncNow orders this rank had handled when the window ended (cpu_async: tells the
+    coordinator which reduce the window's steps went into)."""
 
 
 class Reduced(Message):
@@ -81,6 +84,21 @@ class SnapshotTaken(Message):
     steps: int
     """Batches trained since the previous snapshot (the consensus weight's n_k)."""
     dtypes: List[str]
+
+
+class CheckpointSaved(Message):
+    rank: int
+    stem: str
+    error: str = ""
+    """Empty when the model and optimizer files were written."""
+
+
+class ReduceFailed(Message):
+    """A collective reduce broke (a peer died); the rank restored its pre-reduce parameters."""
+
+    rank: int
+    round: int
+    error: str
 
 
 class Evaluated(Message):
@@ -133,12 +151,23 @@ class Evaluate(Message):
     dtypes: List[str] = []
 
 
+class SaveCheckpoint(Message):
+    """Write `<stem>.pt` and `<stem>.optim.pt` (and `<stem>.outer.pt` in collective modes); with
+    `dtypes`, the model state is the parameters in the frames (the EASGD center)."""
+
+    stem: str
+    dtypes: List[str] = []
+    write_model: bool = True
+    """False: only this rank's own optimizer state (`<stem>.optim.rank<k>.pt`)."""
+
+
 class Stop(Message):
     reason: str
 
 
 AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated,
-                   RankFailed, Train, SyncNow, Update, Evaluate, Stop]
+                   RankFailed, CheckpointSaved, ReduceFailed, Train, SyncNow, Update, Evaluate,
+                   SaveCheckpoint, Stop]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

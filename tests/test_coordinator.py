@@ -15,9 +15,11 @@ import torch
 import zmq
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.checkpoint import read_meta, save_meta
 from flodl_run.coordinator import Coordinator
+from flodl_run.observe import Observer
 from flodl_run.wire import (
-    Channel, Evaluate, Evaluated, RankJoined, Reduced, SnapshotTaken, Stop, SyncNow, Train, Update,
+    Channel, CheckpointSaved, Evaluate, Evaluated, RankJoined, SaveCheckpoint, Reduced, SnapshotTaken, Stop, SyncNow, Train, Update,
     WindowDone, new_secret,
 )
 
@@ -84,13 +86,16 @@ class FakeRank(threading.Thread):
             return Reduced(self.rank, order.round, 0.01, 1.0)
         if isinstance(order, Evaluate):
             return Evaluated(self.rank, order.epoch, 0.5)
+        if isinstance(order, SaveCheckpoint):
+            return CheckpointSaved(self.rank, order.stem)
         raise AssertionError(order)
 
 
-def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8):
-    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=batch_size)
+def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, observer=None, **run):
+    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=batch_size,
+                              **run)
     secret = new_secret()
-    coord = Coordinator(config, len(ms), secret)
+    coord = Coordinator(config, len(ms), secret, observer=observer)
     ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
     for r in ranks:
         r.start()
@@ -157,3 +162,40 @@ def test_unauthenticated_frames_are_dropped_and_counted():
     assert receiver.rejected == 1
     client.close()
     server.close()
+
+
+class _KeepBundles(Observer):
+    """Copies the meta of every checkpoint as it is written (later saves reuse the stem)."""
+
+    def __init__(self, stem):
+        self.stem, self.metas = stem, []
+
+    def on_event(self, kind, message):
+        if kind == "checkpoint":
+            self.metas.append(read_meta(self.stem))
+
+
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+def test_mid_epoch_checkpoint_and_resume_cover_each_sample_exactly_once(tmp_path, mode):
+    """Pins checkpoint_at_epoch: the bundle lists what of the epoch its weights do not include,
+    and a resume trains exactly those samples of that epoch (then whole epochs), so the two
+    runs together train every sample of every epoch once."""
+    stem = str(tmp_path / "ck")
+    keep = _KeepBundles(stem)
+    summary, first = _run(mode, [4.0, 10.0], epochs=3, checkpoint_at_epoch=1, save_path=stem,
+                          observer=keep)
+    assert summary.status == "completed", summary.message
+    mid = keep.metas[0]
+    assert mid.epoch == 1 and mid.coverage.uncovered and mid.save_reason == "checkpoint"
+    before = _positions(first, 3)
+    uncovered = {(p, i) for p, s, e in mid.coverage.uncovered for i in range(s, e)}
+    # what the mid-epoch weights include of epoch 1 = trained in the first run minus uncovered
+    included = {k for k in before if k[0] == 1} - uncovered
+    save_meta(str(tmp_path / "mid"), mid)  # the bundle as it stood mid-epoch
+    summary2, second = _run(mode, [4.0, 10.0], epochs=3, resume_from=str(tmp_path / "mid"))
+    assert summary2.status == "completed", summary2.message
+    assert [e.epoch for e in summary2.epochs] == [1, 2]
+    after = _positions(second, 3)
+    epoch1 = Counter({k: v for k, v in after.items() if k[0] == 1})
+    assert set(epoch1) == uncovered and set(epoch1.values()) == {1}
+    assert included | set(epoch1) == {(1, i) for i in range(NUM_SAMPLES)}

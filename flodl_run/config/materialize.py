@@ -51,9 +51,25 @@ def materialize(cfg: DictConfig | ExperimentConfig, run_dir: Optional[str] = Non
     problems = list(report.problems)
     if check_recipe:
         problems += _recipe_problems(typed)
+    if typed.resume_from and not report.problems:
+        problems += _resume_problems(typed, world_size)
     if problems:
         raise ConfigError(problems, report.warnings)
     return Materialized(resolve(typed, run_dir, outputs_dir), report.warnings)
+
+
+def _resume_problems(cfg: ExperimentConfig, world_size: Optional[int]) -> List[Problem]:
+    """A bundle this run cannot continue is a config error, never a silent fresh start."""
+    from flodl_run.checkpoint import BundleError, check_resume, read_meta
+    from flodl_run.config.validate import planned_world_size
+
+    try:
+        meta = read_meta(cfg.resume_from)
+    except BundleError as exc:
+        return [Problem("resume_from", cfg.resume_from, f"must name a readable bundle ({exc})")]
+    size = world_size if world_size is not None else planned_world_size(cfg)
+    return [Problem("resume_from", cfg.resume_from, f"cannot be resumed here: {why}")
+            for why in check_resume(meta, size, cfg.seed, cfg.resume_from)]
 
 
 def _recipe_problems(cfg: ExperimentConfig) -> List[Problem]:

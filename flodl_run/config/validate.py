@@ -172,7 +172,7 @@ def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
         yield f"elche.easgd_alpha={e.easgd_alpha} has no effect in mode {e.mode.value} (cpu_async only)"
     if e.max_overshoot is not None and e.mode is not Mode.cpu_async:
         yield f"elche.max_overshoot={e.max_overshoot} has no effect in mode {e.mode.value} (cpu_async only)"
-    if e.max_batch_diff is not None and e.mode.is_collective:
+    if e.max_batch_diff is not None and e.mode is Mode.nccl_cadence:
         yield (f"elche.max_batch_diff={e.max_batch_diff} has no effect in mode {e.mode.value}: "
                "the collective paces the ranks")
     if e.relax_up and e.mode.is_sync:

@@ -1,0 +1,101 @@
+"""Checkpoint bundles and resume (DESIGN §10), end to end with real ranks over Gloo."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from flodl_run.checkpoint import BundleError, paths, read_meta
+from tests.test_distributed_cli import REPO, _flodl_children, _run
+
+PAIR = ("cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1")
+
+
+def test_clean_end_writes_a_complete_bundle(tmp_path):
+    """Pins the bundle layout and meta fields of a clean end (DESIGN §10), and that the saved
+    model is the consensus the run evaluated."""
+    proc, summary = _run(tmp_path, *PAIR, "elche=nccl_cadence", "outer=slowmo", "num_epochs=2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stem = summary["checkpoint"]
+    assert stem == str(tmp_path / "run" / "checkpoint")
+    files = paths(stem)
+    assert all(files[k].is_file() for k in ("model", "optim", "outer", "meta"))
+    meta = read_meta(stem)
+    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (1, 2, 2)
+    assert meta.save_reason == "checkpoint" and meta.coverage.uncovered == []
+    assert meta.global_step > 0 and meta.sync_round == summary["syncs"]
+    assert meta.elche_state["phase"] == summary["phase"]
+    assert meta.config["elche.mode"] == "nccl_cadence"
+    assert set(torch.load(files["outer"], weights_only=True)) == {"prev", "velocity"}
+
+
+def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_path):
+    """Pins resume: the second half starts at the saved epoch in the saved ElChe phase (no
+    Probe re-run), and 2+2 epochs end on the same weights as 4 straight epochs (nccl_sync,
+    homogeneous, lockstep)."""
+    common = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0")
+    first, _ = _run(tmp_path / "a", *common, "num_epochs=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    stem = str(tmp_path / "a" / "run" / "checkpoint")
+    second, resumed = _run(tmp_path / "b", *common, "num_epochs=4", f"resume_from={stem}")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert [e["epoch"] for e in resumed["epochs"]] == [2, 3]
+    assert "resuming" in second.stdout and "warmup" in second.stdout.lower() or \
+        read_meta(stem).elche_state["phase"] != "probe"
+    straight, full = _run(tmp_path / "c", *common, "num_epochs=4")
+    assert straight.returncode == 0
+    a = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "c" / "run" / "checkpoint.pt", weights_only=True)
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), atol=1e-5), name
+    assert resumed["syncs"] + read_meta(stem).sync_round == full["syncs"]
+
+
+def test_unusable_bundles_exit_2_naming_the_problem(tmp_path):
+    """Pins clear errors instead of a traceback or a silent fresh start: corrupt meta, wrong
+    world size, wrong seed, newer schema."""
+    first, _ = _run(tmp_path / "a", *PAIR, "num_epochs=1")
+    assert first.returncode == 0
+    stem = str(tmp_path / "a" / "run" / "checkpoint")
+    cases = [("cluster.num_ranks=3", "saved by 2 ranks"), ("seed=7", "seed 0")]
+    for override, expected in cases:
+        proc, _ = _run(tmp_path / override.replace("=", "_"), *PAIR, override, f"resume_from={stem}")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert expected in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    meta_file = paths(stem)["meta"]
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps(dict(meta, schema_version=99)))
+    proc, _ = _run(tmp_path / "newer", *PAIR, f"resume_from={stem}")
+    assert proc.returncode == 2 and "newer" in proc.stdout + proc.stderr
+    meta_file.write_text("{ not json")
+    proc, _ = _run(tmp_path / "corrupt", *PAIR, f"resume_from={stem}")
+    assert proc.returncode == 2 and "corrupt" in proc.stdout + proc.stderr
+    try:
+        read_meta(stem)
+    except BundleError as exc:
+        assert "corrupt" in str(exc)
+
+
+def test_sigint_saves_a_graceful_bundle(tmp_path):
+    """Pins SIGINT: the launcher saves at the next reduce boundary (reason graceful_shutdown),
+    marks the summary interrupted, exits 130 and leaves no rank behind."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
+         *PAIR, "elche=nccl_cadence", "num_epochs=500"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("epoch 2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert _flodl_children(proc.pid) == []
+    meta = read_meta(str(run_dir / "checkpoint"))
+    assert meta.save_reason == "graceful_shutdown" and meta.epoch >= 2
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
