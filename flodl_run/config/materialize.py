@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from flodl_run.config.compose import to_experiment
 from flodl_run.config.schema import ExperimentConfig
-from flodl_run.config.validate import Problem, Report, resolve, validate
+from flodl_run.config.validate import Problem, Report, epoch_splits_problem, resolve, validate
 from flodl_run.recipe import RecipeError, load_recipe
 
 
@@ -74,7 +74,10 @@ def _resume_problems(cfg: ExperimentConfig, world_size: Optional[int]) -> List[P
 
 def _recipe_problems(cfg: ExperimentConfig) -> List[Problem]:
     try:
-        load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform)
+        recipe = load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform)
     except RecipeError as exc:
         return [Problem(exc.key, exc.value, exc.rule)]
+    if cfg.data.epoch_splits > 1:  # the rule needs the train set's size: load it only then
+        problem = epoch_splits_problem(len(recipe.call("train_dataset")), cfg)
+        return [problem] if problem is not None else []
     return []

@@ -203,6 +203,18 @@ def _data(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
         yield Problem("data.transform", d.transform, "must name a function of the recipe module")
 
 
+def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Problem]:
+    """data.epoch_splits may not exceed the batches of one pass (every epoch needs a batch).
+    Needs the train set's size, so the materializer and the data plane call it, not validate()."""
+    d = cfg.data
+    batches = -(-num_samples * max(d.augment, 1) // max(cfg.batch_size, 1))
+    if d.epoch_splits > batches:
+        return Problem("data.epoch_splits", d.epoch_splits,
+                       f"must be <= the batches of one pass, {batches} ({num_samples} samples x "
+                       f"augment {d.augment} / batch_size {cfg.batch_size})")
+    return None
+
+
 @_check
 def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     yield from _at_least("checkpoint_every", cfg.checkpoint_every, 1)
