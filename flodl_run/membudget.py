@@ -70,7 +70,9 @@ def fits_resident(dataset_bytes: int, batch_bytes: int, budget: int) -> bool:
 
 
 def choose_delivery(dataset_bytes: int, batch_bytes: int, budget: int) -> Delivery:
-    return Delivery.resident if fits_resident(dataset_bytes, batch_bytes, budget) else Delivery.streaming
+    if fits_resident(dataset_bytes, batch_bytes, budget):
+        return Delivery.resident
+    return Delivery.streaming
 
 
 def prefetch_depth(budget: int, batch_bytes: int, override: Optional[int] = None) -> int:

@@ -89,7 +89,8 @@ class PickSpace:
     def epoch_span(self, epoch: int) -> Tuple[int, int, int]:
         """(pass_index, start, end) of epoch `epoch` (the same cut as dispatch.epoch_span)."""
         part, n = epoch % self.epoch_splits, self.picks_per_pass
-        return epoch // self.epoch_splits, part * n // self.epoch_splits, (part + 1) * n // self.epoch_splits
+        splits = self.epoch_splits
+        return epoch // splits, part * n // splits, (part + 1) * n // splits
 
     def keys(self, work: Work) -> List[PickKey]:
         """The PickKey of every row of `work`; checks that the rows are the pass's picks."""

@@ -64,7 +64,8 @@ class Layout:
         tensors = [_as_tensor(f) for f in fields]
         if any(t is None for t in tensors):
             return None
-        return cls(tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors), kind, keys)
+        return cls(tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors),
+                   kind, keys)
 
     def fields_of(self, sample: Any, index: int) -> List[torch.Tensor]:
         """The fields of one sample, checked against this layout."""

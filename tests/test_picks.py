@@ -31,7 +31,8 @@ def test_every_sample_appears_exactly_augment_times_per_pass(num_samples, augmen
             assert space.epoch_span(epoch) == (span.pass_index, span.start, span.end)
             assert span.start == covered
             covered = span.end
-            counts.update((space.picks(span.pass_index, span.start, span.size) % num_samples).tolist())
+            picks = space.picks(span.pass_index, span.start, span.size)
+            counts.update((picks % num_samples).tolist())
         assert covered == num_samples * augment
         assert counts == Counter({s: augment for s in range(num_samples)})
 
@@ -75,7 +76,8 @@ def test_seed_value_is_stable_and_spreads():
     neighbouring keys get different seeds."""
     key = PickKey(3, 1, 4, 0)
     assert key.seed_value() == PickKey(3, 1, 4, 0).seed_value()
-    seeds = {PickKey(s, r, e, 0).seed_value() for s in range(20) for r in range(3) for e in range(3)}
+    seeds = {PickKey(s, r, e, 0).seed_value()
+             for s in range(20) for r in range(3) for e in range(3)}
     assert len(seeds) == 180 and all(0 <= s < 2**63 for s in seeds)
 
 
