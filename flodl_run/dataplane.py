@@ -8,7 +8,6 @@ arithmetic (`membudget`). On a CPU rank "device memory" is host RAM (docs/decisi
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
@@ -26,18 +25,16 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import epoch_splits_problem
 from flodl_run.datametrics import DataStats
 from flodl_run.memprobe import DeviceProbe, disk_free_bytes, sim_device_bytes
-from flodl_run.picks import PickSpace, Transform, Work, apply_transform, epoch_of, slice_works
+from flodl_run.picks import JobPlan, PickSpace, Transform, Work, apply_transform, epoch_of
 from flodl_run.prefetch import Prefetcher, tensors_of
 from flodl_run.samplecache import (
-    HostTiers, Layout, LayoutMismatch, Rows, SlotStore, open_disk_stage,
+    HostTiers, Layout, LayoutMismatch, Rows, SlotStore, fill_device, open_disk_stage, run_into,
 )
 
 log = logging.getLogger(__name__)
 
 POOL_ENV = "FLODL_RUN_VRAM_POOL"
 """Kill switch of the device pool: `off` disables it whatever data.vram_pool says."""
-FILL_CHUNK = 4096
-"""Samples per step when a generic data set is copied to the device to go resident."""
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -80,7 +77,7 @@ class DataPlane:
         self._host: Optional[Future] = None
         self._delivered = 0
         self._epoch: Optional[int] = None
-        self._job_works: Dict[int, Tuple[Any, Optional[List[Work]]]] = {}
+        self._plan = JobPlan(self.batch_size, mb.MAX_DEPTH)
         self._warned: set = set()
         if device.type == "cpu" and not self.probe.is_simulated and \
                 isinstance(dataset, TensorDataset):
@@ -100,7 +97,7 @@ class DataPlane:
         progress (each with `.order.slices`, `.batches`, `.done`, and `indices` is
         `jobs[0].batches[jobs[0].done]`): it tells the prefetcher what comes next and the
         transform which picks these rows are."""
-        works = self._planned(indices, jobs)
+        works = self._plan.works(indices, jobs)
         return self._deliver(works[0], works[1:])
 
     def batches(self, indices: torch.Tensor, batch_size: int,
@@ -113,36 +110,6 @@ class DataPlane:
             works = list(self.picks.epoch_works(epoch, indices, batch_size))
         for i, work in enumerate(works):
             yield self._deliver(work, works[i + 1:i + 1 + mb.MAX_DEPTH])
-
-    def _planned(self, indices: torch.Tensor, jobs: Optional[Sequence[Any]]) -> List[Work]:
-        current: Optional[Work] = None
-        ahead: List[Work] = []
-        live: Dict[int, Tuple[Any, Optional[List[Work]]]] = {}
-        for job in list(jobs or ()):
-            works = self._works_of(job)
-            live[id(job)] = (job, works)
-            if works is None:
-                break
-            if current is None:
-                done = getattr(job, "done", 0)
-                if done >= len(works) or works[done].indices is not indices:
-                    break
-                current, ahead = works[done], works[done + 1:]
-            else:
-                ahead += works
-            if len(ahead) >= mb.MAX_DEPTH:
-                break
-        self._job_works = live
-        return [current, *ahead[:mb.MAX_DEPTH]] if current is not None else [Work(indices)]
-
-    def _works_of(self, job: Any) -> Optional[List[Work]]:
-        cached = self._job_works.get(id(job))
-        if cached is not None and cached[0] is job:
-            return cached[1]
-        try:
-            return slice_works(job.order.slices, job.batches, self.batch_size)
-        except (AttributeError, TypeError, ValueError):
-            return None
 
     # ---- delivery ---------------------------------------------------------------------------
 
@@ -308,12 +275,12 @@ class DataPlane:
         future: Future = Future()
 
         def fill() -> Rows:
-            return materialize_resident(self.dataset, self.layout, self.device, stream)
+            return fill_device(self.dataset, self.layout, self.device, stream)
 
         if self.device.type == "cpu" and isinstance(self.dataset, TensorDataset):
-            _run_into(future, fill)
+            run_into(future, fill)
         else:
-            threading.Thread(target=_run_into, args=(future, fill), daemon=True,
+            threading.Thread(target=run_into, args=(future, fill), daemon=True,
                              name="flodl_run-fill").start()
         self._filling = future
         self._poll_fill()
@@ -386,6 +353,14 @@ class DataPlane:
             self._warned.add(key)
             log.warning("rank %d: %s", self.rank, message)
 
+    def settle(self) -> None:
+        """Wait for a resident copy in flight and adopt it (or fall back): for benchmarks and
+        tests that need the mode fixed; training never waits for it."""
+        if self._filling is not None:
+            self._filling.exception()  # blocks until done; _poll_fill raises what must be raised
+            self._poll_fill()
+            self.stats.delivery = self.delivery.value
+
     def take_stats(self) -> Dict[str, Any]:
         """The data fields of this rank's next WindowDone (counters since the last call)."""
         return self.stats.take()
@@ -394,34 +369,6 @@ class DataPlane:
         if self._prefetcher is not None:
             self._prefetcher.close()
         self._resident, self._pool, self._prefetcher, self._host = None, None, None, None
-
-
-def materialize_resident(dataset: Dataset, layout: Layout, device: torch.device,
-                         stream: Optional[torch.cuda.Stream] = None) -> Rows:
-    """Every sample of `dataset` in per-field tensors on `device` (on `stream`, synchronized)."""
-    context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-    with context:
-        if isinstance(dataset, TensorDataset):
-            rows = tuple(t.to(device) for t in dataset.tensors)
-        else:
-            rows = tuple(torch.empty((len(dataset), *s), dtype=d, device=device)
-                         for s, d in zip(layout.shapes, layout.dtypes))
-            for start in range(0, len(dataset), FILL_CHUNK):
-                chunk = range(start, min(len(dataset), start + FILL_CHUNK))
-                samples = [layout.fields_of(dataset[i], i) for i in chunk]
-                for k, field in enumerate(rows):
-                    field[start:start + len(chunk)].copy_(torch.stack([s[k] for s in samples]))
-    if stream is not None:
-        stream.synchronize()
-    return rows
-
-
-def _run_into(future: Future, fn: Any) -> None:
-    future.set_running_or_notify_cancel()
-    try:
-        future.set_result(fn())
-    except BaseException as exc:  # the consumer re-raises it (or falls back on OOM)
-        future.set_exception(exc)
 
 
 def _merge(hit: torch.Tensor, pooled: Rows, moved: Rows, device: torch.device) -> Rows:

@@ -127,6 +127,48 @@ def slice_works(slices: Sequence[Sequence[int]], batches: Sequence[torch.Tensor]
     return works if len(works) == len(batches) else None
 
 
+class JobPlan:
+    """Reads a rank's queue of Train orders as Works: the batch being trained and the ones
+    after it. Jobs are read by duck typing (`.order.slices`, `.batches`, `.done`), so a queue
+    that changed shape gives no plan rather than wrong positions."""
+
+    def __init__(self, batch_size: int, horizon: int):
+        self.batch_size, self.horizon = batch_size, horizon
+        self._cache: Dict[int, Tuple[Any, Optional[List[Work]]]] = {}
+
+    def works(self, indices: torch.Tensor, jobs: Optional[Sequence[Any]]) -> List[Work]:
+        """[the Work of `indices`, then up to `horizon` Works after it]; [Work(indices)] when
+        `indices` is not the head job's next batch."""
+        current: Optional[Work] = None
+        ahead: List[Work] = []
+        live: Dict[int, Tuple[Any, Optional[List[Work]]]] = {}
+        for job in list(jobs or ()):
+            works = self._works_of(job)
+            live[id(job)] = (job, works)
+            if works is None:
+                break
+            if current is None:
+                done = getattr(job, "done", 0)
+                if done >= len(works) or works[done].indices is not indices:
+                    break
+                current, ahead = works[done], works[done + 1:]
+            else:
+                ahead += works
+            if len(ahead) >= self.horizon:
+                break
+        self._cache = live  # only jobs still queued stay cached
+        return [current, *ahead[:self.horizon]] if current is not None else [Work(indices)]
+
+    def _works_of(self, job: Any) -> Optional[List[Work]]:
+        cached = self._cache.get(id(job))
+        if cached is not None and cached[0] is job:
+            return cached[1]
+        try:
+            return slice_works(job.order.slices, job.batches, self.batch_size)
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+
 def apply_transform(transform: Transform, rows: Any, keys: List[PickKey]) -> Any:
     """Run the user's transform; it must hand back a batch of the same number of rows."""
     out = transform(rows, keys)

@@ -8,12 +8,14 @@ sample; shrinking evicts. Sizes are `membudget`'s decision; moving batches is `d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import tempfile
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 
 Rows = Tuple[torch.Tensor, ...]
 _ALIGN = 64  # field regions in the pack file start on cache-line boundaries (and any dtype's)
+FILL_CHUNK = 4096
+"""Samples per copy when a generic data set is copied whole to the device (going resident)."""
 
 
 class LayoutMismatch(ValueError):
@@ -255,6 +259,11 @@ class HostTiers:
         """Rows of `samples` (CPU int64), in order, in fresh (pinned when `pin`) host tensors."""
         out = tuple(torch.empty((len(samples), *s), dtype=d, pin_memory=self.pin)
                     for s, d in zip(self.layout.shapes, self.layout.dtypes))
+        if self._tensors is not None and self.ram is None and self.stage is None:
+            for source, target in zip(self._tensors, out):  # one copy, straight into `out`
+                torch.index_select(source, 0, samples, out=target)
+            self.hits["source"] += len(samples)
+            return out
         todo = torch.arange(len(samples))
         for name, store in (("ram", self.ram), ("disk", self.stage)):
             if store is None or store.count == 0 or len(todo) == 0:
@@ -305,3 +314,32 @@ class HostTiers:
 def _scatter(out: Rows, positions: torch.Tensor, rows: Rows) -> None:
     for target, row in zip(out, rows):
         target.index_copy_(0, positions, row)
+
+
+def fill_device(dataset: Dataset, layout: Layout, device: torch.device,
+                         stream: Optional[torch.cuda.Stream] = None) -> Rows:
+    """Every sample of `dataset` in per-field tensors on `device` (on `stream`, synchronized)."""
+    context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with context:
+        if isinstance(dataset, TensorDataset):
+            rows = tuple(t.to(device) for t in dataset.tensors)
+        else:
+            rows = tuple(torch.empty((len(dataset), *s), dtype=d, device=device)
+                         for s, d in zip(layout.shapes, layout.dtypes))
+            for start in range(0, len(dataset), FILL_CHUNK):
+                chunk = range(start, min(len(dataset), start + FILL_CHUNK))
+                samples = [layout.fields_of(dataset[i], i) for i in chunk]
+                for k, field in enumerate(rows):
+                    field[start:start + len(chunk)].copy_(torch.stack([s[k] for s in samples]))
+    if stream is not None:
+        stream.synchronize()
+    return rows
+
+
+def run_into(future: Future, fn: Callable[[], Any]) -> None:
+    """Run `fn` and put its result (or exception) into `future` (threads without an executor)."""
+    future.set_running_or_notify_cancel()
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # the consumer re-raises it (or falls back on OOM)
+        future.set_exception(exc)

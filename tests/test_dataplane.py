@@ -138,7 +138,7 @@ def test_oom_while_going_resident_streams_and_says_so_once(monkeypatch, caplog):
     def no_room(*_args, **_kw):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
-    monkeypatch.setattr(dp, "materialize_resident", no_room)
+    monkeypatch.setattr(dp, "fill_device", no_room)
     plane = _plane(sim=10**8)
     with caplog.at_level(logging.WARNING, logger="flodl_run.dataplane"):
         batches = [b for e in range(3) for b in _epoch(plane, e)]
