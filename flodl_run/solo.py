@@ -51,6 +51,10 @@ class SoloTrainer:
         self.recipe = recipe
         self.observer = observer or Observer()
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cluster.threads_per_rank:
+            torch.set_num_threads(config.cluster.threads_per_rank)
+        slow = config.cluster.emulate_slowdown
+        self.slowdown = slow[0] if slow else 1.0  # the bench's solo runs at each rank speed
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
         self.train_source = BatchSource(recipe.call("train_dataset"), self.device)
         self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
@@ -96,7 +100,9 @@ class SoloTrainer:
         losses: List[float] = []
         began = time.perf_counter()
         for batch in self.train_source.batches(indices, self.config.batch_size):
+            step_began = time.perf_counter()
             losses.append(self.replica.step(batch))
+            self._emulate_slowdown(step_began)
             self.observer.on_batch(epoch, len(losses), losses[-1])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
@@ -112,6 +118,13 @@ class SoloTrainer:
             per_rank_batch_share=[1.0],
             scalars=roll_up(drain(), self.config.scalar_reductions),
         )
+
+    def _emulate_slowdown(self, began: float) -> None:
+        """DESIGN §13, as on a rank: sleep (f - 1) x the step time so the run acts f times slower."""
+        if self.slowdown > 1.0:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
 
     def _maybe_eval(self, epoch: int) -> Optional[float]:
         every = self.config.eval_every_epochs
