@@ -1,0 +1,134 @@
+"""`python -m flodl_run.bench`: the plan of runs, the figures, and the smallest bench end to end
+(issue 8). Timings are never asserted: speed targets live in the benchmark (DESIGN §15)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flodl_run.bench import BenchConfig, BenchRecipe, BenchRunConfig, Rig, check, plan
+from flodl_run.benchreport import (
+    ENTRY_KEYS, NOT_REACHED, RecipeBench, RunOutcome, bench_document, time_to_target,
+)
+from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology
+from flodl_run.summary import Summary
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ('bench.recipes=[{name:synthetic_mlp,overrides:["recipe.params.num_samples=512",'
+        '"recipe.params.hidden=32","recipe.params.depth=1"]}]')
+SUMMARY_KEYS = {f.name for f in dataclasses.fields(Summary)}
+
+
+def run_bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "flodl_run.bench", f"hydra.run.dir={tmp_path}",
+                           "tracking=off", *overrides], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def _summary(evals, epoch_ms=1000.0, status="completed", samples_per_s=100.0):
+    return {"status": status, "samples_per_s": samples_per_s, "final_eval": evals[-1],
+            "epochs": [{"epoch": i, "avg_loss": 1.0 / (i + 1), "eval": e, "epoch_ms": epoch_ms}
+                       for i, e in enumerate(evals)]}
+
+
+def _pair_rig() -> Rig:
+    cluster = ClusterConfig(topology=Topology.cpu, num_ranks=2, threads_per_rank=1,
+                            emulate_slowdown=[1.0, 2.5])
+    return Rig("cpu_pair", ("cluster.emulate_slowdown=[1.0,2.5]",), cluster, 2)
+
+
+def test_plan_runs_solo_at_each_speed_then_torch_ddp_then_modes_by_outer():
+    """Pins the entry names of bench.json and what each run is given: solo at each distinct
+    rank speed on one rank's threads (not the rig's cluster overrides), torch DDP and every
+    mode x outer on the rig with its command-line cluster overrides."""
+    cfg = BenchRunConfig(bench=BenchConfig(
+        recipes=[BenchRecipe(overrides=["recipe.params.hidden=64", "batch_size=16"])],
+        modes=[Mode.nccl_cadence, Mode.cpu_async], outers=[OuterKind.none, OuterKind.diloco]))
+    jobs = plan(cfg, _pair_rig())
+    assert [j.name for j in jobs] == ["solo@1.0", "solo@2.5", "torch_ddp", "nccl_cadence",
+                                      "nccl_cadence+diloco", "cpu_async", "cpu_async+diloco"]
+    slow = jobs[1].overrides
+    assert "cluster=solo" in slow and "cluster.emulate_slowdown=[2.5]" in slow
+    assert "cluster.threads_per_rank=1" in slow and "cluster.emulate_slowdown=[1.0,2.5]" not in slow
+    for job in jobs[2:]:
+        assert "cluster=cpu_pair" in job.overrides and "cluster.emulate_slowdown=[1.0,2.5]" in job.overrides
+        assert "tracking=off" in job.overrides and "recipe.params.hidden=64" in job.overrides
+        # the recipe's batch_size override replaces the bench's (Hydra refuses a key twice)
+        assert [o for o in job.overrides if o.startswith("batch_size=")] == ["batch_size=16"]
+    assert "elche=cpu_async" in jobs[6].overrides and "outer=diloco" in jobs[6].overrides
+
+
+def test_ideal_sums_solo_rates_per_rank_and_ratios_use_it():
+    """Pins the ideal (sum over the rig's ranks of the solo rate at that rank's speed, so a
+    homogeneous pair counts solo@1.0 twice) and the ratios to it and to torch DDP."""
+    outcomes = [RunOutcome("solo@1.0", "r", "solo", "solo", "none", 1.0, _summary([0.5], samples_per_s=300.0)),
+                RunOutcome("torch_ddp", "r", "torch_ddp", "torch_ddp", "none", 1.0,
+                           _summary([0.5], samples_per_s=200.0)),
+                RunOutcome("nccl_sync", "r", "flodl_run", "nccl_sync", "none", 1.0,
+                           _summary([0.5], samples_per_s=540.0))]
+    doc = bench_document([RecipeBench("r", None, [1.0, 1.0])], outcomes, {})
+    assert doc["ideal_samples_per_s"] == 600.0
+    sync = doc["entries"][2]
+    assert set(sync) == set(ENTRY_KEYS)
+    assert sync["ratio_to_ideal"] == pytest.approx(0.9) and sync["ratio_to_torch_ddp"] == pytest.approx(2.7)
+    missing = bench_document([RecipeBench("r", None, [1.0, 2.5])], outcomes, {})
+    assert missing["ideal_samples_per_s"] is None and missing["entries"][2]["ratio_to_ideal"] is None
+
+
+def test_time_to_target_is_cumulative_training_time_or_not_reached():
+    """Pins time-to-target: training seconds (cumulative epoch_ms) at the first eval >= target;
+    "not reached" is a value; no target gives None."""
+    summary = _summary([0.5, 0.72, 0.69, 0.75], epoch_ms=1500.0)
+    assert time_to_target(summary, 0.7) == pytest.approx(3.0)
+    assert time_to_target(summary, 0.9) == NOT_REACHED
+    assert time_to_target(summary, None) is None
+
+
+def test_check_reports_every_problem_with_its_key():
+    """Pins the config rules that are the bench's own (exit 2 names the dotted key)."""
+    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, batch_size=0, recipes=[], outers=[], timeout_s=0))
+    one_rank = Rig("solo", (), ClusterConfig(topology=Topology.solo), 1)
+    keys = [p.key for p in check(cfg, one_rank)]
+    assert keys == ["bench.epochs", "bench.batch_size", "bench.timeout_s", "bench.recipes",
+                    "bench.outers", "cluster"]
+
+
+def test_bad_override_exits_2_before_any_run(tmp_path):
+    """Pins: a typo in a run's overrides fails the whole bench in seconds, naming the run and
+    the key, instead of after the runs before it trained."""
+    done = run_bench(tmp_path, 'bench.overrides=["elche.anchor=0"]', "bench.modes=[nccl_sync]", TINY)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "synthetic_mlp/nccl_sync: elche.anchor: must be >= 1" in done.stdout + done.stderr
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_smallest_bench_end_to_end(tmp_path):
+    """Pins the harness end to end on its smallest configuration: solo, torch DDP and two modes
+    on a homogeneous 2-rank CPU rig, one epoch of a tiny recipe; bench.json has the issue's
+    schema and one completed entry per run, bench.md and the plot are written, and torch DDP's
+    summary.json has the runner's keys."""
+    done = run_bench(tmp_path, "cluster=cpu", "bench.epochs=1", "bench.batch_size=32",
+                     "bench.modes=[nccl_cadence,cpu_async]", TINY)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert {"ideal_samples_per_s", "entries"} <= set(doc)
+    names = [e["name"] for e in doc["entries"]]
+    assert names == ["solo@1.0", "torch_ddp", "nccl_cadence", "cpu_async"]
+    for e in doc["entries"]:
+        assert set(e) == set(ENTRY_KEYS) and e["status"] == "completed", e
+        assert e["samples_per_s"] > 0 and e["final_eval"] is not None
+        assert isinstance(e["time_to_target_s"], float) or e["time_to_target_s"] == NOT_REACHED
+        assert len(e["idle_fraction"]) == (0 if e["kind"] == "solo" else 2)
+    solo, ddp = doc["entries"][0], doc["entries"][1]
+    assert doc["ideal_samples_per_s"] == pytest.approx(2 * solo["samples_per_s"])
+    assert ddp["ratio_to_torch_ddp"] == pytest.approx(1.0) and ddp["syncs"] > 0
+    assert set(json.loads(Path(ddp["run_dir"], "summary.json").read_text())) == SUMMARY_KEYS
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "| nccl_cadence | completed |" in (tmp_path / "bench.md").read_text()
