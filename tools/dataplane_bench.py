@@ -78,8 +78,9 @@ def _plane_epochs(plane: DataPlane, epochs: int, step) -> List[Dict[str, float]]
         indices = plane.picks.picks(p, start, end - start) % len(plane)
         figures = _timed(plane.batches(indices, plane.batch_size, epoch=epoch), step)
         stats = plane.take_stats()
-        figures.update(starve_ms_per_step=stats["data_starve_ms"] / max(1, -(-len(indices) // plane.batch_size)),
-                       delivery=stats["delivery"], hits=stats["data_hits"], rows=stats["data_rows"])
+        steps = max(1, -(-len(indices) // plane.batch_size))
+        figures.update(starve_ms_per_step=stats["data_starve_ms"] / steps, rows=stats["data_rows"],
+                       delivery=stats["delivery"], hits=stats["data_hits"])
         out.append(figures)
         if epoch == 0:
             plane.settle()  # a resident copy finishes during epoch 0; fix the mode for the rest
@@ -101,15 +102,17 @@ def throughput(args) -> Dict[str, Any]:
             torch.cuda.synchronize()
         results[name] = make_batches()
         last = results[name][-1]
-        print(f"{name:28s} {last['samples_per_s']:>12,.0f} samples/s  wait {last['wait_ms_per_step']:.3f} ms/step"
-              f"  {last.get('delivery', '')} {last.get('hits', '')}", flush=True)
+        print(f"{name:28s} {last['samples_per_s']:>12,.0f} samples/s  "
+              f"wait {last['wait_ms_per_step']:.3f} ms/step  {last.get('delivery', '')} "
+              f"{last.get('hits', '')}", flush=True)
 
     model, opt = _model(args.features, args.hidden, device)
     step = lambda batch: _step(model, opt, batch)  # noqa: E731
     on_device = tuple(t[:args.batch].to(device) for t in data.tensors)
     run("compute_only", lambda: [_timed([on_device] * (args.samples // args.batch), step)
                                  for _ in range(args.epochs)])
-    run("dataplane_resident", lambda: _plane_epochs(DataPlane(data, device, config), args.epochs, step))
+    run("dataplane_resident", lambda: _plane_epochs(DataPlane(data, device, config), args.epochs,
+                                                    step))
     gc.collect()
     used = 0
     if cuda:
@@ -122,8 +125,8 @@ def throughput(args) -> Dict[str, Any]:
     run("dataplane_streaming", lambda: _plane_epochs(DataPlane(data, device, config, environ=tiny),
                                                      args.epochs, step))
     half = {"FLODL_RUN_SIM_DEVICE_BYTES": str(int((used + 0.6 * set_bytes) / 0.9))}
-    run("dataplane_streaming_pool", lambda: _plane_epochs(DataPlane(data, device, config, environ=half),
-                                                          args.epochs, step))
+    run("dataplane_streaming_pool",
+        lambda: _plane_epochs(DataPlane(data, device, config, environ=half), args.epochs, step))
     for workers in (0, args.workers):
         loader = DataLoader(data, batch_size=args.batch, shuffle=True, pin_memory=True,
                             num_workers=workers, persistent_workers=workers > 0)
@@ -163,10 +166,12 @@ def oom(args) -> Dict[str, Any]:
     torch.cuda.set_per_process_memory_fraction(allowed / total, device)
     records = _Records()
     logging.getLogger("flodl_run.dataplane").addHandler(records)
-    plane = DataPlane(data, device, ExperimentConfig(batch_size=args.batch, seed=0, data=DataConfig()))
+    config = ExperimentConfig(batch_size=args.batch, seed=0, data=DataConfig())
+    plane = DataPlane(data, device, config)
     epochs = _plane_epochs(plane, 2, lambda batch: _step(model, opt, batch))
     probe = torch.arange(0, args.samples, max(1, args.samples // args.batch))[:args.batch]
-    correct = torch.equal(next(iter(plane.batches(probe, args.batch)))[0].cpu(), data.tensors[0][probe])
+    delivered = next(iter(plane.batches(probe, args.batch)))[0].cpu()
+    correct = torch.equal(delivered, data.tensors[0][probe])
     warnings = [m for m in records.messages if "streaming instead" in m]
     result = {"set_gb": set_bytes / 1e9, "allowed_gb": allowed / 1e9, "device_free_gb": free / 1e9,
               "delivery": plane.delivery.value, "warnings": warnings, "epochs": epochs,

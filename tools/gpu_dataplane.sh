@@ -50,6 +50,11 @@ for name, epochs in t.items():
         starve = e.get("starve_ms_per_step")
         print(f"| {name} | {e['samples_per_s']:,.0f} | {e['wait_ms_per_step']:.3f} | "
               f"{'-' if starve is None else f'{starve:.3f}'} | {e.get('delivery', '-')} |")
+for name, mode in (("dataplane_resident", "resident"), ("dataplane_streaming", "streaming"),
+                   ("dataplane_streaming_pool", "streaming")):
+    got = t[name][-1].get("delivery")
+    ok &= got == mode
+    print(f"{name}: mode {got} (expect {mode})")
 o = json.load(open(f"{out}/oom.json"))
 ok &= o["ok"]
 print(f"\noom fallback ok={o['ok']} delivery={o['delivery']} warnings={o['warnings']}")
