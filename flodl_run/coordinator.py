@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
 from flodl_run.checkpoint import BundleMeta, Coverage, load_tensors, read_meta, save_meta, save_tensors
 from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.datametrics import DataTally
 from flodl_run.dispatch import EpochPool, EpochSpan, epoch_span, equal_split, window_samples
 from flodl_run.elche import ElChe, Plan, ReduceReport
 from flodl_run.observe import Observer
@@ -30,7 +33,7 @@ from flodl_run.scalars import merge, roll_up
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.wire import (
     Channel, CheckpointSaved, Evaluate, Evaluated, Heartbeat, Message, RankFailed, RankJoined,
-    Reduced, SaveCheckpoint,
+    Reduced, ReduceFailed, Regroup, Regrouped, SaveCheckpoint,
     SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone, Received,
 )
 
@@ -45,6 +48,14 @@ class RunAborted(Exception):
     def __init__(self, status: str, reason: str):
         super().__init__(reason)
         self.status, self.reason = status, reason
+
+
+class ShutdownWithSave(Exception):
+    """Membership broke the failure policy: a survivor saves, then the run stops (DESIGN §9)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -62,6 +73,11 @@ class _WindowTally:
     @classmethod
     def empty(cls, n: int) -> "_WindowTally":
         return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n)
+
+    def drop(self, ranks: Set[int]) -> None:
+        """Dead ranks contributed nothing that survives: their work is redone."""
+        for r in ranks:
+            self.batches[r], self.samples[r], self.wall_ms[r], self.loss_sum[r] = 0, 0, 0.0, 0.0
 
     def add(self, done: WindowDone) -> None:
         r = done.rank
@@ -148,6 +164,16 @@ class Coordinator:
         self._global_step = 0
         self._sync_ms: List[float] = []
         self._compute_ms = [0.0] * world_size
+        self._data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
+        self.alive: Set[int] = set(range(world_size))
+        self._deaths: "queue.Queue[tuple]" = queue.Queue()
+        self._stopped: Set[int] = set()
+        self.on_rank_dead: Optional[Callable[[int], None]] = None
+        self._since_reduce: Dict[int, List[tuple]] = {r: [] for r in range(world_size)}
+        self._pools: List[EpochPool] = []  # where work of a dead rank goes back
+        self._pool_epoch = 0
+        self._generation = 0
+        self._regroup_needed = False
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
@@ -163,8 +189,16 @@ class Coordinator:
         self._stop.set()
 
     def report_failure(self, status: str, reason: str) -> None:
-        """A rank process died (seen by the launcher): abort the run."""
+        """Something the run cannot survive (not a rank death): abort."""
         self._failure = RunAborted(status, reason)
+
+    def report_death(self, rank: int, reason: str) -> None:
+        """A rank process ended without being told to (seen by the launcher)."""
+        self._deaths.put((rank, reason))
+
+    def stopped(self, rank: int) -> bool:
+        """The rank was sent Stop: its exit is clean, never a death."""
+        return rank in self._stopped
 
     # ---- the run ----------------------------------------------------------------------------
 
@@ -174,6 +208,8 @@ class Coordinator:
             self._await_ranks()
             self._train_all_epochs()
             self.summary.status = "completed"
+        except ShutdownWithSave as exc:
+            self._shutdown_with_save(exc.reason, exc.detail)
         except RunAborted as exc:
             self.summary.status, self.summary.message = exc.status, exc.reason
         except Exception as exc:  # a bug of ours: fail the run loudly, never report success
@@ -191,6 +227,8 @@ class Coordinator:
             if time.monotonic() > deadline:
                 raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
             message = self._next(expect=(RankJoined, SnapshotTaken))
+            if message is None:
+                raise RunAborted("failed", f"a rank died before all {self.world_size} joined")
             if isinstance(message, SnapshotTaken):  # cpu_async: rank 0's initial weights
                 self.averager.seed_center(self._snapshot(message).params)
                 seeded = True
@@ -250,6 +288,87 @@ class Coordinator:
         if every and (epoch + 1) % every == 0 and epoch + 1 < total:
             self.save_bundle("checkpoint", epoch + 1, [])
 
+    # ---- membership (DESIGN §9) -------------------------------------------------------------
+
+    def _absorb_deaths(self) -> bool:
+        """Turn reported deaths into a smaller membership: forget the rank's timing, give its
+        unfinished work back, re-plan, then apply the failure policy. True when it changed."""
+        changed = False
+        while not self._deaths.empty():
+            rank, reason = self._deaths.get()
+            if rank not in self.alive:
+                continue
+            self.alive.discard(rank)
+            self.summary.dead_ranks.append(rank)
+            self.observer.on_event("rank_lost", f"rank {rank} lost: {reason}")
+            log.warning("rank %d lost: %s", rank, reason)
+            if self.on_rank_dead is not None:
+                self.on_rank_dead(rank)
+            self._give_back(rank)
+            if self.elche is not None:
+                self.plan = self.elche.forget_rank(rank)
+            self._regroup_needed = self.mode.is_collective
+            changed = True
+            self._apply_failure_policy(reason)
+        return changed
+
+    def _give_back(self, rank: int) -> None:
+        """Everything the rank trained since the last reduce is lost with it: redo it."""
+        for epoch, slices in self._since_reduce.pop(rank, []):
+            if epoch == self._pool_epoch and self._pools:
+                target = min((p for p in self._pools if p is not None), key=lambda p: p.remaining)
+                target.give_back(slices)
+            elif hasattr(self, "async_loop"):
+                self.async_loop.give_back(epoch, slices)
+
+    def _apply_failure_policy(self, reason: str) -> None:
+        dead = self.world_size - len(self.alive)
+        limit = self.config.max_failure
+        if not self.alive:
+            raise ShutdownWithSave("all_ranks_lost", reason)
+        if (limit.absolute is not None and dead >= limit.absolute) or \
+                (limit.percent is not None and dead >= math.ceil(limit.percent * self.world_size)):
+            raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")
+        if self.mode.is_collective and len(self.alive) == 1:
+            raise ShutdownWithSave("single_survivor", "one rank cannot form a collective")
+
+    def _regroup(self) -> None:
+        """Collective modes: survivors rebuild the process group (new store prefix, new ranks
+        by ascending old rank) before the next reduce."""
+        self._generation += 1
+        members = sorted(self.alive)
+        for rank in members:
+            self._send(rank, Regroup(self._generation, members))
+        joined: Set[int] = set()
+        while joined < self.alive:
+            msg = self._next(expect=Regrouped)
+            if msg is None:  # another death while regrouping: start over with fewer members
+                return self._regroup()
+            if msg.generation == self._generation:
+                joined.add(msg.rank)
+        self._regroup_needed = False
+        self.observer.on_event("regroup", f"generation {self._generation}: ranks {members}")
+
+    def _shutdown_with_save(self, reason: str, detail: str) -> None:
+        """Save from a survivor (when any), then stop with status shutdown_with_save."""
+        self.summary.status = "shutdown_with_save"
+        stem = None
+        if self.alive:
+            try:
+                stem = self.save_bundle(reason, self._pool_epoch, self._uncovered_now())
+            except (RunAborted, zmq.ZMQError) as exc:
+                detail = f"{detail}; the save failed: {exc}"
+        saved = f"bundle {stem}" if stem else "no bundle"
+        self.summary.message = f"{reason}: {detail}; {saved}"
+        self.observer.on_event("shutdown", self.summary.message)
+
+    def _uncovered_now(self) -> List[List[int]]:
+        """What of the current epoch the survivors' weights may not include."""
+        ranges = [r for p in self._pools if p is not None for r in p.uncovered()]
+        for chunks in self._since_reduce.values():
+            ranges += [list(s) for epoch, slices in chunks if epoch == self._pool_epoch for s in slices]
+        return ranges
+
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
@@ -260,15 +379,19 @@ class Coordinator:
             return None
         writer = self._callback_rank()
         center = self.averager.center if self.mode is Mode.cpu_async else None
-        for rank in range(self.world_size):
+        for rank in sorted(self.alive):
             if rank != writer:  # the others keep their own optimizer state (momentum differs)
                 self._send(rank, SaveCheckpoint(stem, write_model=False))
         if center is not None:  # under EASGD the model of record is the center
             self._send(writer, SaveCheckpoint(stem, dtype_names(center)), [as_frame(p) for p in center])
         else:
             self._send(writer, SaveCheckpoint(stem))
-        for _ in range(self.world_size):
+        answered: Set[int] = set()
+        while not self.alive <= answered:
             saved = self._next(expect=CheckpointSaved)
+            if saved is None:
+                continue
+            answered.add(saved.rank)
             if saved.error:
                 raise RunAborted("failed", f"rank {saved.rank} could not save {stem}: {saved.error}")
         if not self.mode.is_collective and self.averager.outer.active or center is not None:
@@ -322,12 +445,14 @@ class Coordinator:
         """Progressive dispatch: each window hands every rank its planned count of batches; the
         next window's orders ride on the reduce (folded into the update on the coordinator
         backend)."""
+        self._pools, self._pool_epoch = [pool], epoch
 
         def plan_window() -> Dict[int, Train]:
-            sizes = window_samples(pool.remaining, self.plan.batch_counts, self.config.batch_size)
+            counts = [c if r in self.alive else 0 for r, c in enumerate(self.plan.batch_counts)]
+            sizes = window_samples(pool.remaining, counts, self.config.batch_size)
             trains = {}
             for rank, size in enumerate(sizes):
-                slices = pool.take(size)
+                slices = pool.take(size) if rank in self.alive else []
                 if slices:
                     trains[rank] = self._train_order(epoch, slices)
             return trains
@@ -336,7 +461,11 @@ class Coordinator:
         for rank, order in trains.items():
             self._send(rank, order)
         reduces = 0
-        while trains:
+        while trains or pool.remaining:  # work given back by a dead rank is redone
+            if not trains:
+                trains = plan_window()
+                for rank, order in trains.items():
+                    self._send(rank, order)
             window = _WindowTally.empty(self.world_size)
             self._collect_windows(set(trains), window, epoch, epoch_tally)
             trains = self._reduce(window, epoch_tally, epoch,
@@ -353,12 +482,22 @@ class Coordinator:
         and ranks that are ahead keep stepping meanwhile (sync is not lockstep)."""
         shares = equal_split(pool.remaining, self.world_size, self.config.elche.partition_ratios)
         parts = pool.split(shares)
+        self._pools, self._pool_epoch = parts, epoch
         while any(part.remaining for part in parts):
+            self._rehome_parts(parts)
             window = _WindowTally.empty(self.world_size)
             self._sync_window(epoch, parts, window, epoch_tally)
             self._reduce(window, epoch_tally, epoch)
             if self._stop.is_set():
                 self._graceful_stop(epoch, [r for part in parts for r in part.uncovered()])
+
+    def _rehome_parts(self, parts: List[EpochPool]) -> None:
+        """A dead rank's share of a sync epoch goes to the survivor with the least left."""
+        for rank in range(len(parts)):
+            if rank not in self.alive and parts[rank].remaining and self.alive:
+                target = min(self.alive, key=lambda r: parts[r].remaining)
+                parts[target].give_back([(parts[rank].pass_index, s, e - s) for s, e in parts[rank].ranges])
+                parts[rank].ranges = []
 
     def _sync_window(self, epoch: int, parts: List[EpochPool], window: _WindowTally,
                      epoch_tally: _EpochTally) -> None:
@@ -368,11 +507,17 @@ class Coordinator:
             self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size)))
             in_flight[rank] = time.perf_counter()
 
-        for rank in range(self.world_size):
+        for rank in sorted(self.alive):
             if parts[rank].remaining:
                 give(rank)
-        while in_flight:
+        while True:
+            for rank in [r for r in in_flight if r not in self.alive]:
+                del in_flight[rank]
+            if not in_flight:
+                break
             done = self._next(expect=WindowDone)
+            if done is None:
+                continue
             del in_flight[done.rank]
             window.add(done)
             self._progress(epoch, epoch_tally, window, done)
@@ -402,8 +547,13 @@ class Coordinator:
 
     def _collect_windows(self, waiting: Set[int], window: _WindowTally, epoch: int,
                          epoch_tally: _EpochTally) -> None:
-        while waiting:
+        while True:
+            waiting &= self.alive
+            if not waiting:
+                break
             done = self._next(expect=WindowDone)
+            if done is None:
+                continue
             waiting.discard(done.rank)
             window.add(done)
             self._progress(epoch, epoch_tally, window, done)
@@ -422,15 +572,17 @@ class Coordinator:
         self._window += 1
         self._round += 1
         began = time.perf_counter()
-        for rank in range(self.world_size):
-            self._send(rank, SyncNow(self._round, self._global_step))
         result = None
         if self.mode.is_collective:
-            divergence = self._collect_reduced()
+            divergence = self._collective_round()
         else:
+            for rank in sorted(self.alive):
+                self._send(rank, SyncNow(self._round, self._global_step))
             result = self._central_round(window)
             divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
+        window.drop(set(range(self.world_size)) - self.alive)  # the dead's work is redone
+        self._since_reduce = {r: [] for r in self.alive}
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
         self._after_reduce(window, epoch, sync_ms, divergence)
@@ -443,11 +595,45 @@ class Coordinator:
         self._maybe_report(epoch, epoch_tally)
         return trains
 
-    def _collect_reduced(self) -> float:
+    def _collective_round(self) -> float:
+        """SyncNow to the survivors until one round completes on all of them: a death during
+        the reduce (ReduceFailed, or a rank lost) regroups and retries the same round; each
+        rank restores its pre-reduce replica before the retry."""
+        began = time.monotonic()
+        while True:
+            if self._regroup_needed:
+                self._regroup()
+            asked = set(self.alive)
+            for rank in sorted(asked):
+                self._send(rank, SyncNow(self._round, self._global_step))
+            divergences, failed = self._collect_reduced(asked)
+            if not failed and not self._regroup_needed:
+                return max(divergences) if divergences else 0.0
+            self._regroup_needed = True
+            if time.monotonic() - began > self._stall_ceiling_s():
+                raise ShutdownWithSave("reduce_stall", f"round {self._round} did not complete")
+
+    def _collect_reduced(self, asked: Set[int]) -> tuple:
         divergences: List[float] = []
-        while len(divergences) < self.world_size:
-            divergences.append(self._next(expect=Reduced).divergence)
-        return max(divergences)
+        failed = False
+        answered: Set[int] = set()
+        while not asked & self.alive <= answered:
+            msg = self._next(expect=(Reduced, ReduceFailed))
+            if msg is None:
+                failed = True  # the round lost a member: regroup and retry it
+                continue
+            if msg.round != self._round or msg.rank not in asked:
+                continue
+            answered.add(msg.rank)
+            if isinstance(msg, ReduceFailed):
+                failed = True
+            else:
+                divergences.append(msg.divergence)
+        return divergences, failed
+
+    def _stall_ceiling_s(self) -> float:
+        """DESIGN §9: a reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""
+        return max(10 * self.config.heartbeat_timeout_secs, 300.0)
 
     def _after_reduce(self, window: _WindowTally, epoch: int, sync_ms: float, divergence: float) -> None:
         """Feed ElChe one ReduceReport and publish what it decided."""
@@ -464,11 +650,18 @@ class Coordinator:
 
     def _central_round(self, window: _WindowTally) -> Optional[CentralResult]:
         """Collect every rank's snapshot and average them here, on CPU."""
-        snapshots: List[Snapshot] = []
-        while len(snapshots) < self.world_size:
-            snapshots.append(self._snapshot(self._next(expect=SnapshotTaken)))
-            self.check_snapshot(snapshots[-1], window.batches[snapshots[-1].rank], allowance=0)
-        snapshots.sort(key=lambda snap: snap.rank)
+        snapshots: Dict[int, Snapshot] = {}
+        began = time.monotonic()
+        while not self.alive <= set(snapshots):
+            taken = self._next(expect=SnapshotTaken)
+            if taken is None:
+                continue
+            snap = self._snapshot(taken)
+            self.check_snapshot(snap, window.batches[snap.rank], allowance=0)
+            snapshots[snap.rank] = snap
+            if time.monotonic() - began > self._stall_ceiling_s():
+                raise ShutdownWithSave("reduce_stall", f"round {self._round}: snapshots missing")
+        snapshots = [snapshots[r] for r in sorted(self.alive)]  # a dead rank's snapshot is dropped
         return self.averager.reduce(snapshots)
 
     def check_snapshot(self, snap: Snapshot, window_batches: int, allowance: int) -> None:
@@ -496,7 +689,7 @@ class Coordinator:
             buffers = result.float_buffers is not None
             if buffers:
                 frames.append(as_frame(result.float_buffers))
-        for rank in range(self.world_size):
+        for rank in sorted(self.alive):
             self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes,
                                     stepped, trains.get(rank)), frames)
 
@@ -541,14 +734,17 @@ class Coordinator:
                                  for s, w in zip(tally.samples, tally.wall_ms)],
             per_rank_batch_share=[b / total_batches for b in tally.batches],
             scalars=roll_up(tally.scalars, self.config.scalar_reductions),
+            samples=sum(tally.samples),
+            **self._data.epoch_fields(epoch),
         )
 
     def _callback_rank(self) -> int:
         policy = self.config.epoch_callback_policy
-        if policy.startswith("rank:"):
+        if policy.startswith("rank:") and int(policy.split(":", 1)[1]) in self.alive:
             return int(policy.split(":", 1)[1])
-        known = [(ms, rank) for rank, ms in enumerate(self.elche.smoothed_ms()) if ms is not None]
-        return min(known)[1] if known else 0
+        known = [(ms, rank) for rank, ms in enumerate(self.elche.smoothed_ms())
+                 if ms is not None and rank in self.alive]
+        return min(known)[1] if known else min(self.alive)
 
     def _evaluate(self, epoch: int) -> Optional[float]:
         rank = self._callback_rank()
@@ -558,18 +754,31 @@ class Coordinator:
         else:
             self._send(rank, Evaluate(epoch))
         result = self._next(expect=Evaluated)
+        while result is None or result.rank not in self.alive:
+            if rank not in self.alive:  # the callback rank died: ask another
+                return self._evaluate(epoch)
+            result = self._next(expect=Evaluated)
         return None if result.score != result.score else result.score  # NaN: no eval set
 
     # ---- messaging --------------------------------------------------------------------------
 
     def _send(self, rank: int, message: Message, payloads: Sequence[memoryview] = ()) -> None:
+        order = message.train if isinstance(message, Update) else message
+        if isinstance(order, Train) and order.slices:
+            self._since_reduce.setdefault(rank, []).append((order.epoch, list(order.slices)))
         self.channel.send(message, payloads, identity=self.identities[rank])
 
-    def _next(self, expect: type | tuple) -> Message:
-        """The next message of type `expect`; heartbeats and failures are handled on the way.
+    def _next(self, expect: type | tuple) -> Optional[Message]:
+        """The next message of type `expect`, or None when a rank died meanwhile (callers then
+        re-check what they wait for); heartbeats and failures are handled on the way.
         Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async) are
         kept, in order, for the call that expects them."""
+        if self._absorb_deaths():
+            return None
         for i, waiting in enumerate(self._deferred):
+            if getattr(waiting.message, "rank", None) not in self.alive and \
+                    not isinstance(waiting.message, RankJoined):
+                continue
             if isinstance(waiting.message, expect):
                 del self._deferred[i]
                 self._payloads = waiting.payloads
@@ -583,20 +792,29 @@ class Coordinator:
             received = self.channel.recv(timeout_ms=POLL_MS)
             if received is None:
                 self._check_heartbeats()
+                if self._absorb_deaths():
+                    return None  # membership changed: the caller re-plans what it waits for
                 continue
             message = received.message
             rank = getattr(message, "rank", None)
+            if rank is not None and rank not in self.alive:
+                continue  # a rank declared dead does not speak for the run any more
             if rank is not None:
                 self.last_seen[rank] = time.monotonic()
+            if isinstance(message, WindowDone):
+                self._data.add(message)  # each WindowDone passes here once, deferred or not
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity
                 self.joined[message.rank] = message
             elif isinstance(message, RankFailed):
-                raise RunAborted("failed", f"rank {message.rank} failed: {message.error}")
+                self.report_death(message.rank, f"failed: {message.error}")
+                self._absorb_deaths()
+                return None
             if isinstance(message, expect):
                 self._payloads = received.payloads
                 return message
-            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, CheckpointSaved)):
+            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, ReduceFailed,
+                                    CheckpointSaved, Regrouped)):
                 self._deferred.append(received)
             elif not isinstance(message, (Heartbeat, RankJoined)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
@@ -605,11 +823,12 @@ class Coordinator:
         now = time.monotonic()
         timeout = self.config.heartbeat_timeout_secs
         for rank, seen in self.last_seen.items():
-            if now - seen > timeout:
-                raise RunAborted("failed", f"rank {rank} silent for {now - seen:.0f}s (heartbeat timeout)")
+            if rank in self.alive and now - seen > timeout:
+                self.report_death(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
 
     def _finish(self, wall_s: float) -> None:
         for rank in list(self.identities):
+            self._stopped.add(rank)
             try:
                 self._send(rank, Stop(self.summary.status))
             except zmq.ZMQError:

@@ -45,15 +45,37 @@ class AsyncLoop:
         self.rounds_started = 0
         self.round_began = 0.0
 
+    def give_back(self, epoch: int, slices: list) -> None:
+        """A dead rank's chunks (since its last snapshot) go back to their epoch's pool."""
+        self.pools[epoch].give_back(slices)
+
+    def _forget_dead(self) -> None:
+        for rank in [r for r in range(self.world) if r not in self.c.alive and self.in_hand.get(r)]:
+            for epoch, _ in self.in_hand[rank]:
+                self.outstanding[epoch] -= 1
+            self.in_hand[rank] = []
+            self.window_done.discard(rank)
+            self.next_done.discard(rank)
+        for rank in range(self.world):  # a survivor idle for want of work gets the given-back work
+            if rank in self.c.alive and rank in self.idle and any(p.remaining for p in self.pools):
+                self.idle.discard(rank)
+                self.dispatch_epoch = min(e for e, p in enumerate(self.pools) if p.remaining)
+                self._give(rank)
+
     def run(self) -> None:
+        self.c.async_loop = self
         for rank in range(self.world):
             self._give(rank)
         while self.closed < len(self.spans):
             message = self.c._next(expect=(WindowDone, SnapshotTaken))
+            self._forget_dead()
             if isinstance(message, WindowDone):
                 self._on_window_done(message)
-            else:
+            elif message is not None:
                 self._on_snapshot(message)
+            self._forget_dead()
+            self._maybe_finish_round()
+            self._maybe_start_round()
             self._close_epochs()
 
     # ---- dispatch ---------------------------------------------------------------------------
@@ -62,7 +84,7 @@ class AsyncLoop:
         """Next chunk for `rank`: its planned count, from the oldest epoch with data left."""
         while self.dispatch_epoch < len(self.spans) and not self.pools[self.dispatch_epoch].remaining:
             self.dispatch_epoch += 1
-        if self.dispatch_epoch >= len(self.spans) or self.c._stop.is_set():
+        if self.dispatch_epoch >= len(self.spans) or self.c._stop.is_set() or rank not in self.c.alive:
             self.idle.add(rank)
             return
         epoch = self.dispatch_epoch
@@ -103,13 +125,13 @@ class AsyncLoop:
         """Reduce once every rank reached its count (ranks without data count as done)."""
         if self.snapshots is not None or not self.window_done:
             return
-        if any(r not in self.window_done and r not in self.idle for r in range(self.world)):
+        if any(r not in self.window_done and r not in self.idle for r in self.c.alive):
             return
         self.c._window += 1
         self.c._round += 1
         self.rounds_started += 1
         self.round_began = time.perf_counter()
-        for rank in range(self.world):
+        for rank in sorted(self.c.alive):
             self.c._send(rank, SyncNow(self.c._round, self.c._global_step))
         self.snapshots = []
 
@@ -117,9 +139,13 @@ class AsyncLoop:
         snap = self.c._snapshot(taken)
         self.c.check_snapshot(snap, self.window.batches[snap.rank], self.overshoot[snap.rank])
         self.snapshots.append(snap)
-        if len(self.snapshots) < self.world:
+
+    def _maybe_finish_round(self) -> None:
+        """Average once every live rank's snapshot is in (a dead rank's is dropped)."""
+        if self.snapshots is None or not self.c.alive <= {s.rank for s in self.snapshots}:
             return
-        snapshots = sorted(self.snapshots, key=lambda snap: snap.rank)
+        snapshots = sorted((s for s in self.snapshots if s.rank in self.c.alive), key=lambda s: s.rank)
+        self.c._since_reduce = {r: [] for r in self.c.alive}
         result = self.c.averager.reduce(snapshots)
         sync_ms = (time.perf_counter() - self.round_began) * 1000.0
         self.c._global_step += sum(s.steps for s in snapshots)

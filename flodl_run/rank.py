@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import socket
 import sys
 import threading
@@ -26,18 +27,20 @@ import zmq
 
 from flodl_run import checkpoint, scalars
 from flodl_run.averaging.central import blend_
-from flodl_run.averaging.collective import weighted_reduce_
+from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
-from flodl_run.data import BatchSource, permutation
+from flodl_run.data import permutation
+from flodl_run.dataplane import DataPlane
 from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
     Channel, CheckpointSaved, Evaluate, Evaluated, Heartbeat, RankFailed, RankJoined, Reduced,
-    SaveCheckpoint, SnapshotTaken, Stop, SyncNow, Train, Update, WindowDone,
+    ReduceFailed, Regroup, Regrouped, SaveCheckpoint, SnapshotTaken, Stop, SyncNow, Train, Update,
+    WindowDone,
 )
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -110,7 +113,8 @@ class RankWorker:
                                max_grad_norm=config.max_grad_norm)
         self.flat = FlatParams(self.replica.model)
         self.outer = OuterOptimizer(config.outer)
-        self.source = BatchSource(self.recipe.call("train_dataset"), self.device)
+        self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
+                                self.recipe.transform, rank=env.rank)
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
         slow = config.cluster.emulate_slowdown
         self.slowdown = slow[env.rank] if slow and env.rank < len(slow) else 1.0
@@ -122,6 +126,10 @@ class RankWorker:
         self._sync_pending = False  # cpu_async: window done, SyncNow not yet received
         self._overshoot_used = 0
         self._reduces_seen = 0
+        self._tcp_store: Optional[dist.Store] = None
+        self._batches_total = 0
+        self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
+        self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
         self._staging = HostStaging(self.flat.buffers)
         if config.resume_from:
             self._resume(config.resume_from)
@@ -136,10 +144,7 @@ class RankWorker:
     def run(self) -> int:
         collective = self.mode.is_collective
         if collective:  # the coordinator backend needs no process group (and no NCCL)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            timeout = datetime.timedelta(seconds=max(60.0, 10 * self.config.heartbeat_timeout_secs))
-            dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size,
-                                    timeout=timeout, device_id=self.device if backend == "nccl" else None)
+            self._join_group(0, list(range(self.env.world_size)))
         heartbeat = _Heartbeat(self.ctx, self.env)
         heartbeat.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -156,6 +161,36 @@ class RankWorker:
             if collective:
                 dist.destroy_process_group()
         return 0
+
+    def _store(self) -> dist.Store:
+        """The rendezvous store at MASTER_ADDR:MASTER_PORT. When the launcher (or torchrun's
+        agent) hosts it, every rank is a client, so it outlives any rank."""
+        if self._tcp_store is None:
+            hosted = os.environ.get("FLODL_RUN_STORE_HOSTED") == "1" or \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            self._tcp_store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                is_master=not hosted and self.env.rank == 0,
+                timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
+        return self._tcp_store
+
+    def _join_group(self, generation: int, members: List[int]) -> None:
+        """(Re)build the process group of one membership generation (DESIGN §9). Collectives
+        time out after 2 x heartbeat_timeout_secs, so a hung peer cannot hold survivors long."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=max(5.0, 2 * self.config.heartbeat_timeout_secs))
+        store = dist.PrefixStore(f"flodl_run/gen{generation}/", self._store())
+        dist.init_process_group(backend, store=store, rank=members.index(self.env.rank),
+                                world_size=len(members), timeout=timeout,
+                                device_id=self.device if backend == "nccl" else None)
+
+    def _regroup(self, order: Regroup) -> None:
+        if self.env.rank not in order.members:
+            raise SystemExit(f"rank {self.env.rank}: declared dead by the coordinator; exiting")
+        self._join_group(order.generation, order.members)
+        self.channel.send(Regrouped(self.env.rank, order.generation))
 
     def _serve(self) -> None:
         """Batch-granular loop: handle every order that arrived, then train one batch if allowed."""
@@ -176,6 +211,7 @@ class RankWorker:
 
     def _handle(self, order: Any, payloads: List[memoryview]) -> None:
         if isinstance(order, Train):
+            self._last_reduce = None  # training moved on: that reduce will not be retried
             self.jobs.append(_Job(order, self._order_batches(order)))
         elif isinstance(order, SyncNow):
             self._reduce(order)
@@ -185,6 +221,8 @@ class RankWorker:
             self._evaluate(order, payloads)
         elif isinstance(order, SaveCheckpoint):
             self._save(order, payloads)
+        elif isinstance(order, Regroup):
+            self._regroup(order)
 
     # ---- training --------------------------------------------------------------------------
 
@@ -211,12 +249,15 @@ class RankWorker:
         job = self.jobs[0]
         indices = job.batches[job.done]
         began = time.perf_counter()
-        job.loss_sum += self.replica.step(self.source.gather(indices))
+        job.loss_sum += self.replica.step(self.source.gather(indices, self.jobs))
         self._emulate_slowdown(began)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
         job.done += 1
         job.samples += len(indices)
         self._steps_since_reduce += 1
+        self._batches_total += 1
+        if self._fault is not None and self._batches_total == self._fault[0]:
+            os.kill(os.getpid(), self._fault[1])  # fault injection for tests (FLODL_RUN_FAULT)
         if self._sync_pending:
             self._overshoot_used += 1
         if job.done == len(job.batches):
@@ -228,7 +269,7 @@ class RankWorker:
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
             _fill_ms(job.step_ms), job.loss_sum, self.replica.lr, scalars.drain(),
-            reduces_seen=self._reduces_seen))
+            reduces_seen=self._reduces_seen, **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
 
@@ -246,12 +287,31 @@ class RankWorker:
         if not self.mode.is_collective:
             self._send_snapshot(order.round)
             return
-        outcome = weighted_reduce_(self.flat, self._steps_since_reduce, self.config.elche.gamma)
+        if self._last_reduce is not None and self._last_reduce[0] == order.round:
+            self._undo_reduce()  # a retry after a death: start again from our own replica
+        outer_before = self.outer.state_dict() if self.outer.active and self.outer.prev is not None else None
+        outer_before = {k: [t.clone() for t in v] for k, v in outer_before.items()} if outer_before else None
+        try:
+            outcome = weighted_reduce_(self.flat, self._steps_since_reduce, self.config.elche.gamma)
+        except CollectiveError as exc:
+            self.channel.send(ReduceFailed(self.env.rank, order.round, str(exc)))
+            return
+        self._last_reduce = (order.round, outcome.scratch, self._steps_since_reduce, outer_before)
         if outcome.applied and self.outer.step_(self.flat.buffers):
             self._after_outer_step()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight))
+
+    def _undo_reduce(self) -> None:
+        """Back to the pre-reduce replica (parameters, step count, outer state)."""
+        _, scratch, steps, outer_before = self._last_reduce
+        if scratch is not None:
+            self.flat.copy_(scratch)
+        self._steps_since_reduce = steps
+        if outer_before is not None:
+            self.outer.load_state_dict(outer_before)
+        self._last_reduce = None
 
     def _after_outer_step(self) -> None:
         if self.config.outer.kind is OuterKind.diloco:
@@ -354,6 +414,16 @@ class _Job:
     samples: int = 0
     loss_sum: float = 0.0
     step_ms: List[float] = field(default_factory=list)
+
+
+def _fault_for(rank: int, spec: str) -> Optional[tuple]:
+    """FLODL_RUN_FAULT="<rank>:<after batches>:<SIGNAL>[,...]" (a test and diagnostic knob):
+    the rank sends itself SIGNAL right after its Nth batch, e.g. "1:30:SIGKILL"."""
+    for item in filter(None, spec.split(",")):
+        who, after, sig = item.split(":")
+        if int(who) == rank:
+            return int(after), getattr(signal, sig)
+    return None
 
 
 def _cpu(state: Any) -> Any:

@@ -15,7 +15,8 @@ import torch
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.observe import Observer
 from flodl_run.scalars import drain, roll_up
-from flodl_run.data import BatchSource, num_batches, permutation
+from flodl_run.data import num_batches, permutation
+from flodl_run.dataplane import DataPlane
 from flodl_run.recipe import Recipe
 from flodl_run.replica import Replica
 from flodl_run.summary import EpochRecord, Summary
@@ -56,7 +57,8 @@ class SoloTrainer:
         slow = config.cluster.emulate_slowdown
         self.slowdown = slow[0] if slow else 1.0  # the bench's solo runs at each rank speed
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
-        self.train_source = BatchSource(recipe.call("train_dataset"), self.device)
+        self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
+                                      recipe.transform)
         self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
         self.summary = Summary(mode="solo", outer="none", world_size=1,
                                devices=[device_name(self.device)])
@@ -76,6 +78,7 @@ class SoloTrainer:
                 self.summary.epochs.append(self._train_epoch(epoch))
                 self.observer.on_epoch(self.summary.epochs[-1])
             self.summary.final_eval = self._final_eval()
+            self.summary.status = "completed"
         except KeyboardInterrupt:
             self.summary.status = "interrupted"
             self.summary.message = "stopped by SIGINT"
@@ -99,7 +102,7 @@ class SoloTrainer:
         indices = self._epoch_indices(epoch)
         losses: List[float] = []
         began = time.perf_counter()
-        for batch in self.train_source.batches(indices, self.config.batch_size):
+        for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
             step_began = time.perf_counter()
             losses.append(self.replica.step(batch))
             self._emulate_slowdown(step_began)
@@ -117,6 +120,7 @@ class SoloTrainer:
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
             per_rank_batch_share=[1.0],
             scalars=roll_up(drain(), self.config.scalar_reductions),
+            **self.train_source.stats.take_epoch(),
         )
 
     def _emulate_slowdown(self, began: float) -> None:

@@ -26,6 +26,15 @@ class EpochRecord:
     """Share of the epoch's batches each rank trained."""
     scalars: Dict[str, float] = field(default_factory=dict)
     """User scalars (record_scalar), rolled up by scalar_reductions."""
+    samples: int = 0
+    """Samples whose training reached the consensus (work of ranks that died is not counted:
+    it was redone by survivors)."""
+    per_rank_data_starve_ms: List[float] = field(default_factory=list)
+    """Per rank: time its steps waited for their batches in the epoch, in ms."""
+    per_rank_delivery: List[str] = field(default_factory=list)
+    """Per rank: how its data reached its device at the epoch's end (resident or streaming)."""
+    per_rank_cache_hit_rate: List[Dict[str, float]] = field(default_factory=list)
+    """Per rank: share of the epoch's rows served by each tier (vram, ram, disk)."""
 
 
 @dataclass
@@ -62,8 +71,8 @@ class ReportRecord:
 
 @dataclass
 class Summary:
-    status: str = "completed"
-    """completed | failed | interrupted | shutdown_with_save."""
+    status: str = "failed"
+    """completed | failed | interrupted | shutdown_with_save (failed until a run says otherwise)."""
     mode: str = "solo"
     outer: str = "none"
     world_size: int = 1

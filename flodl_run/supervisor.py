@@ -7,6 +7,7 @@ does; this module only tells it when a child died or the user pressed Ctrl-C. Ne
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, TextIO
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from rich.console import Console
 
@@ -44,6 +45,17 @@ class RankProcess:
     forwarder: Optional[threading.Thread] = None
     host: Optional[str] = None
     """Worker host of a rank started over ssh (`hosts`); None for a local rank."""
+    store: Any = None
+    """The rendezvous store these ranks share (kept alive as long as the processes)."""
+
+
+def host_store(addr: str, port: int) -> Any:
+    """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
+    rebuild their process group on it after a death (DESIGN §9)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=300))
 
 
 def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
@@ -57,6 +69,7 @@ def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord
         "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
         "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_FILE": str(run_file),
         "FLODL_RUN_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+        "FLODL_RUN_STORE_HOSTED": "1",
     })
     # Ranks import the recipe the way the launcher did: from the current directory first.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
@@ -85,6 +98,7 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
     master_port = config.cluster.master_port or free_port(config.cluster.master_addr)
+    store = host_store(config.cluster.master_addr, master_port)
     procs = []
     for rank in range(world_size):
         env = rank_environment(config, rank, world_size, coord, secret, run_dir / "run.yaml",
@@ -93,7 +107,7 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
             [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
-        proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"))
+        proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"), store=store)
         proc.forwarder = threading.Thread(target=_forward, args=(proc, console), daemon=True)
         proc.forwarder.start()
         procs.append(proc)
@@ -130,14 +144,24 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
     reported = set()
     while thread.is_alive():
         try:
-            thread.join(timeout=0.2)
+            time.sleep(0.2)  # not thread.join(): a Ctrl-C inside join() can break is_alive()
             for p in procs:
                 code = p.process.poll()
-                if code is not None and code != 0 and p.rank not in reported:
-                    reported.add(p.rank)
-                    coordinator.report_failure("failed", _exit_reason(p, code, procs))
+                if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
+                    reported.add(p.rank)  # exiting before it was told to stop is a death
+                    coordinator.report_death(p.rank, _exit_reason(p, code, procs))
         except KeyboardInterrupt:
             coordinator.request_stop("interrupted by SIGINT")
+
+
+def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
+    """What the coordinator calls on a rank it declared dead: make sure the process is gone
+    (a stopped or hung rank must not wake up into a group that moved on)."""
+    def kill(rank: int) -> None:
+        for p in procs:
+            if p.rank == rank and p.process.poll() is None:
+                _signal_group(p.process, signal.SIGKILL)
+    return kill
 
 
 def _exit_reason(proc: RankProcess, code: int, procs: List[RankProcess]) -> str:
@@ -198,6 +222,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
                                 console, uuids)
         else:
             _announce_controller_only(config, plan.world_size, coordinator.address, secret, run_dir, console)
+        coordinator.on_rank_dead = _killer(procs)
         _watch(coordinator, thread, procs)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -63,6 +63,14 @@ class WindowDone(Message):
     reduces_seen: int = 0
     """SyncNow orders this rank had handled when the window ended (cpu_async: tells the
     coordinator which reduce the window's steps went into)."""
+    data_starve_ms: float = 0.0
+    """Time the window's steps waited for their batches (the data plane), in ms."""
+    data_rows: int = 0
+    """Rows the data plane delivered in the window."""
+    data_hits: Dict[str, int] = {}
+    """Rows served by each cache tier (vram, ram, disk); the rest came from the data set."""
+    delivery: str = ""
+    """resident or streaming: how the rank's data reached its device at the window's end."""
 
 
 class Reduced(Message):
@@ -99,6 +107,13 @@ class ReduceFailed(Message):
     rank: int
     round: int
     error: str
+
+
+class Regrouped(Message):
+    """A rank joined the process group of membership generation `generation`."""
+
+    rank: int
+    generation: int
 
 
 class Evaluated(Message):
@@ -151,6 +166,14 @@ class Evaluate(Message):
     dtypes: List[str] = []
 
 
+class Regroup(Message):
+    """Collective modes after a death: rebuild the process group among `members` (ascending
+    old ranks; new rank = index) under a fresh store prefix for `generation`."""
+
+    generation: int
+    members: List[int]
+
+
 class SaveCheckpoint(Message):
     """Write `<stem>.pt` and `<stem>.optim.pt` (and `<stem>.outer.pt` in collective modes); with
     `dtypes`, the model state is the parameters in the frames (the EASGD center)."""
@@ -166,8 +189,8 @@ class Stop(Message):
 
 
 AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated,
-                   RankFailed, CheckpointSaved, ReduceFailed, Train, SyncNow, Update, Evaluate,
-                   SaveCheckpoint, Stop]
+                   RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Train, SyncNow, Update,
+                   Evaluate, Regroup, SaveCheckpoint, Stop]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -16,6 +16,10 @@ import torch.distributed as dist
 from flodl_run.averaging.flat import FlatParams, relative_distance
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer died or timed out); the replica was restored."""
+
+
 def consensus_weight(steps: int, gamma: float) -> float:
     """w_k = 0 if n_k == 0 else n_k ** gamma."""
     return 0.0 if steps <= 0 else float(steps) ** gamma
@@ -45,10 +49,17 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
     if total_weight <= 0.0:
         return ReduceOutcome(False, weight, 0.0, 0.0, None)
     scratch = flat.clone()
-    for buf in flat.buffers:
-        buf.mul_(weight / total_weight)
-        dist.all_reduce(buf, group=group)
-    _reduce_float_buffers_(flat, moved / movers, group)
+    stats = flat.flat_float_buffers().clone() if flat.float_buffers else None
+    try:
+        for buf in flat.buffers:
+            buf.mul_(weight / total_weight)
+            dist.all_reduce(buf, group=group)
+        _reduce_float_buffers_(flat, moved / movers, group)
+    except Exception as exc:  # a peer died mid-reduce: leave this replica as it was
+        flat.copy_(scratch)
+        if stats is not None:
+            flat.load_float_buffers_(stats)
+        raise CollectiveError(str(exc)) from exc
     return ReduceOutcome(True, weight, total_weight, relative_distance(scratch, flat.buffers), scratch)
 
 
