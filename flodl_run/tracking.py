@@ -104,6 +104,12 @@ def epoch_values(record: EpochRecord) -> Dict[str, float]:
     for r, (rate, share) in enumerate(zip(record.per_rank_throughput, record.per_rank_batch_share)):
         values[f"throughput/rank{r}"] = rate
         values[f"batch_share/rank{r}"] = share
+    for r, starve_ms in enumerate(record.per_rank_data_starve_ms):
+        values[f"data_starve_ms/rank{r}"] = starve_ms
+    for r, delivery in enumerate(record.per_rank_delivery):
+        values[f"data_resident/rank{r}"] = float(delivery == "resident")
+    for r, rates in enumerate(record.per_rank_cache_hit_rate):
+        values.update({f"cache_hit/{tier}/rank{r}": rate for tier, rate in rates.items()})
     for name, value in record.scalars.items():
         key = metric_safe(name)
         values[f"user/{key}" if key in OWN_EPOCH_KEYS or key in values else key] = value

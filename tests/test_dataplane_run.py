@@ -1,0 +1,48 @@
+"""Per-rank delivery modes in a real two-rank run (issue 9's done-criterion), CPU only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_two_cpu_ranks_choose_different_modes_in_one_run(tmp_path):
+    """Pins the issue's done-criterion: in one real run, rank 0 (a simulated device the set fits)
+    goes resident while rank 1 (too small a device) streams, and summary.json says so per rank
+    and per epoch with its data-starve ms."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, FLODL_RUN_SIM_DEVICE_BYTES_0="1e9",
+               FLODL_RUN_SIM_DEVICE_BYTES_1="100000")  # digits: 1437 x 264 B = 379 kB
+    proc = subprocess.run(
+        [sys.executable, "-m", "flodl_run", "tracking=off", "cluster=cpu", "cluster.num_ranks=2",
+         "num_epochs=2", "eval_every_epochs=2", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = summary["epochs"][-1]
+    assert last["per_rank_delivery"] == ["resident", "streaming"]
+    assert last["per_rank_cache_hit_rate"][0]["vram"] == 1.0
+    starve = last["per_rank_data_starve_ms"]
+    assert len(starve) == 2 and all(ms >= 0 for ms in starve)
+
+
+def test_epoch_splits_make_finer_epochs_with_eval_and_data_metrics_in_process():
+    """Pins epoch_splits in a run: one pass in 3 splits is 3 epochs, each evaluated and each
+    carrying the rank's data metrics (solo: resident on CPU, all rows from the device tier)."""
+    from flodl_run.config.schema import DataConfig, ExperimentConfig
+    from flodl_run.recipe import load_recipe
+    from flodl_run.solo import SoloTrainer
+
+    recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2000, "hidden": 32, "depth": 1})
+    config = ExperimentConfig(num_epochs=1, device="cpu",
+                              data=DataConfig(epoch_splits=3, augment=2))
+    summary = SoloTrainer(config, recipe).run().summary
+    assert [e.epoch for e in summary.epochs] == [0, 1, 2]
+    assert all(e.eval is not None for e in summary.epochs)
+    assert all(e.per_rank_delivery == ["resident"] for e in summary.epochs)
+    assert all(e.per_rank_cache_hit_rate[0]["vram"] == 1.0 for e in summary.epochs)
