@@ -8,6 +8,7 @@ tracking=off, so only this process talks to MLflow. `tracking=off` logs nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -69,8 +70,9 @@ class MlflowBenchTracker(BenchTracker):
                                      tags=_short(tags))
         run_id, now = run.info.run_id, int(time.time() * 1000)
         metrics: List[Metric] = []
+        known = {f.name for f in dataclasses.fields(EpochRecord)}
         for record in summary.get("epochs", []):
-            values = epoch_values(EpochRecord(**record))
+            values = epoch_values(EpochRecord(**{k: v for k, v in record.items() if k in known}))
             metrics += [Metric(k, float(v), now, record["epoch"]) for k, v in values.items()]
         figures = {k: entry[k] for k in FIGURES if isinstance(entry[k], (int, float))}
         if isinstance(entry["time_to_target_s"], (int, float)):
