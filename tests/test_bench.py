@@ -34,7 +34,8 @@ def run_bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def _summary(evals, epoch_ms=1000.0, status="completed", samples_per_s=100.0):
     return {"status": status, "samples_per_s": samples_per_s, "final_eval": evals[-1],
-            "epochs": [{"epoch": i, "avg_loss": 1.0 / (i + 1), "eval": e, "epoch_ms": epoch_ms}
+            "epochs": [{"epoch": i, "avg_loss": 1.0 / (i + 1), "eval": e, "epoch_ms": epoch_ms,
+                        "per_rank_throughput": [samples_per_s], "per_rank_batch_share": [1.0]}
                        for i, e in enumerate(evals)]}
 
 
@@ -132,3 +133,40 @@ def test_smallest_bench_end_to_end(tmp_path):
     assert set(json.loads(Path(ddp["run_dir"], "summary.json").read_text())) == SUMMARY_KEYS
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "| nccl_cadence | completed |" in (tmp_path / "bench.md").read_text()
+
+
+def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):
+    """Pins the bench's MLflow layout: one parent run (tag mode=bench, bench files attached) and
+    one child per entry carrying mlflow.parentRunId, its per-epoch metrics (step = epoch) and
+    its bench figures; a failed entry's child ends FAILED."""
+    from mlflow import MlflowClient
+
+    from flodl_run.benchtrack import make_bench_tracker
+    from flodl_run.config.schema import TrackingConfig, TrackingKind
+
+    outcomes = []
+    for name, status in (("solo@1.0", "completed"), ("nccl_cadence", "failed")):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        summary = dict(_summary([0.5, 0.6]), status=status)
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        outcomes.append(RunOutcome(name, "r", "solo" if "solo" in name else "flodl_run",
+                                   "solo", "none", 2.0, summary, str(run_dir), "python ..."))
+    doc = bench_document([RecipeBench("r", 0.55, [1.0])], outcomes, {})
+    (tmp_path / "bench.json").write_text(json.dumps(doc))
+    uri = f"sqlite:///{mlflow_db}"
+    tracker = make_bench_tracker(TrackingConfig(kind=TrackingKind.mlflow, uri=uri))
+    tracker.start({"epochs": 2}, {"name": "bench test"})
+    tracker.log_entries(doc["entries"], [o.summary for o in outcomes])
+    tracker.finish([tmp_path / "bench.json"], "FAILED")
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("mode") == "bench")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.status == "FAILED"
+    assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["bench.json"]
+    assert sorted(c.data.tags["entry"] for c in children) == ["nccl_cadence", "solo@1.0"]
+    solo = next(c for c in children if c.data.tags["entry"] == "solo@1.0")
+    assert solo.info.status == "FINISHED" and solo.data.metrics["time_to_target_s"] == 2.0
+    assert [m.step for m in client.get_metric_history(solo.info.run_id, "eval")] == [0, 1]
+    assert next(c for c in children if c.data.tags["entry"] == "nccl_cadence").info.status == "FAILED"
