@@ -163,7 +163,7 @@ def oom(args) -> Dict[str, Any]:
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info(device)
     allowed = torch.cuda.memory_reserved(device) + set_bytes // 2 + 512 * 2**20
-    torch.cuda.set_per_process_memory_fraction(allowed / total, device)
+    torch.cuda.set_per_process_memory_fraction(allowed / total, torch.cuda.current_device())
     records = _Records()
     logging.getLogger("flodl_run.dataplane").addHandler(records)
     config = ExperimentConfig(batch_size=args.batch, seed=0, data=DataConfig())
