@@ -134,6 +134,8 @@ class Coordinator:
         self.config, self.world_size = config, world_size
         self.mode = config.elche.mode
         self.observer = observer or Observer()
+        self.mlflow_run_id: Optional[str] = None
+        """The tracked run, recorded in bundles so a resume can link to it."""
         self.ctx = zmq.Context.instance()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -408,7 +410,8 @@ class Coordinator:
                             [list(u) for u in uncovered])
         return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, self._global_step, self._round,
                           self.world_size, reason, self.elche.export_state(), coverage,
-                          json.loads(json.dumps(dotted_items(self.config), default=str)))
+                          json.loads(json.dumps(dotted_items(self.config), default=str)),
+                          self.mlflow_run_id)
 
     def _restore(self, stem: str) -> None:
         """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""

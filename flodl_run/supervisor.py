@@ -200,11 +200,12 @@ def _name_the_cause(summary: Summary, procs: List[RankProcess]) -> None:
 
 
 def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
-                 observer: Optional[Observer] = None) -> Summary:
+                 observer: Optional[Observer] = None, mlflow_run_id: Optional[str] = None) -> Summary:
     """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
     coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
                               observer=observer)
+    coordinator.mlflow_run_id = mlflow_run_id
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
                               name="coordinator", daemon=True)

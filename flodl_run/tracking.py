@@ -116,6 +116,17 @@ def epoch_values(record: EpochRecord) -> Dict[str, float]:
     return values
 
 
+def _resumed_run_id(config: ExperimentConfig) -> Optional[str]:
+    if not config.resume_from:
+        return None
+    from flodl_run.checkpoint import BundleError, read_meta
+
+    try:
+        return read_meta(config.resume_from).mlflow_run_id
+    except BundleError:
+        return None
+
+
 class NullTracker(Observer):
     """tracking=off: observes nothing, logs nothing."""
 
@@ -176,6 +187,9 @@ class MlflowTracker(NullTracker):
         parent = sweep.parent_run_id(self.client, experiment_id)
         if parent is not None:
             tags["mlflow.parentRunId"] = parent
+        resumed = _resumed_run_id(config)
+        if resumed:
+            tags["resumed_from_run_id"] = resumed  # a resume is a new run linked to the old one
         run = self.client.create_run(experiment_id, run_name=config.run_name, tags=tags)
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in _params(config).items()]

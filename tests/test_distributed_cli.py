@@ -15,10 +15,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None) -> tuple[subprocess.CompletedProcess, dict]:
+def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
+         tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, "-m", "flodl_run", f"tracking={tracking}", f"hydra.run.dir={run_dir}", *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
