@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class AsyncLoop:
     def __init__(self, coord: "Coordinator", total_epochs: int, start_epoch: int = 0):
-        from flodl_run.coordinator import _EpochTally, _WindowTally
+        from flodl_run.windows import EpochTally, WindowTally
 
         self.c = coord
         self.world = coord.world_size
@@ -30,8 +30,8 @@ class AsyncLoop:
                       for e in range(total_epochs)]
         self.outstanding = [0] * total_epochs
         self.in_hand: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}  # (epoch, slices)
-        self.tallies = [_EpochTally.empty(self.world) for _ in range(total_epochs)]
-        self.new_window = lambda: _WindowTally.empty(self.world)
+        self.tallies = [EpochTally.empty(self.world) for _ in range(total_epochs)]
+        self.new_window = lambda: WindowTally.empty(self.world)
         self.window = self.new_window()
         self.window_done: Set[int] = set()
         # Windows that ranks finish while a round is in flight belong to the next gate.

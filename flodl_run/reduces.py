@@ -1,0 +1,189 @@
+"""Reduces (DESIGN §6.5, §7): the collective round with regroup-and-retry, the coordinator
+backend's central round, ElChe's report, updates folded with the next chunk, and sub-epoch
+reports. A mixin of the Coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Set
+
+from flodl_run.averaging.central import CentralResult, Snapshot
+from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
+from flodl_run.config.schema import Mode
+from flodl_run.elche import ReduceReport
+from flodl_run.membership import RunAborted, ShutdownWithSave
+from flodl_run.scalars import roll_up
+from flodl_run.summary import ReduceRecord, ReportRecord
+from flodl_run.windows import EpochTally, WindowTally
+from flodl_run.wire import (
+    Reduced,
+    ReduceFailed,
+    SnapshotTaken,
+    SyncNow,
+    Train,
+    Update,
+)
+
+POLL_MS = 200
+STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
+log = logging.getLogger(__name__)
+
+
+class Reduces:
+    """Coordinator mixin: one consensus round, then ElChe's plan."""
+
+    def _reduce(self, window: WindowTally, epoch_tally: EpochTally, epoch: int,
+                plan_next: Optional[Callable[[], Dict[int, Train]]] = None) -> Dict[int, Train]:
+        """Order the consensus, wait for every rank, let ElChe plan, then send the next window
+        (`plan_next`) — after the collective, or folded into the coordinator's update."""
+        self._window += 1
+        self._round += 1
+        began = time.perf_counter()
+        result = None
+        if self.mode.is_collective:
+            divergence = self._collective_round()
+        else:
+            for rank in sorted(self.alive):
+                self._send(rank, SyncNow(self._round, self._global_step))
+            result = self._central_round(window)
+            divergence = result.divergence if result else 0.0
+        sync_ms = (time.perf_counter() - began) * 1000.0
+        window.drop(set(range(self.world_size)) - self.alive)  # the dead's work is redone
+        self._since_reduce = {r: [] for r in self.alive}
+        self._global_step += sum(window.batches)
+        epoch_tally.add(window)
+        self._after_reduce(window, epoch, sync_ms, divergence)
+        trains = plan_next() if plan_next is not None else {}
+        if result is not None or not self.mode.is_collective:
+            self._send_updates(result, trains)
+        else:
+            for rank, order in trains.items():
+                self._send(rank, order)
+        self._maybe_report(epoch, epoch_tally)
+        return trains
+
+    def _collective_round(self) -> float:
+        """SyncNow to the survivors until one round completes on all of them: a death during
+        the reduce (ReduceFailed, or a rank lost) regroups and retries the same round; each
+        rank restores its pre-reduce replica before the retry."""
+        began = time.monotonic()
+        while True:
+            if self._regroup_needed:
+                self._regroup()
+            asked = set(self.alive)
+            for rank in sorted(asked):
+                self._send(rank, SyncNow(self._round, self._global_step))
+            divergences, failed = self._collect_reduced(asked)
+            if not failed and not self._regroup_needed:
+                return max(divergences) if divergences else 0.0
+            self._regroup_needed = True
+            if time.monotonic() - began > self._stall_ceiling_s():
+                raise ShutdownWithSave("reduce_stall", f"round {self._round} did not complete")
+
+    def _collect_reduced(self, asked: Set[int]) -> tuple:
+        divergences: List[float] = []
+        failed = False
+        answered: Set[int] = set()
+        while not asked & self.alive <= answered:
+            msg = self._next(expect=(Reduced, ReduceFailed))
+            if msg is None:
+                failed = True  # the round lost a member: regroup and retry it
+                continue
+            if msg.round != self._round or msg.rank not in asked:
+                continue
+            answered.add(msg.rank)
+            if isinstance(msg, ReduceFailed):
+                failed = True
+            else:
+                divergences.append(msg.divergence)
+        return divergences, failed
+
+    def _stall_ceiling_s(self) -> float:
+        """DESIGN §9: a reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""
+        return max(10 * self.config.heartbeat_timeout_secs, 300.0)
+
+    def _after_reduce(self, window: WindowTally, epoch: int, sync_ms: float, divergence: float) -> None:
+        """Feed ElChe one ReduceReport and publish what it decided."""
+        self._sync_ms.append(sync_ms)
+        lr = next((x for x in window.lr if x is not None), None)
+        self.plan = self.elche.on_reduce(ReduceReport(
+            wall_ms=window.wall_ms, batches=window.batches, sync_ms=sync_ms,
+            fill_ms=window.fill_ms if self.mode.is_progressive else None,
+            divergence=divergence, lr=lr))
+        self.summary.anchor_trajectory.append(self.plan.anchor)
+        self._observe_reduce(epoch, sync_ms, divergence)
+
+    # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
+
+    def _central_round(self, window: WindowTally) -> Optional[CentralResult]:
+        """Collect every rank's snapshot and average them here, on CPU."""
+        snapshots: Dict[int, Snapshot] = {}
+        began = time.monotonic()
+        while not self.alive <= set(snapshots):
+            taken = self._next(expect=SnapshotTaken)
+            if taken is None:
+                continue
+            snap = self._snapshot(taken)
+            self.check_snapshot(snap, window.batches[snap.rank], allowance=0)
+            snapshots[snap.rank] = snap
+            if time.monotonic() - began > self._stall_ceiling_s():
+                raise ShutdownWithSave("reduce_stall", f"round {self._round}: snapshots missing")
+        snapshots = [snapshots[r] for r in sorted(self.alive)]  # a dead rank's snapshot is dropped
+        return self.averager.reduce(snapshots)
+
+    def check_snapshot(self, snap: Snapshot, window_batches: int, allowance: int) -> None:
+        """A rank may not train past its window plus `allowance` before a reduce: cpu_sync and
+        cpu_cadence block (allowance 0); cpu_async has its overshoot budget."""
+        if snap.steps > window_batches + allowance:
+            raise RunAborted("failed", f"rank {snap.rank} round {self._round}: {snap.steps} steps "
+                                       f"since the last reduce, budget {window_batches} + {allowance}")
+
+    def _snapshot(self, taken: SnapshotTaken) -> Snapshot:
+        count = len(taken.dtypes)
+        params = from_frames(self._payloads[:count], taken.dtypes)
+        buffers = from_frames(self._payloads[count:], ["torch.float32"])[0]
+        return Snapshot(taken.rank, taken.steps, params, buffers)
+
+    def _send_updates(self, result: Optional[CentralResult], trains: Dict[int, Train]) -> None:
+        """Every rank gets the result (blend 1.0 = overwrite; EASGD alpha in cpu_async)."""
+        frames: List[memoryview] = []
+        dtypes: List[str] = []
+        blend, buffers, stepped = 0.0, False, False  # nobody trained: nothing to adopt
+        if result is not None:
+            alpha = self.config.elche.easgd_alpha if self.mode is Mode.cpu_async else None
+            blend, stepped = (alpha if alpha is not None else 1.0), result.outer_stepped
+            frames, dtypes = [as_frame(p) for p in result.params], dtype_names(result.params)
+            buffers = result.float_buffers is not None
+            if buffers:
+                frames.append(as_frame(result.float_buffers))
+        for rank in sorted(self.alive):
+            self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes,
+                                    stepped, trains.get(rank)), frames)
+
+    def _maybe_report(self, epoch: int, tally: EpochTally) -> None:
+        """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n."""
+        n = self.config.reports_per_epoch
+        if not n:
+            return
+        done = sum(tally.batches)
+        fraction = done / max(self._epoch_batches(epoch), 1)
+        if tally.reports >= n or fraction < (tally.reports + 1) / n:
+            return
+        tally.reports = min(n, int(fraction * n + 1e-9))
+        batches = done - tally.reported_batches
+        loss = sum(tally.loss_sum) - tally.reported_loss
+        tally.reported_batches, tally.reported_loss = done, sum(tally.loss_sum)
+        self.observer.on_report(ReportRecord(
+            epoch, tally.reports, fraction, self._global_step, loss / max(batches, 1),
+            roll_up(tally.scalars, self.config.scalar_reductions)))
+
+    def _observe_reduce(self, epoch: int, sync_ms: float, divergence: float) -> None:
+        plan = self.plan
+        self.observer.on_reduce(ReduceRecord(
+            self._round, epoch, sync_ms, divergence, plan.anchor, plan.anchor_rank,
+            list(plan.batch_counts), plan.overhead, str(plan.verdict), plan.phase.name.lower(),
+            plan.nudge_factor))
+        for event in plan.events:
+            self.observer.on_event(event.kind, event.message)

@@ -1,0 +1,98 @@
+"""Checkpoint orchestration on the coordinator (DESIGN §10): which rank writes what and when,
+the meta it records, and the trajectory a resume restores. The bundle format itself lives in
+`flodl_run.checkpoint`. A mixin of the Coordinator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import List, Optional, Set
+
+from flodl_run import checkpoint
+from flodl_run.averaging.frames import as_frame, dtype_names
+from flodl_run.checkpoint import (
+    BundleMeta,
+    Coverage,
+    load_tensors,
+    read_meta,
+    save_meta,
+    save_tensors,
+)
+from flodl_run.config.compose import dotted_items
+from flodl_run.config.schema import Mode
+from flodl_run.elche import ElChe
+from flodl_run.membership import RunAborted
+from flodl_run.wire import (
+    CheckpointSaved,
+    SaveCheckpoint,
+)
+
+POLL_MS = 200
+STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
+log = logging.getLogger(__name__)
+
+
+class Saving:
+    """Coordinator mixin: bundles out (save) and in (restore)."""
+
+    def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
+        """The callback rank writes model and optimizer, the coordinator the rest (DESIGN §10).
+        `epoch` is where a resume starts; `uncovered` what of it the weights do not include."""
+        stem = self.config.save_path
+        if not stem:
+            return None
+        writer = self._callback_rank()
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        for rank in sorted(self.alive):
+            if rank != writer:  # the others keep their own optimizer state (momentum differs)
+                self._send(rank, SaveCheckpoint(stem, write_model=False))
+        if center is not None:  # under EASGD the model of record is the center
+            self._send(writer, SaveCheckpoint(stem, dtype_names(center)), [as_frame(p) for p in center])
+        else:
+            self._send(writer, SaveCheckpoint(stem))
+        answered: Set[int] = set()
+        while not self.alive <= answered:
+            saved = self._next(expect=CheckpointSaved)
+            if saved is None:
+                continue
+            answered.add(saved.rank)
+            if saved.error:
+                raise RunAborted("failed", f"rank {saved.rank} could not save {stem}: {saved.error}")
+        if not self.mode.is_collective and self.averager.outer.active or center is not None:
+            state = dict(self.averager.outer.state_dict(), center=center)
+            save_tensors(checkpoint.paths(stem)["outer"], state)
+        save_meta(stem, self._bundle_meta(reason, epoch, uncovered))
+        self.summary.checkpoint = stem
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        return stem
+
+    def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]]) -> BundleMeta:
+        data = self.config.data
+        coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
+                            [list(u) for u in uncovered])
+        return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, self._global_step, self._round,
+                          self.world_size, reason, self.elche.export_state(), coverage,
+                          json.loads(json.dumps(dotted_items(self.config), default=str)),
+                          self.mlflow_run_id)
+
+    def _restore(self, stem: str) -> None:
+        """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
+        meta = read_meta(stem)
+        self.elche = ElChe.from_state(self.config.elche, meta.elche_state, world_size=self.world_size,
+                                      epoch_batches=self._epoch_batches(0))
+        self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
+        self._global_step, self._round = meta.global_step, meta.sync_round
+        outer_file = checkpoint.paths(stem)["outer"]
+        if not self.mode.is_collective and outer_file.is_file():
+            state = load_tensors(outer_file)
+            self.averager.outer.load_state_dict(state)
+            if state.get("center") is not None:
+                self.averager.center = state["center"]
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
+                                         f"({meta.elche_state.get('phase')}, step {meta.global_step})")
+
+    def _graceful_stop(self, epoch: int, uncovered: List[List[int]]) -> None:
+        """SIGINT/SIGTERM at a reduce boundary: save what the consensus holds, then stop."""
+        stem = self.save_bundle("graceful_shutdown", epoch, uncovered)
+        raise RunAborted("interrupted", f"{self._stop_reason}; saved {stem}" if stem else self._stop_reason)

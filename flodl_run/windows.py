@@ -1,0 +1,223 @@
+"""Windows of the sync and cadence modes (DESIGN §5, §8): per-window and per-epoch tallies,
+equal-split sync epochs (fast ranks keep stepping until the gate opens) and progressive cadence
+epochs (throughput-sized chunks). A mixin of the Coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+from flodl_run.dispatch import EpochPool, equal_split, window_samples
+from flodl_run.scalars import merge
+from flodl_run.wire import (
+    Train,
+    WindowDone,
+)
+
+POLL_MS = 200
+STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowTally:
+    """What each rank did since the last reduce."""
+
+    batches: List[int]
+    samples: List[int]
+    wall_ms: List[float]
+    fill_ms: List[float]
+    loss_sum: List[float]
+    lr: List[Optional[float]]
+    scalars: Dict[str, List[float]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, n: int) -> "WindowTally":
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n)
+
+    def drop(self, ranks: Set[int]) -> None:
+        """Dead ranks contributed nothing that survives: their work is redone."""
+        for r in ranks:
+            self.batches[r], self.samples[r], self.wall_ms[r], self.loss_sum[r] = 0, 0, 0.0, 0.0
+
+    def add(self, done: WindowDone) -> None:
+        r = done.rank
+        if self.batches[r] == 0:
+            self.fill_ms[r] = done.fill_ms
+        self.batches[r] += done.batches
+        self.samples[r] += done.samples
+        self.wall_ms[r] += done.wall_ms
+        self.loss_sum[r] += done.loss_sum
+        self.lr[r] = done.lr
+        merge(self.scalars, done.scalars)
+
+
+@dataclass
+class EpochTally:
+    batches: List[int]
+    samples: List[int]
+    wall_ms: List[float]
+    loss_sum: List[float]
+    scalars: Dict[str, List[float]] = field(default_factory=dict)
+    reported_batches: int = 0
+    reported_loss: float = 0.0
+    reports: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, n: int) -> "EpochTally":
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n)
+
+    def add_done(self, done: WindowDone) -> None:
+        """cpu_async: windows straddle epochs, so epochs count WindowDone messages directly."""
+        r = done.rank
+        self.batches[r] += done.batches
+        self.samples[r] += done.samples
+        self.wall_ms[r] += done.wall_ms
+        self.loss_sum[r] += done.loss_sum
+        merge(self.scalars, done.scalars)
+
+    def add(self, window: WindowTally) -> None:
+        for r in range(len(self.batches)):
+            self.batches[r] += window.batches[r]
+            self.samples[r] += window.samples[r]
+            self.wall_ms[r] += window.wall_ms[r]
+            self.loss_sum[r] += window.loss_sum[r]
+        merge(self.scalars, window.scalars)
+
+
+class Windows:
+    """Coordinator mixin: hand out data and collect windows until the reduce gate opens."""
+
+    def _run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
+        epoch_tally = EpochTally.empty(self.world_size)
+        if self.mode.is_sync:
+            self._run_sync_epoch(epoch, pool, epoch_tally)
+        else:
+            self._run_cadence_epoch(epoch, pool, epoch_tally)
+        return epoch_tally
+
+    def _run_cadence_epoch(self, epoch: int, pool: EpochPool, epoch_tally: EpochTally) -> None:
+        """Progressive dispatch: each window hands every rank its planned count of batches; the
+        next window's orders ride on the reduce (folded into the update on the coordinator
+        backend)."""
+        self._pools, self._pool_epoch = [pool], epoch
+
+        def plan_window() -> Dict[int, Train]:
+            counts = [c if r in self.alive else 0 for r, c in enumerate(self.plan.batch_counts)]
+            sizes = window_samples(pool.remaining, counts, self.config.batch_size)
+            trains = {}
+            for rank, size in enumerate(sizes):
+                slices = pool.take(size) if rank in self.alive else []
+                if slices:
+                    trains[rank] = self._train_order(epoch, slices)
+            return trains
+
+        trains = plan_window()
+        for rank, order in trains.items():
+            self._send(rank, order)
+        reduces = 0
+        while trains or pool.remaining:  # work given back by a dead rank is redone
+            if not trains:
+                trains = plan_window()
+                for rank, order in trains.items():
+                    self._send(rank, order)
+            window = WindowTally.empty(self.world_size)
+            self._collect_windows(set(trains), window, epoch, epoch_tally)
+            trains = self._reduce(window, epoch_tally, epoch,
+                                  plan_window if pool.remaining and not self._stop.is_set() else None)
+            reduces += 1
+            in_flight = [s for order in trains.values() for s in order.slices]
+            if self._stop.is_set():
+                self._graceful_stop(epoch, pool.uncovered())
+            if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
+                self.save_bundle("checkpoint", epoch, pool.uncovered() + [list(s) for s in in_flight])
+
+    def _run_sync_epoch(self, epoch: int, pool: EpochPool, epoch_tally: EpochTally) -> None:
+        """Equal split; a reduce fires once every rank with data has stepped since the last one,
+        and ranks that are ahead keep stepping meanwhile (sync is not lockstep)."""
+        shares = equal_split(pool.remaining, self.world_size, self.config.elche.partition_ratios)
+        parts = pool.split(shares)
+        self._pools, self._pool_epoch = parts, epoch
+        while any(part.remaining for part in parts):
+            self._rehome_parts(parts)
+            window = WindowTally.empty(self.world_size)
+            self._sync_window(epoch, parts, window, epoch_tally)
+            self._reduce(window, epoch_tally, epoch)
+            if self._stop.is_set():
+                self._graceful_stop(epoch, [r for part in parts for r in part.uncovered()])
+
+    def _rehome_parts(self, parts: List[EpochPool]) -> None:
+        """A dead rank's share of a sync epoch goes to the survivor with the least left."""
+        for rank in range(len(parts)):
+            if rank not in self.alive and parts[rank].remaining and self.alive:
+                target = min(self.alive, key=lambda r: parts[r].remaining)
+                parts[target].give_back([(parts[rank].pass_index, s, e - s) for s, e in parts[rank].ranges])
+                parts[rank].ranges = []
+
+    def _sync_window(self, epoch: int, parts: List[EpochPool], window: WindowTally,
+                     epoch_tally: EpochTally) -> None:
+        in_flight: Dict[int, float] = {}  # rank -> when its batch was sent
+
+        def give(rank: int) -> None:
+            self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size)))
+            in_flight[rank] = time.perf_counter()
+
+        for rank in sorted(self.alive):
+            if parts[rank].remaining:
+                give(rank)
+        while True:
+            for rank in [r for r in in_flight if r not in self.alive]:
+                del in_flight[rank]
+            if not in_flight:
+                break
+            done = self._next(expect=WindowDone)
+            if done is None:
+                continue
+            del in_flight[done.rank]
+            window.add(done)
+            self._progress(epoch, epoch_tally, window, done)
+            if parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
+                give(done.rank)
+
+    def _keeps_stepping(self, rank: int, window: WindowTally, in_flight: Dict[int, float]) -> bool:
+        """Sync modes: a rank that moved goes on stepping while a rank that has not moved yet
+        still needs more than half of this rank's step (so a homogeneous rig reduces once per
+        step), unless max_batch_diff caps its lead."""
+        laggards = [r for r in in_flight if window.batches[r] == 0]
+        if not laggards:
+            return False
+        ms = self.elche.smoothed_ms()
+        if ms[rank] is None:
+            return False
+        now = time.perf_counter()
+        remaining = [ms[r] - (now - in_flight[r]) * 1000.0 for r in laggards if ms[r] is not None]
+        if not remaining or max(remaining) <= 0.5 * ms[rank]:
+            return False
+        limit = self.config.elche.max_batch_diff
+        return limit is None or window.batches[rank] < limit + min(window.batches)
+
+    def _train_order(self, epoch: int, slices: list, overshoot: int = 0) -> Train:
+        batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
+        return Train(self._window, epoch, slices, batches, overshoot)
+
+    def _collect_windows(self, waiting: Set[int], window: WindowTally, epoch: int,
+                         epoch_tally: EpochTally) -> None:
+        while True:
+            waiting &= self.alive
+            if not waiting:
+                break
+            done = self._next(expect=WindowDone)
+            if done is None:
+                continue
+            waiting.discard(done.rank)
+            window.add(done)
+            self._progress(epoch, epoch_tally, window, done)
+
+    def _progress(self, epoch: int, epoch_tally: EpochTally, window: WindowTally,
+                  done: WindowDone) -> None:
+        batches = sum(epoch_tally.batches) + sum(window.batches)
+        self.observer.on_batch(epoch, batches, done.loss_sum / max(done.batches, 1))
