@@ -230,6 +230,7 @@ def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tupl
     env = dict(os.environ, **dict(job.env))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     interrupted = False
+    load_start = os.getloadavg()[0]
     began = time.perf_counter()
     with open(run_dir / "output.log", "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -247,7 +248,7 @@ def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tupl
         summary["status"] = "failed"
     shown = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
     return RunOutcome(job.name, job.recipe, job.kind, job.mode, job.outer, wall_s, summary,
-                      str(run_dir), shown), interrupted
+                      str(run_dir), shown, [load_start, os.getloadavg()[0]]), interrupted
 
 
 def _stop(proc: subprocess.Popen, already_signalled: bool = False) -> None:
@@ -273,7 +274,8 @@ def _outcome_line(o: RunOutcome) -> str:
         return f"[red]{s.get('status', 'failed')}[/] {s.get('message') or ''} (see {o.run_dir}/output.log)"
     final = s.get("final_eval")
     return (f"eval {final:.4f} | " if final is not None else "") + \
-        f"{s.get('samples_per_s', 0):,.0f} samples/s | wall {o.wall_s:.1f}s"
+        f"{s.get('samples_per_s', 0):,.0f} samples/s | wall {o.wall_s:.1f}s | load " \
+        f"{o.load_average[0]:.2f} -> {o.load_average[1]:.2f}"
 
 
 def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float,

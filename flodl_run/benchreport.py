@@ -19,7 +19,7 @@ NOT_REACHED = "not reached"
 ENTRY_KEYS = ("name", "recipe", "kind", "mode", "outer", "status", "samples_per_s",
               "ratio_to_ideal", "ratio_to_torch_ddp", "final_loss", "final_eval",
               "time_to_target_s", "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms",
-              "idle_fraction", "epochs", "run_dir", "command")
+              "idle_fraction", "epochs", "load_average", "run_dir", "command")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class RunOutcome:
     """The run's summary.json; empty when it wrote none."""
     run_dir: str = ""
     command: str = ""
+    load_average: List[float] = field(default_factory=list)
+    """1-minute load average of the machine when the run started and when it ended."""
 
 
 @dataclass
@@ -116,7 +118,8 @@ def entry(outcome: RunOutcome, recipe: RecipeBench, ddp_samples_per_s: Optional[
         "idle_fraction": s.get("idle_fraction", []),
         "epochs": [{"epoch": e["epoch"], "avg_loss": e["avg_loss"], "eval": e.get("eval"),
                     "train_s": t} for e, t in zip(epochs, axis)],
-        "run_dir": outcome.run_dir, "command": outcome.command,
+        "load_average": outcome.load_average, "run_dir": outcome.run_dir,
+        "command": outcome.command,
     }
 
 
