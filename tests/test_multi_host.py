@@ -214,10 +214,10 @@ def test_two_host_run_completes(sshd, tmp_path, mode):
     assert not _await_gone(f"--run {run_dir.name}")
 
 
-def test_losing_a_host_ends_the_run_with_a_clear_message_and_no_remote_process(sshd, tmp_path):
-    """Pins host loss (its only rank SIGKILLed mid-run): the run ends failed naming the host,
-    survivors on the other host are stopped, nothing of the run is left on either host, and the
-    secret never shows in a process listing. (Survivors carrying on: the membership issue.)"""
+def test_losing_a_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path):
+    """Pins host loss (its only rank SIGKILLed mid-run): the ranks on the other host carry on to
+    the end, the log names the lost host, nothing of the run is left on either host, and the
+    secret never shows in a process listing."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
     launcher = subprocess.Popen(_command(tmp_path, sshd, run_dir, "num_epochs=300"), cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -232,9 +232,9 @@ def test_losing_a_host_ends_the_run_with_a_clear_message_and_no_remote_process(s
     assert not any(SECRET_LIKE.search(c.decode(errors="replace")) for c in listing)
     os.kill(ranks[2], signal.SIGKILL)
     seen += launcher.stdout.readlines()
-    assert launcher.wait(timeout=60) == 1, "".join(seen)
+    assert launcher.wait(timeout=60) == 0, "".join(seen)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed"
-    assert "host 127.0.0.3 lost: rank 2 gone (killed by SIGKILL)" in summary["message"]
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [2]
+    assert "host 127.0.0.3 lost: rank 2 gone (killed by SIGKILL)" in "".join(seen)
     assert not _await_gone(f"--run {run_dir.name}")
     assert not [p for p in ranks if Path(f"/proc/{p}").exists()]
