@@ -23,7 +23,9 @@ from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tupl
 
 from rich.console import Console
 
-from flodl_run.benchreport import RecipeBench, RunOutcome, bench_document, plot, solo_name, tables, to_markdown
+from flodl_run.benchreport import (
+    RecipeBench, RunOutcome, bench_document, median_run, plot, solo_name, tables, to_markdown,
+)
 from flodl_run.config.compose import compose, conf_dir, experiment_to_yaml, register_schemas
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, OuterKind, Topology, TrackingConfig
 from flodl_run.config.validate import Problem, resolve
@@ -66,6 +68,8 @@ class BenchConfig:
     """flodl_run overrides for every run, e.g. elche.overhead_target=0.1."""
     timeout_s: float = 900.0
     """Per run, in seconds; a run past it is stopped and reported failed; > 0."""
+    repeats: int = 1
+    """Runs of every entry, round by round; an entry reports its median run by samples/s; >= 1."""
 
 
 @dataclass
@@ -130,7 +134,8 @@ class Job:
 def check(cfg: BenchRunConfig, rig: Optional[Rig]) -> List[Problem]:
     b = cfg.bench
     problems = []
-    for key, value in (("bench.epochs", b.epochs), ("bench.batch_size", b.batch_size)):
+    for key, value in (("bench.epochs", b.epochs), ("bench.batch_size", b.batch_size),
+                       ("bench.repeats", b.repeats)):
         if value < 1:
             problems.append(Problem(key, value, "must be >= 1"))
     if not b.timeout_s > 0:
@@ -278,21 +283,29 @@ def _outcome_line(o: RunOutcome) -> str:
         f"{o.load_average[0]:.2f} -> {o.load_average[1]:.2f}"
 
 
-def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float,
+def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float, repeats: int,
             console: Console) -> Tuple[List[RunOutcome], bool]:
-    outcomes: List[RunOutcome] = []
-    for i, job in enumerate(jobs, 1):
-        console.print(f"[bold]\\[{i}/{len(jobs)}][/] {job.recipe} {job.name} ...", highlight=False)
-        run_dir = bench_dir / job.recipe / job.name
-        if job.kind == "torch_ddp":
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "run.yaml").write_text(experiment_to_yaml(materialize_job(job, run_dir)))
-        outcome, interrupted = run_job(job, run_dir, timeout_s, console)
-        outcomes.append(outcome)
-        console.print(f"      {_outcome_line(outcome)}", highlight=False, soft_wrap=True)
+    """Every job `repeats` times, round by round (so a load that comes and goes touches every
+    entry alike); each entry is then its median run by samples/s."""
+    runs: Dict[Job, List[RunOutcome]] = {job: [] for job in jobs}
+    total, interrupted = len(jobs) * repeats, False
+    for rep in range(repeats):
+        for i, job in enumerate(jobs, 1):
+            console.print(f"[bold]\\[{rep * len(jobs) + i}/{total}][/] {job.recipe} {job.name} ...",
+                          highlight=False)
+            run_dir = bench_dir / job.recipe / job.name
+            run_dir = run_dir / f"rep{rep}" if repeats > 1 else run_dir
+            if job.kind == "torch_ddp":
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "run.yaml").write_text(experiment_to_yaml(materialize_job(job, run_dir)))
+            outcome, interrupted = run_job(job, run_dir, timeout_s, console)
+            runs[job].append(outcome)
+            console.print(f"      {_outcome_line(outcome)}", highlight=False, soft_wrap=True)
+            if interrupted:
+                break
         if interrupted:
-            return outcomes, True
-    return outcomes, False
+            break
+    return [median_run(r) for r in runs.values() if r], interrupted
 
 
 # ---- the app ----------------------------------------------------------------------------------
@@ -395,7 +408,7 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
                    "outers": ",".join(o.value for o in b.outers),
                    "recipes": ";".join(f"{r.name} {' '.join(r.overrides)}" for r in b.recipes)},
                   {"name": f"bench {' '.join(task)}".strip(), "bench_dir": str(bench_dir)})
-    outcomes, interrupted = run_all(jobs, bench_dir, b.timeout_s, out)
+    outcomes, interrupted = run_all(jobs, bench_dir, b.timeout_s, b.repeats, out)
     recipes = []
     for recipe, label in zip(b.recipes, recipe_labels(b.recipes)):
         target = recipe.target_eval
@@ -404,7 +417,9 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
             target = materialize_job(job, bench_dir / label / job.name).recipe.target_eval
         recipes.append(RecipeBench(label, target, rig.speeds, overrides=list(recipe.overrides)))
     meta = {"command": command, "machine": machine(), "rig": rig.describe(),
-            "runs": f"batch_size {b.batch_size} per rank, {b.epochs} epochs, seed {b.seed}",
+            "runs": f"batch_size {b.batch_size} per rank, {b.epochs} epochs, seed {b.seed}"
+                    + (f", {b.repeats} repeats round by round (each entry: its median run by "
+                       f"samples/s)" if b.repeats > 1 else ""),
             "load_average": [load_start, os.getloadavg()[0]],
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     doc = bench_document(recipes, outcomes, meta)

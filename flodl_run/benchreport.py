@@ -19,7 +19,7 @@ NOT_REACHED = "not reached"
 ENTRY_KEYS = ("name", "recipe", "kind", "mode", "outer", "status", "samples_per_s",
               "ratio_to_ideal", "ratio_to_torch_ddp", "final_loss", "final_eval",
               "time_to_target_s", "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms",
-              "idle_fraction", "epochs", "load_average", "run_dir", "command")
+              "idle_fraction", "epochs", "load_average", "repeats", "run_dir", "command")
 
 
 @dataclass
@@ -41,6 +41,8 @@ class RunOutcome:
     command: str = ""
     load_average: List[float] = field(default_factory=list)
     """1-minute load average of the machine when the run started and when it ended."""
+    repeats: List[Optional[float]] = field(default_factory=list)
+    """samples/s of every run of this entry (None: that run did not complete)."""
 
 
 @dataclass
@@ -53,6 +55,17 @@ class RecipeBench:
     """Per rank of the rig, its slowdown factor (which solo run stands for it)."""
     ideal_samples_per_s: Optional[float] = None
     overrides: List[str] = field(default_factory=list)
+
+
+def median_run(runs: Sequence[RunOutcome]) -> RunOutcome:
+    """The run with the median samples/s among the completed ones (the lower middle for an even
+    count), carrying every run's samples/s; the first run when none completed."""
+    rates = [r.summary.get("samples_per_s") if r.summary.get("status") == "completed" else None
+             for r in runs]
+    done = sorted((rate, i) for i, rate in enumerate(rates) if rate is not None)
+    chosen = runs[done[(len(done) - 1) // 2][1]] if done else runs[0]
+    chosen.repeats = rates
+    return chosen
 
 
 def _ratio(value: Optional[float], reference: Optional[float]) -> Optional[float]:
@@ -118,7 +131,8 @@ def entry(outcome: RunOutcome, recipe: RecipeBench, ddp_samples_per_s: Optional[
         "idle_fraction": s.get("idle_fraction", []),
         "epochs": [{"epoch": e["epoch"], "avg_loss": e["avg_loss"], "eval": e.get("eval"),
                     "train_s": t} for e, t in zip(epochs, axis)],
-        "load_average": outcome.load_average, "run_dir": outcome.run_dir,
+        "load_average": outcome.load_average, "repeats": outcome.repeats,
+        "run_dir": outcome.run_dir,
         "command": outcome.command,
     }
 

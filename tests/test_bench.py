@@ -14,7 +14,8 @@ import pytest
 
 from flodl_run.bench import BenchConfig, BenchRecipe, BenchRunConfig, Rig, check, plan
 from flodl_run.benchreport import (
-    ENTRY_KEYS, NOT_REACHED, RecipeBench, RunOutcome, bench_document, time_to_target,
+    ENTRY_KEYS, NOT_REACHED, RecipeBench, RunOutcome, bench_document, median_run,
+    time_to_target,
 )
 from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology
 from flodl_run.summary import Summary
@@ -81,6 +82,18 @@ def test_ideal_sums_solo_rates_per_rank_and_ratios_use_it():
     assert sync["ratio_to_ideal"] == pytest.approx(0.9) and sync["ratio_to_torch_ddp"] == pytest.approx(2.7)
     missing = bench_document([RecipeBench("r", None, [1.0, 2.5])], outcomes, {})
     assert missing["ideal_samples_per_s"] is None and missing["entries"][2]["ratio_to_ideal"] is None
+
+
+def test_an_entry_is_its_median_run_and_keeps_every_rate():
+    """Pins bench.repeats: the entry is the run with the median samples/s among the completed
+    runs, and it lists every run's rate (None for a run that failed)."""
+    runs = [RunOutcome("nccl_sync", "r", "flodl_run", "nccl_sync", "none", 1.0,
+                       _summary([0.5], samples_per_s=rate, status=status))
+            for rate, status in ((100.0, "completed"), (300.0, "completed"), (900.0, "failed"),
+                                 (200.0, "completed"))]
+    chosen = median_run(runs)
+    assert chosen.summary["samples_per_s"] == 200.0
+    assert chosen.repeats == [100.0, 300.0, None, 200.0]
 
 
 def test_time_to_target_is_cumulative_training_time_or_not_reached():
