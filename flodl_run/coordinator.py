@@ -223,12 +223,15 @@ class Coordinator(Membership, Saving, Windows, Reduces):
     def _epoch_record(self, epoch: int, tally: EpochTally) -> EpochRecord:
         total_batches = max(sum(tally.batches), 1)
         every = self.config.eval_every_epochs
+        eval_began = time.perf_counter()
         score = self._evaluate(epoch) if every and (epoch + 1) % every == 0 else None
+        eval_ms = (time.perf_counter() - eval_began) * 1000.0
         return EpochRecord(
             epoch=epoch,
             avg_loss=sum(tally.loss_sum) / total_batches,  # work-weighted: per batch, all ranks
             eval=score,
             epoch_ms=(time.perf_counter() - tally.started) * 1000.0,
+            eval_ms=eval_ms,
             per_rank_throughput=[s / (w / 1000.0) if w > 0 else 0.0
                                  for s, w in zip(tally.samples, tally.wall_ms)],
             per_rank_batch_share=[b / total_batches for b in tally.batches],

@@ -35,6 +35,9 @@ class EpochRecord:
     """Per rank: how its data reached its device at the epoch's end (resident or streaming)."""
     per_rank_cache_hit_rate: List[Dict[str, float]] = field(default_factory=list)
     """Per rank: share of the epoch's rows served by each tier (vram, ram, disk)."""
+    eval_ms: float = 0.0
+    """Time of the epoch's eval callback inside epoch_ms, in ms (0: no eval, or it ran outside
+    epoch_ms as in solo runs); the bench subtracts it to compare training throughput."""
 
 
 @dataclass
