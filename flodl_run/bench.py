@@ -27,7 +27,9 @@ from flodl_run.benchreport import (
     RecipeBench, RunOutcome, bench_document, median_run, plot, solo_name, tables, to_markdown,
 )
 from flodl_run.config.compose import compose, conf_dir, experiment_to_yaml, register_schemas
-from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, OuterKind, Topology, TrackingConfig
+from flodl_run.config.schema import (
+    ClusterConfig, ExperimentConfig, Mode, OuterKind, Topology, TrackingConfig,
+)
 from flodl_run.config.validate import Problem, resolve
 
 EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
@@ -143,10 +145,12 @@ def check(cfg: BenchRunConfig, rig: Optional[Rig]) -> List[Problem]:
     if not b.recipes:
         problems.append(Problem("bench.recipes", [], "must list at least one recipe"))
     if b.modes and not b.outers:
-        problems.append(Problem("bench.outers", [], "must list at least one outer (none = plain averaging)"))
+        problems.append(Problem("bench.outers", [],
+                                "must list at least one outer (none = plain averaging)"))
     if rig is not None and rig.world_size < 2 and (b.modes or b.torch_ddp):
-        problems.append(Problem("cluster", rig.choice, "must give 2+ ranks for modes and torch DDP "
-                                                      "(e.g. cluster=cpu_pair); it runs in-process here"))
+        problems.append(Problem("cluster", rig.choice,
+                                "must give 2+ ranks for modes and torch DDP (e.g. "
+                                "cluster=cpu_pair); it runs in-process here"))
     if rig is not None and rig.cluster.topology is Topology.hosts and b.torch_ddp:
         problems.append(Problem("bench.torch_ddp", True, "must be false on a multi-host rig "
                                                          "(the baseline starts local processes)"))
@@ -276,7 +280,8 @@ def _read_summary(path: Path) -> Dict[str, Any]:
 def _outcome_line(o: RunOutcome) -> str:
     s = o.summary
     if s.get("status") != "completed":
-        return f"[red]{s.get('status', 'failed')}[/] {s.get('message') or ''} (see {o.run_dir}/output.log)"
+        return (f"[red]{s.get('status', 'failed')}[/] {s.get('message') or ''} "
+                f"(see {o.run_dir}/output.log)")
     final = s.get("final_eval")
     return (f"eval {final:.4f} | " if final is not None else "") + \
         f"{s.get('samples_per_s', 0):,.0f} samples/s | wall {o.wall_s:.1f}s | load " \
@@ -317,14 +322,16 @@ def machine() -> str:
     model = platform.processor() or platform.machine()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        model = next(line.split(":", 1)[1].strip() for line in lines
+                     if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     import torch
 
     gpus = "; GPUs: " + ", ".join(g.label for g in host.gpus) if host.gpus else ""
     return (f"{host.host}: {model}, {host.cpu_count} cores, "
-            f"{(host.ram_bytes or 0) / 2**30:.0f} GiB RAM{gpus}; Python {platform.python_version()}, "
+            f"{(host.ram_bytes or 0) / 2**30:.0f} GiB RAM{gpus}; "
+            f"Python {platform.python_version()}, "
             f"torch {torch.__version__}")
 
 
@@ -337,7 +344,8 @@ def _typed(cfg: Any) -> BenchRunConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    plain = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    keys = [k for k in cfg.keys() if k != "hydra"]
+    plain = OmegaConf.masked_copy(cfg, keys) if "hydra" in cfg else cfg
     try:
         return OmegaConf.to_object(plain)
     except OmegaConfBaseException as exc:
@@ -360,7 +368,8 @@ def _validate_jobs(jobs: Sequence[Job], bench_dir: Path) -> Iterator[Problem]:
         try:
             materialize_job(job, bench_dir / job.recipe / job.name)
         except ComposeError as exc:
-            yield Problem(f"{job.recipe}/{job.name}", " ".join(job.overrides), str(exc).splitlines()[0])
+            yield Problem(f"{job.recipe}/{job.name}", " ".join(job.overrides),
+                          str(exc).splitlines()[0])
         except ConfigError as exc:
             for p in exc.problems:
                 yield Problem(f"{job.recipe}/{job.name}: {p.key}", p.value, p.rule)
@@ -399,8 +408,10 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
     b = cfg.bench
     command = " ".join(["python -m flodl_run.bench", *(shlex.quote(t) for t in task)])
     load_start = os.getloadavg()[0]
-    out.print(f"bench: {len(jobs)} runs | rig {rig.describe()} | load {load_start:.2f}", highlight=False)
-    tracking = resolve(ExperimentConfig(tracking=cfg.tracking), outputs_dir=str(Path.cwd() / "outputs")).tracking
+    out.print(f"bench: {len(jobs)} runs x {b.repeats} | rig {rig.describe()} | "
+              f"load {load_start:.2f}", highlight=False)
+    outputs = str(Path.cwd() / "outputs")
+    tracking = resolve(ExperimentConfig(tracking=cfg.tracking), outputs_dir=outputs).tracking
     tracker = make_bench_tracker(tracking)
     tracker.start({"command": command, "rig": rig.describe(), "epochs": b.epochs,
                    "batch_size": b.batch_size, "seed": b.seed,

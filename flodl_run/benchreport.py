@@ -60,8 +60,7 @@ class RecipeBench:
 def median_run(runs: Sequence[RunOutcome]) -> RunOutcome:
     """The run with the median samples/s among the completed ones (the lower middle for an even
     count), carrying every run's samples/s; the first run when none completed."""
-    rates = [r.summary.get("samples_per_s") if r.summary.get("status") == "completed" else None
-             for r in runs]
+    rates = [training_rate(r.summary) for r in runs]
     done = sorted((rate, i) for i, rate in enumerate(rates) if rate is not None)
     chosen = runs[done[(len(done) - 1) // 2][1]] if done else runs[0]
     chosen.repeats = rates
@@ -79,15 +78,30 @@ def solo_name(factor: float) -> str:
 
 
 def train_axis(summary: Dict[str, Any]) -> List[float]:
-    """Seconds of training at the end of each epoch (cumulative epoch_ms), start-up excluded."""
-    return [ms / 1000.0 for ms in accumulate(e["epoch_ms"] for e in summary.get("epochs", []))]
+    """Seconds of training at the end of each epoch: cumulative epoch time less the eval
+    callbacks inside it (`eval_ms`; solo runs time their eval outside epoch_ms), so every entry
+    is timed alike. Start-up is never included."""
+    return [ms / 1000.0 for ms in accumulate(e["epoch_ms"] - e.get("eval_ms", 0.0)
+                                              for e in summary.get("epochs", []))]
+
+
+def training_rate(summary: Dict[str, Any]) -> Optional[float]:
+    """Samples per second of training time (train_axis). The summary's own samples_per_s is per
+    second of epoch time, so samples = samples_per_s x the epochs' time."""
+    epochs = summary.get("epochs", [])
+    epoch_s = sum(e["epoch_ms"] for e in epochs) / 1000.0
+    train = train_axis(summary)
+    if summary.get("status") != "completed" or not train or train[-1] <= 0:
+        return None
+    return summary.get("samples_per_s", 0.0) * epoch_s / train[-1]
 
 
 def time_to_target(summary: Dict[str, Any], target: Optional[float]) -> Union[float, str, None]:
     """Training seconds until the first eval >= target; NOT_REACHED if none is; None without a
     target or without any eval."""
     epochs = summary.get("epochs", [])
-    evals = [(t, e["eval"]) for t, e in zip(train_axis(summary), epochs) if e.get("eval") is not None]
+    evals = [(t, e["eval"]) for t, e in zip(train_axis(summary), epochs)
+             if e.get("eval") is not None]
     if target is None or (not evals and summary.get("final_eval") is None):
         return None
     for t, score in evals:
@@ -100,14 +114,16 @@ def time_to_target(summary: Dict[str, Any], target: Optional[float]) -> Union[fl
 
 
 def ideal(recipe: RecipeBench, outcomes: Sequence[RunOutcome]) -> Optional[float]:
-    """Sum over the rig's ranks of the solo samples/s at that rank's speed (None if one is missing)."""
-    solo = {o.name: o.summary.get("samples_per_s") for o in outcomes
-            if o.kind == "solo" and o.recipe == recipe.name and o.summary.get("status") == "completed"}
+    """Sum over the rig's ranks of the solo samples/s at that rank's speed (None if one is
+    missing)."""
+    solo = {o.name: training_rate(o.summary) for o in outcomes
+            if o.kind == "solo" and o.recipe == recipe.name}
     rates = [solo.get(solo_name(f)) for f in recipe.rank_speeds]
     return sum(rates) if rates and all(r for r in rates) else None
 
 
-def entry(outcome: RunOutcome, recipe: RecipeBench, ddp_samples_per_s: Optional[float]) -> Dict[str, Any]:
+def entry(outcome: RunOutcome, recipe: RecipeBench,
+          ddp_samples_per_s: Optional[float]) -> Dict[str, Any]:
     """One bench.json entry (ENTRY_KEYS)."""
     s = outcome.summary
     epochs = s.get("epochs", [])
@@ -115,7 +131,7 @@ def entry(outcome: RunOutcome, recipe: RecipeBench, ddp_samples_per_s: Optional[
     losses = [e["avg_loss"] for e in epochs]
     train_s = axis[-1] if axis else None
     completed = s.get("status") == "completed"
-    rate = s.get("samples_per_s") if completed else None
+    rate = training_rate(s)
     return {
         "name": outcome.name, "recipe": outcome.recipe, "kind": outcome.kind,
         "mode": outcome.mode, "outer": outcome.outer, "status": s.get("status", "failed"),
@@ -126,7 +142,8 @@ def entry(outcome: RunOutcome, recipe: RecipeBench, ddp_samples_per_s: Optional[
         "final_eval": s.get("final_eval"),
         "time_to_target_s": time_to_target(s, recipe.target_eval) if completed else None,
         "wall_s": outcome.wall_s, "train_s": train_s,
-        "loss_drop_per_s": (losses[0] - losses[-1]) / train_s if len(losses) > 1 and train_s else None,
+        "loss_drop_per_s": ((losses[0] - losses[-1]) / train_s
+                            if len(losses) > 1 and train_s else None),
         "syncs": s.get("syncs"), "avg_sync_ms": s.get("avg_sync_ms"),
         "idle_fraction": s.get("idle_fraction", []),
         "epochs": [{"epoch": e["epoch"], "avg_loss": e["avg_loss"], "eval": e.get("eval"),
@@ -145,8 +162,7 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
     for recipe in recipes:
         recipe.ideal_samples_per_s = ideal(recipe, outcomes)
         mine = [o for o in outcomes if o.recipe == recipe.name]
-        ddp = next((o.summary.get("samples_per_s") for o in mine if o.kind == "torch_ddp"
-                    and o.summary.get("status") == "completed"), None)
+        ddp = next((training_rate(o.summary) for o in mine if o.kind == "torch_ddp"), None)
         entries += [entry(o, recipe, ddp) for o in mine]
     return {
         "ideal_samples_per_s": recipes[0].ideal_samples_per_s if len(recipes) == 1 else None,
@@ -211,15 +227,15 @@ def to_markdown(doc: Dict[str, Any]) -> str:
 
 
 DEFINITIONS = (
-    "samples/s: samples trained per second of training time (the sum of epoch times, eval "
-    "callbacks included, start-up not). x ideal: samples/s over the sum of the solo samples/s at "
+    "samples/s: samples trained per second of training time (the epochs' time less their eval "
+    "callbacks; start-up excluded). x ideal: samples/s over the sum of the solo samples/s at "
     "each rank's speed (the physical limit of the rig). x torch DDP: samples/s over plain torch "
-    "DDP's. time to target: training seconds until the first per-epoch eval reaches the "
-    "recipe's target. wall s: the whole process, start-up and teardown included. loss drop / s: "
-    "(first epoch's mean loss - final epoch's) / training seconds. avg sync ms: mean reduce "
-    "time (torch DDP: per-step gradient all-reduce, launch to completion, waiting included). "
-    "idle per rank: share of training time a rank was not computing (emulated slowdown counts "
-    "as computing).")
+    "DDP's. time to target: training seconds (same clock) until the first per-epoch eval "
+    "reaches the recipe's target. wall s: the whole process, start-up and teardown included. "
+    "loss drop / s: (first epoch's mean loss - final epoch's) / training seconds. avg sync ms: "
+    "mean reduce time (torch DDP: per-step gradient all-reduce, launch to completion, waiting "
+    "included). idle per rank: share of the run's training wall time a rank was not computing "
+    "(emulated slowdown counts as computing).")
 
 
 def tables(doc: Dict[str, Any]) -> List[Table]:

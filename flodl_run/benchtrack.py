@@ -29,7 +29,8 @@ class BenchTracker:
     def start(self, params: Dict[str, Any], tags: Dict[str, str]) -> None:
         pass
 
-    def log_entries(self, entries: Sequence[Dict[str, Any]], summaries: Sequence[Dict[str, Any]]) -> None:
+    def log_entries(self, entries: Sequence[Dict[str, Any]],
+                    summaries: Sequence[Dict[str, Any]]) -> None:
         pass
 
     def finish(self, files: Sequence[Path], status: str) -> None:
@@ -55,7 +56,8 @@ class MlflowBenchTracker(BenchTracker):
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM_CHARS])
                                                    for k, v in list(params.items())[:100]])
 
-    def log_entries(self, entries: Sequence[Dict[str, Any]], summaries: Sequence[Dict[str, Any]]) -> None:
+    def log_entries(self, entries: Sequence[Dict[str, Any]],
+                    summaries: Sequence[Dict[str, Any]]) -> None:
         """One child per entry: its epochs as metrics (step = epoch) and its bench figures."""
         for entry, summary in zip(entries, summaries):
             self._child(entry, summary)
@@ -66,8 +68,8 @@ class MlflowBenchTracker(BenchTracker):
         tags = {"mlflow.parentRunId": self.run_id, "entry": entry["name"], "kind": entry["kind"],
                 "mode": entry["mode"], "outer": entry["outer"], "recipe": entry["recipe"],
                 "status": entry["status"], "run_dir": entry["run_dir"]}
-        run = self.client.create_run(self.experiment_id, run_name=f"{entry['recipe']}/{entry['name']}",
-                                     tags=_short(tags))
+        run = self.client.create_run(self.experiment_id, tags=_short(tags),
+                                     run_name=f"{entry['recipe']}/{entry['name']}")
         run_id, now = run.info.run_id, int(time.time() * 1000)
         metrics: List[Metric] = []
         known = {f.name for f in dataclasses.fields(EpochRecord)}
@@ -82,12 +84,14 @@ class MlflowBenchTracker(BenchTracker):
         metrics += [Metric(k, float(v), now, 0) for k, v in figures.items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
-        self.client.log_batch(run_id, params=[Param("command", entry["command"][:MAX_PARAM_CHARS]),
-                                              Param("time_to_target", str(entry["time_to_target_s"]))])
+        self.client.log_batch(run_id, params=[
+            Param("command", entry["command"][:MAX_PARAM_CHARS]),
+            Param("time_to_target", str(entry["time_to_target_s"]))])
         summary_file = Path(entry["run_dir"]) / "summary.json"
         if summary_file.is_file():
             self.client.log_artifact(run_id, str(summary_file))
-        self.client.set_terminated(run_id, "FINISHED" if entry["status"] == "completed" else "FAILED")
+        status = "FINISHED" if entry["status"] == "completed" else "FAILED"
+        self.client.set_terminated(run_id, status)
 
     def finish(self, files: Sequence[Path], status: str) -> None:
         if self.run_id is None:

@@ -137,13 +137,16 @@ class DdpBaseline:
             loss_sum += self.step(to_device(batch, self.device))
             steps += 1
         self.tally.samples += samples
+        eval_began = time.perf_counter()
         score = self._evaluate(epoch)
-        epoch_ms = (time.perf_counter() - began) * 1000.0
+        ended = time.perf_counter()
+        epoch_ms, eval_ms = (ended - began) * 1000.0, (ended - eval_began) * 1000.0
         compute_s = (self.tally.compute_ms - compute_before) / 1000.0
         per_rank = self._gather([loss_sum, steps, samples / compute_s if compute_s else 0.0])
         return EpochRecord(
             epoch=epoch, avg_loss=sum(r[0] for r in per_rank) / max(sum(r[1] for r in per_rank), 1),
-            eval=score, epoch_ms=epoch_ms, per_rank_throughput=[r[2] for r in per_rank],
+            eval=score, epoch_ms=epoch_ms, eval_ms=eval_ms,
+            per_rank_throughput=[r[2] for r in per_rank],
             per_rank_batch_share=[r[1] / max(sum(x[1] for x in per_rank), 1) for r in per_rank])
 
     def _evaluate(self, epoch: int) -> Optional[float]:
@@ -176,7 +179,8 @@ class DdpBaseline:
             status="completed", mode="torch_ddp", outer="none", world_size=self.world_size,
             devices=self._devices(), epochs=epochs, final_eval=epochs[-1].eval if epochs else None,
             wall_s=time.perf_counter() - started,
-            samples_per_s=self.tally.samples * self.world_size / (train_ms / 1000.0) if train_ms else 0.0,
+            samples_per_s=(self.tally.samples * self.world_size / (train_ms / 1000.0)
+                           if train_ms else 0.0),
             syncs=syncs,
             avg_sync_ms=sum(r[1] for r in per_rank) / max(sum(r[2] for r in per_rank), 1),
             idle_fraction=[max(0.0, 1.0 - r[0] / train_ms) if train_ms else 0.0 for r in per_rank])
@@ -245,7 +249,8 @@ def spawn(config: ExperimentConfig, run_file: Path, out: Path) -> int:
         uuid = plan.gpus[rank].uuid if plan.gpus else None
         env = rank_env(config, rank, plan.world_size, port, uuid)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "flodl_run.ddp_baseline", "--run", str(run_file), "--out", str(out)],
+            [sys.executable, "-m", "flodl_run.ddp_baseline", "--run", str(run_file),
+             "--out", str(out)],
             env=env))
     codes: List[Optional[int]] = [None] * len(procs)
     while any(c is None for c in codes):

@@ -60,7 +60,8 @@ def test_plan_runs_solo_at_each_speed_then_torch_ddp_then_modes_by_outer():
     assert "cluster=solo" in slow and "cluster.emulate_slowdown=[2.5]" in slow
     assert "cluster.threads_per_rank=1" in slow and "cluster.emulate_slowdown=[1.0,2.5]" not in slow
     for job in jobs[2:]:
-        assert "cluster=cpu_pair" in job.overrides and "cluster.emulate_slowdown=[1.0,2.5]" in job.overrides
+        assert "cluster=cpu_pair" in job.overrides
+        assert "cluster.emulate_slowdown=[1.0,2.5]" in job.overrides
         assert "tracking=off" in job.overrides and "recipe.params.hidden=64" in job.overrides
         # the recipe's batch_size override replaces the bench's (Hydra refuses a key twice)
         assert [o for o in job.overrides if o.startswith("batch_size=")] == ["batch_size=16"]
@@ -70,7 +71,8 @@ def test_plan_runs_solo_at_each_speed_then_torch_ddp_then_modes_by_outer():
 def test_ideal_sums_solo_rates_per_rank_and_ratios_use_it():
     """Pins the ideal (sum over the rig's ranks of the solo rate at that rank's speed, so a
     homogeneous pair counts solo@1.0 twice) and the ratios to it and to torch DDP."""
-    outcomes = [RunOutcome("solo@1.0", "r", "solo", "solo", "none", 1.0, _summary([0.5], samples_per_s=300.0)),
+    outcomes = [RunOutcome("solo@1.0", "r", "solo", "solo", "none", 1.0,
+                           _summary([0.5], samples_per_s=300.0)),
                 RunOutcome("torch_ddp", "r", "torch_ddp", "torch_ddp", "none", 1.0,
                            _summary([0.5], samples_per_s=200.0)),
                 RunOutcome("nccl_sync", "r", "flodl_run", "nccl_sync", "none", 1.0,
@@ -79,9 +81,11 @@ def test_ideal_sums_solo_rates_per_rank_and_ratios_use_it():
     assert doc["ideal_samples_per_s"] == 600.0
     sync = doc["entries"][2]
     assert set(sync) == set(ENTRY_KEYS)
-    assert sync["ratio_to_ideal"] == pytest.approx(0.9) and sync["ratio_to_torch_ddp"] == pytest.approx(2.7)
+    assert sync["ratio_to_ideal"] == pytest.approx(0.9)
+    assert sync["ratio_to_torch_ddp"] == pytest.approx(2.7)
     missing = bench_document([RecipeBench("r", None, [1.0, 2.5])], outcomes, {})
-    assert missing["ideal_samples_per_s"] is None and missing["entries"][2]["ratio_to_ideal"] is None
+    assert missing["ideal_samples_per_s"] is None
+    assert missing["entries"][2]["ratio_to_ideal"] is None
 
 
 def test_an_entry_is_its_median_run_and_keeps_every_rate():
@@ -107,7 +111,8 @@ def test_time_to_target_is_cumulative_training_time_or_not_reached():
 
 def test_check_reports_every_problem_with_its_key():
     """Pins the config rules that are the bench's own (exit 2 names the dotted key)."""
-    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, batch_size=0, recipes=[], outers=[], timeout_s=0))
+    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, batch_size=0, recipes=[], outers=[],
+                                           timeout_s=0))
     one_rank = Rig("solo", (), ClusterConfig(topology=Topology.solo), 1)
     keys = [p.key for p in check(cfg, one_rank)]
     assert keys == ["bench.epochs", "bench.batch_size", "bench.timeout_s", "bench.recipes",
@@ -117,7 +122,8 @@ def test_check_reports_every_problem_with_its_key():
 def test_bad_override_exits_2_before_any_run(tmp_path):
     """Pins: a typo in a run's overrides fails the whole bench in seconds, naming the run and
     the key, instead of after the runs before it trained."""
-    done = run_bench(tmp_path, 'bench.overrides=["elche.anchor=0"]', "bench.modes=[nccl_sync]", TINY)
+    done = run_bench(tmp_path, 'bench.overrides=["elche.anchor=0"]', "bench.modes=[nccl_sync]",
+                     TINY)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "synthetic_mlp/nccl_sync: elche.anchor: must be >= 1" in done.stdout + done.stderr
     assert not (tmp_path / "bench.json").exists()
@@ -182,4 +188,5 @@ def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):
     solo = next(c for c in children if c.data.tags["entry"] == "solo@1.0")
     assert solo.info.status == "FINISHED" and solo.data.metrics["time_to_target_s"] == 2.0
     assert [m.step for m in client.get_metric_history(solo.info.run_id, "eval")] == [0, 1]
-    assert next(c for c in children if c.data.tags["entry"] == "nccl_cadence").info.status == "FAILED"
+    cadence = next(c for c in children if c.data.tags["entry"] == "nccl_cadence")
+    assert cadence.info.status == "FAILED"
