@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.test_averaging import _free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +19,7 @@ def test_tiny_gan_under_torchrun_keeps_replicas_identical():
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         f"--master-port={_free_port()}",  # not torchrun's fixed 29500: other runs may hold it
          str(REPO / "recipes" / "tiny_gan.py"), "--steps", "30", "--batch", "32"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_averaging import _free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -149,7 +151,7 @@ def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
                FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                            "-m", "flodl_run.rank"], cwd=REPO, env=env, capture_output=True,
+                            f"--master-port={_free_port()}", "-m", "flodl_run.rank"], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=120)
     assert ranks.returncode == 0, ranks.stderr[-2000:]
     launcher.communicate(timeout=60)
