@@ -35,17 +35,16 @@ def test_clean_end_writes_a_complete_bundle(tmp_path):
 
 
 def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_path):
-    """Pins resume: the second half starts at the saved epoch in the saved ElChe phase (no
-    Probe re-run), and 2+2 epochs end on the same weights as 4 straight epochs (nccl_sync,
-    homogeneous, lockstep)."""
-    common = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0")
-    first, _ = _run(tmp_path / "a", *common, "num_epochs=2")
+    """Pins resume: the second half starts at the saved epoch, and 1+1 epochs end on the same
+    weights as 2 straight epochs (nccl_sync, homogeneous, lockstep)."""
+    common = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0", "batch_size=64")
+    first, _ = _run(tmp_path / "a", *common, "num_epochs=1")
     assert first.returncode == 0, first.stdout + first.stderr
     stem = str(tmp_path / "a" / "run" / "checkpoint")
-    second, resumed = _run(tmp_path / "b", *common, "num_epochs=4", f"resume_from={stem}")
+    second, resumed = _run(tmp_path / "b", *common, "num_epochs=2", f"resume_from={stem}")
     assert second.returncode == 0, second.stdout + second.stderr
-    assert [e["epoch"] for e in resumed["epochs"]] == [2, 3]
-    straight, full = _run(tmp_path / "c", *common, "num_epochs=4")
+    assert [e["epoch"] for e in resumed["epochs"]] == [1]
+    straight, full = _run(tmp_path / "c", *common, "num_epochs=2")
     assert straight.returncode == 0
     a = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "c" / "run" / "checkpoint.pt", weights_only=True)
@@ -55,21 +54,21 @@ def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_pa
 
 
 def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path):
-    """Pins 'no warm-up re-run': a run that reached Stable in 4 epochs resumes for one more
-    epoch; restarted from Probe it would end in Warmup after two reduces, continued it stays
-    Stable or beyond; the new MLflow run carries resumed_from_run_id."""
+    """Pins 'no warm-up re-run': a run that reached Stable resumes for one more epoch;
+    restarted from Probe it would end in Warmup after a few reduces, continued it stays Stable
+    or beyond; the new MLflow run carries resumed_from_run_id."""
     db = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
-    first, before = _run(tmp_path / "a", *PAIR, "elche=nccl_cadence", "num_epochs=4", db,
-                         tracking="mlflow")
+    common = (*PAIR, "elche=nccl_cadence", "elche.anchor=2", "elche.max_anchor=4")
+    first, before = _run(tmp_path / "a", *common, "num_epochs=2", db, tracking="mlflow")
     assert first.returncode == 0, first.stdout + first.stderr
     stem = before["checkpoint"]
     saved = read_meta(stem)
     assert saved.elche_state["phase"] in ("stable", "mature"), saved.elche_state["phase"]
     assert saved.mlflow_run_id == before["mlflow_run_id"]
-    second, after = _run(tmp_path / "b", *PAIR, "elche=nccl_cadence", "num_epochs=5", db,
-                         f"resume_from={stem}", tracking="mlflow")
+    second, after = _run(tmp_path / "b", *common, "num_epochs=3", db, f"resume_from={stem}",
+                         tracking="mlflow")
     assert second.returncode == 0, second.stdout + second.stderr
-    assert after["epochs"][0]["epoch"] == 4
+    assert after["epochs"][0]["epoch"] == 2
     assert after["phase"] in ("stable", "mature") and after["anchor_trajectory"]
     import mlflow
 

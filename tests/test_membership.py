@@ -40,7 +40,7 @@ def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):  # 
 def test_lone_collective_survivor_saves_and_a_fresh_pair_resumes(tmp_path):
     """Pins the single-survivor rule: in a 2-rank collective mode a death ends the run with
     shutdown_with_save and a bundle; two fresh ranks resume it and complete."""
-    proc, summary = _run(tmp_path / "a", "cluster=cpu_pair", "elche=nccl_cadence",
+    proc, summary = _run(tmp_path / "a", "cluster=cpu_pair", "elche=nccl_cadence", "num_epochs=3",
                          env=_with_fault("1:10:SIGKILL"))
     assert proc.returncode == 1
     assert summary["status"] == "shutdown_with_save"
@@ -49,7 +49,7 @@ def test_lone_collective_survivor_saves_and_a_fresh_pair_resumes(tmp_path):
     meta = read_meta(stem)
     assert meta.save_reason == "single_survivor" and meta.world_size_at_save == 2
     assert meta.coverage.uncovered  # what the survivor's weights may not hold is listed
-    resumed, after = _run(tmp_path / "b", "cluster=cpu_pair", "elche=nccl_cadence",
+    resumed, after = _run(tmp_path / "b", "cluster=cpu_pair", "elche=nccl_cadence", "num_epochs=3",
                           f"resume_from={stem}")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert after["status"] == "completed" and after["epochs"][0]["epoch"] == meta.epoch
@@ -70,7 +70,8 @@ def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
 def test_max_failure_stops_with_a_save(tmp_path, limit):
     """Pins max_failure: absolute n (dead >= n) and percent p (dead >= ceil(p x world)) end the
     run with shutdown_with_save (reason max_failure_exceeded), a bundle and a non-zero exit."""
-    proc, summary = _run(tmp_path, *TRIO, "elche=cpu_cadence", limit, env=_with_fault("1:12:SIGKILL"))
+    proc, summary = _run(tmp_path, *TRIO, "elche=cpu_cadence", limit, "num_epochs=3",
+                         env=_with_fault("1:12:SIGKILL"))
     assert proc.returncode == 1
     assert summary["status"] == "shutdown_with_save"
     assert read_meta(summary["checkpoint"]).save_reason == "max_failure_exceeded"

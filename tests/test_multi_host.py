@@ -219,7 +219,7 @@ def test_losing_a_host_is_survived_with_a_clear_message_and_no_remote_process(ss
     the end, the log names the lost host, nothing of the run is left on either host, and the
     secret never shows in a process listing."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
-    launcher = subprocess.Popen(_command(tmp_path, sshd, run_dir, "num_epochs=300"), cwd=REPO,
+    launcher = subprocess.Popen(_command(tmp_path, sshd, run_dir, "num_epochs=100"), cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []
