@@ -132,7 +132,7 @@ class AsyncLoop:
         self.rounds_started += 1
         self.round_began = time.perf_counter()
         for rank in sorted(self.c.alive):
-            self.c._send(rank, SyncNow(self.c._round, self.c._global_step))
+            self.c._send(rank, SyncNow(self.c._round, self.c._global_step, self.c._lr_factor()))
         self.snapshots = []
 
     def _on_snapshot(self, taken: SnapshotTaken) -> None:

@@ -38,8 +38,23 @@ from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
-    Channel, CheckpointSaved, Evaluate, Evaluated, Heartbeat, RankFailed, RankJoined, Reduced,
-    ReduceFailed, Regroup, Regrouped, SaveCheckpoint, SnapshotTaken, Stop, SyncNow, Train, Update,
+    Channel,
+    CheckpointSaved,
+    Evaluate,
+    Evaluated,
+    Heartbeat,
+    RankFailed,
+    RankJoined,
+    Reduced,
+    ReduceFailed,
+    Regroup,
+    Regrouped,
+    SaveCheckpoint,
+    SnapshotTaken,
+    Stop,
+    SyncNow,
+    Train,
+    Update,
     WindowDone,
 )
 
@@ -284,6 +299,7 @@ class RankWorker:
 
     def _reduce(self, order: SyncNow) -> None:
         self._reduces_seen += 1
+        self.replica.rescale_lr(order.lr_factor)
         if not self.mode.is_collective:
             self._send_snapshot(order.round)
             return

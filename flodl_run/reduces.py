@@ -14,6 +14,7 @@ from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
 from flodl_run.config.schema import Mode
 from flodl_run.elche import ReduceReport
 from flodl_run.membership import RunAborted, ShutdownWithSave
+from flodl_run.replica import lr_factor
 from flodl_run.scalars import roll_up
 from flodl_run.summary import ReduceRecord, ReportRecord
 from flodl_run.windows import EpochTally, WindowTally
@@ -46,7 +47,7 @@ class Reduces:
             divergence = self._collective_round()
         else:
             for rank in sorted(self.alive):
-                self._send(rank, SyncNow(self._round, self._global_step))
+                self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
             result = self._central_round(window)
             divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
@@ -74,7 +75,7 @@ class Reduces:
                 self._regroup()
             asked = set(self.alive)
             for rank in sorted(asked):
-                self._send(rank, SyncNow(self._round, self._global_step))
+                self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
             divergences, failed = self._collect_reduced(asked)
             if not failed and not self._regroup_needed:
                 return max(divergences) if divergences else 0.0
@@ -99,6 +100,10 @@ class Reduces:
             else:
                 divergences.append(msg.divergence)
         return divergences, failed
+
+    def _lr_factor(self) -> float:
+        """DESIGN §7.6 for the ranks alive now: a smaller cohort averages fewer steps."""
+        return lr_factor(len(self.alive), self.config.lr_scale_ratio)
 
     def _stall_ceiling_s(self) -> float:
         """DESIGN §9: a reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""

@@ -37,6 +37,7 @@ class Replica:
         self.optimizer = recipe.call("build_optimizer", self.model.parameters())
         for group in self.optimizer.param_groups:
             group["lr"] *= lr_scale  # before the scheduler captures its base LRs
+        self.lr_scale = lr_scale
         self.scheduler = recipe.call("build_scheduler", self.optimizer) if recipe.build_scheduler else None
         self.steps = 0
 
@@ -69,6 +70,17 @@ class Replica:
                 total += float(metric_sum)
                 count += int(n)
         return total / count if count else math.nan
+
+    def rescale_lr(self, lr_scale: float) -> None:
+        """Move to another LR factor (the cohort shrank): current and base LRs scale alike."""
+        if lr_scale <= 0 or lr_scale == self.lr_scale:
+            return
+        ratio = lr_scale / self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] *= ratio
+        if self.scheduler is not None:
+            self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+        self.lr_scale = lr_scale
 
     def seek_schedule(self, global_step: int) -> None:
         """Put the LR schedule at the cohort's step count (DESIGN §7.6); no-op without one."""

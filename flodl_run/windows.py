@@ -151,12 +151,16 @@ class Windows:
                 self._graceful_stop(epoch, [r for part in parts for r in part.uncovered()])
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
-        """A dead rank's share of a sync epoch goes to the survivor with the least left."""
+        """A dead rank's share of a sync epoch is split evenly among the survivors, so the
+        epoch still ends with every survivor stepping (not one rank finishing alone)."""
         for rank in range(len(parts)):
-            if rank not in self.alive and parts[rank].remaining and self.alive:
-                target = min(self.alive, key=lambda r: parts[r].remaining)
-                parts[target].give_back([(parts[rank].pass_index, s, e - s) for s, e in parts[rank].ranges])
-                parts[rank].ranges = []
+            if rank in self.alive or not parts[rank].remaining or not self.alive:
+                continue
+            survivors = sorted(self.alive)
+            pieces = parts[rank].split(equal_split(parts[rank].remaining, len(survivors)))
+            for target, piece in zip(survivors, pieces):
+                parts[target].give_back([(piece.pass_index, s, e - s) for s, e in piece.ranges])
+            parts[rank].ranges = []
 
     def _sync_window(self, epoch: int, parts: List[EpochPool], window: WindowTally,
                      epoch_tally: EpochTally) -> None:
