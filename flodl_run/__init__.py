@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import ExperimentConfig
-    from flodl_run.recipe import Recipe
     from flodl_run.observe import Observer
+    from flodl_run.recipe import Recipe
     from flodl_run.solo import TrainResult
 
 __version__ = "0.1.0"

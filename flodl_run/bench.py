@@ -24,11 +24,23 @@ from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tupl
 from rich.console import Console
 
 from flodl_run.benchreport import (
-    RecipeBench, RunOutcome, bench_document, median_run, plot, solo_name, tables, to_markdown,
+    RecipeBench,
+    RunOutcome,
+    bench_document,
+    median_run,
+    plot,
+    solo_name,
+    tables,
+    to_markdown,
 )
 from flodl_run.config.compose import compose, conf_dir, experiment_to_yaml, register_schemas
 from flodl_run.config.schema import (
-    ClusterConfig, ExperimentConfig, Mode, OuterKind, Topology, TrackingConfig,
+    ClusterConfig,
+    ExperimentConfig,
+    Mode,
+    OuterKind,
+    Topology,
+    TrackingConfig,
 )
 from flodl_run.config.validate import Problem, resolve
 

@@ -28,7 +28,14 @@ from flodl_run.memprobe import DeviceProbe, disk_free_bytes, sim_device_bytes
 from flodl_run.picks import JobPlan, PickSpace, Transform, Work, apply_transform, epoch_of
 from flodl_run.prefetch import Prefetcher, tensors_of
 from flodl_run.samplecache import (
-    HostTiers, Layout, LayoutMismatch, Rows, SlotStore, fill_device, open_disk_stage, run_into,
+    HostTiers,
+    Layout,
+    LayoutMismatch,
+    Rows,
+    SlotStore,
+    fill_device,
+    open_disk_stage,
+    run_into,
 )
 
 log = logging.getLogger(__name__)

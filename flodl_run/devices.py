@@ -76,7 +76,8 @@ def visible_gpus() -> List[GpuInfo]:
 
 
 def hardware_line(gpus: List[GpuInfo], ranks: int) -> str:
-    """One line saying what the run trains on, e.g. `ddp: 2 GPUs (heterogeneous) | H200 (141 GB) | A100 (80 GB)`."""
+    """One line saying what the run trains on, e.g.
+    `ddp: 2 GPUs (heterogeneous) | H200 (141 GB) | A100 (80 GB)`."""
     if not gpus:
         return f"ddp: {ranks} CPU rank{'s' if ranks != 1 else ''}" if ranks > 1 else "ddp: in-process | cpu"
     if len(gpus) == 1:

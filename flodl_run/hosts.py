@@ -24,7 +24,12 @@ from flodl_run.config.schema import ExperimentConfig, WorkerConfig
 from flodl_run.config.validate import Problem, validate
 from flodl_run.devices import GpuInfo
 from flodl_run.probe import (
-    HostReport, host_problems, inventories, inventory, resolve_devices, worker_path,
+    HostReport,
+    host_problems,
+    inventories,
+    inventory,
+    resolve_devices,
+    worker_path,
 )
 from flodl_run.ssh import encode_handshake, remote_command, ssh_argv
 from flodl_run.supervisor import RankProcess

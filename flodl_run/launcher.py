@@ -19,10 +19,10 @@ from flodl_run.config.schema import ExperimentConfig, Topology
 from flodl_run.config.validate import Problem
 from flodl_run.dashboard import Dashboard
 from flodl_run.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
+from flodl_run.observe import Observers
 from flodl_run.progress import TerminalProgress
 from flodl_run.records import RecordLog
 from flodl_run.summary import Summary, write_summary
-from flodl_run.observe import Observers
 from flodl_run.tracking import make_tracker
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -136,7 +136,9 @@ def _train_in_process(config: ExperimentConfig, observer: Observers) -> Summary:
 def _report(summary: Summary, run_dir: Path, console: Console) -> None:
     if summary.status == "completed":
         final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
-        syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)" if summary.world_size > 1 else ""
+        syncs = ""
+        if summary.world_size > 1:
+            syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)"
         console.print(f"done: final eval {final} | {summary.wall_s:.1f}s | "
                       f"{summary.samples_per_s:,.0f} samples/s{syncs} | {run_dir}",
                       highlight=False, soft_wrap=True)

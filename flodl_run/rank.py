@@ -413,7 +413,8 @@ class RankWorker:
         files = checkpoint.paths(stem)
         self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
         own = checkpoint.rank_optim_path(stem, self.env.rank)
-        self.replica.optimizer.load_state_dict(checkpoint.load_tensors(own if own.is_file() else files["optim"]))
+        optim = own if own.is_file() else files["optim"]
+        self.replica.optimizer.load_state_dict(checkpoint.load_tensors(optim))
         if self.mode.is_collective and self.outer.active and files["outer"].is_file():
             state = checkpoint.load_tensors(files["outer"])
             self.outer.load_state_dict({k: [t.to(self.device) for t in v] for k, v in state.items()

@@ -13,12 +13,12 @@ from typing import List, Optional
 import torch
 
 from flodl_run.config.schema import ExperimentConfig
-from flodl_run.observe import Observer
-from flodl_run.scalars import drain, roll_up
 from flodl_run.data import num_batches, permutation
 from flodl_run.dataplane import DataPlane
+from flodl_run.observe import Observer
 from flodl_run.recipe import Recipe
 from flodl_run.replica import Replica
+from flodl_run.scalars import drain, roll_up
 from flodl_run.summary import EpochRecord, Summary
 
 

@@ -58,7 +58,8 @@ def _reference(steps, gamma):
     movers = [1.0 if n > 0 else 0.0 for n in steps]
     ref = {}
     for name, _ in models[0].named_parameters():
-        ref[name] = sum(w * dict(m.named_parameters())[name].double() for w, m in zip(weights, models)) / total
+        ref[name] = sum(w * dict(m.named_parameters())[name].double()
+                        for w, m in zip(weights, models)) / total
     for name in ("1.running_mean", "1.running_var"):
         ref[name] = sum(mv * m.state_dict()[name].double() for mv, m in zip(movers, models)) / sum(movers)
     return ref, models

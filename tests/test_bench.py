@@ -14,7 +14,12 @@ import pytest
 
 from flodl_run.bench import BenchConfig, BenchRecipe, BenchRunConfig, Rig, check, plan
 from flodl_run.benchreport import (
-    ENTRY_KEYS, NOT_REACHED, RecipeBench, RunOutcome, bench_document, median_run,
+    ENTRY_KEYS,
+    NOT_REACHED,
+    RecipeBench,
+    RunOutcome,
+    bench_document,
+    median_run,
     time_to_target,
 )
 from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology

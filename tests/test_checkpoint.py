@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 

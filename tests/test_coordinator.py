@@ -14,13 +14,25 @@ import pytest
 import torch
 import zmq
 
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.checkpoint import read_meta, save_meta
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
 from flodl_run.wire import (
-    Channel, CheckpointSaved, Evaluate, Evaluated, RankJoined, SaveCheckpoint, Reduced, SnapshotTaken, Stop, SyncNow, Train, Update,
-    WindowDone, new_secret,
+    Channel,
+    CheckpointSaved,
+    Evaluate,
+    Evaluated,
+    RankJoined,
+    Reduced,
+    SaveCheckpoint,
+    SnapshotTaken,
+    Stop,
+    SyncNow,
+    Train,
+    Update,
+    WindowDone,
+    new_secret,
 )
 
 NUM_SAMPLES = 640

@@ -151,7 +151,8 @@ def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
                FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                            f"--master-port={_free_port()}", "-m", "flodl_run.rank"], cwd=REPO, env=env, capture_output=True,
+                            f"--master-port={_free_port()}", "-m", "flodl_run.rank"],
+                           cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=120)
     assert ranks.returncode == 0, ranks.stderr[-2000:]
     launcher.communicate(timeout=60)
@@ -169,7 +170,8 @@ def test_launcher_never_touches_cuda(tmp_path):
         "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'get_device_name',"
         " 'synchronize', 'current_device', 'set_device'):\n"
         "    setattr(torch.cuda, name, boom)\n"
-        f"sys.argv = ['flodl_run', 'tracking=off', 'hydra.run.dir={run_dir}', 'cluster=cpu_pair', 'num_epochs=1']\n"
+        f"sys.argv = ['flodl_run', 'tracking=off', 'hydra.run.dir={run_dir}', 'cluster=cpu_pair',"
+        " 'num_epochs=1']\n"
         "from flodl_run.cli import main\nmain()\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
                           timeout=180)

@@ -10,7 +10,13 @@ import pytest
 
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import (
-    ClusterConfig, ControllerConfig, ExperimentConfig, Mode, SshConfig, Topology, WorkerConfig,
+    ClusterConfig,
+    ControllerConfig,
+    ExperimentConfig,
+    Mode,
+    SshConfig,
+    Topology,
+    WorkerConfig,
 )
 from flodl_run.config.validate import validate
 from flodl_run.devices import GpuInfo

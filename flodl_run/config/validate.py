@@ -336,7 +336,8 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
     elif t.kind is TrackingKind.mlflow and t.uri is not None:
         if not t.uri.startswith(("sqlite:///", "file:", "postgresql", "mysql")) and "://" in t.uri:
             yield Problem("tracking.uri", t.uri,
-                          "must be a database or file URI with tracking=mlflow (use tracking=mlflow_server for http)")
+                          "must be a database or file URI with tracking=mlflow "
+                          "(use tracking=mlflow_server for http)")
     if not t.experiment:
         yield Problem("tracking.experiment", t.experiment, "must not be empty")
 
