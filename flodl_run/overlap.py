@@ -46,8 +46,10 @@ class AsyncLoop:
         self.round_began = 0.0
 
     def give_back(self, epoch: int, slices: list) -> None:
-        """A dead rank's chunks (since its last snapshot) go back to their epoch's pool."""
+        """A dead rank's chunks (since its last snapshot) go back to their epoch's pool, which
+        is then the first place new chunks come from."""
         self.pools[epoch].give_back(slices)
+        self.dispatch_epoch = min(self.dispatch_epoch, epoch)
 
     def _forget_dead(self) -> None:
         for rank in [r for r in range(self.world) if r not in self.c.alive and self.in_hand.get(r)]:
