@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rich.console import Console
 
@@ -33,7 +33,8 @@ from flodl_run.benchreport import (
     tables,
     to_markdown,
 )
-from flodl_run.config.compose import compose, conf_dir, experiment_to_yaml, register_schemas
+from flodl_run.cli import fail_config, run_hydra_app, typed_or_exit
+from flodl_run.config.compose import compose, experiment_to_yaml
 from flodl_run.config.schema import (
     ClusterConfig,
     ExperimentConfig,
@@ -44,7 +45,8 @@ from flodl_run.config.schema import (
 )
 from flodl_run.config.validate import Problem, resolve
 
-EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+PROG = "flodl_run.bench"
+EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
 STOP_GRACE_S = 20.0  # a run told to stop (SIGINT) saves and stops its ranks well within this
 
 
@@ -347,24 +349,6 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def fail_config(message: str, console: Console) -> NoReturn:
-    console.print(f"[bold red]flodl_run.bench:[/] {message}", highlight=False)
-    sys.exit(EXIT_CONFIG)
-
-
-def _typed(cfg: Any) -> BenchRunConfig:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    keys = [k for k in cfg.keys() if k != "hydra"]
-    plain = OmegaConf.masked_copy(cfg, keys) if "hydra" in cfg else cfg
-    try:
-        return OmegaConf.to_object(plain)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", "") or "config"
-        fail_config(f"{key}: {str(exc).splitlines()[0]}", Console(stderr=True))
-
-
 def _problems_text(problems: Sequence[Problem]) -> str:
     count = len(problems)
     lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
@@ -398,18 +382,18 @@ def bench_main(cfg: Any) -> int:
     bench_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     task = [str(o) for o in hydra_cfg.overrides.task]
     choice = str(hydra_cfg.runtime.choices.get("cluster"))
-    typed = _typed(cfg)
+    typed = typed_or_exit(cfg, PROG)
     from flodl_run.config.materialize import ConfigError
 
     try:  # what only the hardware can tell (a GPU that is not there) is a config error too
         rig = resolve_rig(typed, choice, [o for o in task if o.lstrip("+~").startswith("cluster.")])
     except ConfigError as exc:
-        fail_config(str(exc), err)
+        fail_config(str(exc), err, PROG)
     problems = check(typed, rig)
     jobs = plan(typed, rig) if not problems else []
     problems += list(_validate_jobs(jobs, bench_dir))
     if problems:
-        fail_config(_problems_text(problems), err)
+        fail_config(_problems_text(problems), err, PROG)
     return _run_bench(typed, rig, jobs, bench_dir, task, out)
 
 
@@ -449,7 +433,7 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
     files = _write(doc, bench_dir)
     for table in tables(doc):
         out.print(table)
-    out.print(f"wrote {', '.join(str(f) for f in files)}", highlight=False, soft_wrap=True)
+    out.print(f"wrote {', '.join(str(f) for f in files)}", markup=False, highlight=False, soft_wrap=True)
     failed = any(e["status"] != "completed" for e in doc["entries"])
     tracker.log_entries(doc["entries"], [o.summary for o in outcomes])
     tracker.finish(files, "KILLED" if interrupted else "FAILED" if failed else "FINISHED")
@@ -467,27 +451,7 @@ def _write(doc: Dict[str, Any], bench_dir: Path) -> List[Path]:
 
 def main() -> None:
     """Entry point; Hydra's flags (--cfg, --help) work as usual."""
-    import hydra
-
-    if os.environ.get("FLODL_RUN_TRACEBACK"):
-        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    register_schemas(extra=SCHEMAS)
-    entered, status = [], [0]
-
-    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="bench")
-    def _app(cfg: Any) -> None:
-        entered.append(True)
-        status[0] = bench_main(cfg)
-
-    try:
-        _app()
-    except SystemExit as exc:
-        # Hydra exits 1 when it cannot compose the overrides (unknown key, wrong type, unknown
-        # option) before the job starts: a config error, so exit 2 like the runner.
-        if exc.code == 1 and not entered:
-            sys.exit(EXIT_CONFIG)
-        raise
-    sys.exit(status[0])
+    sys.exit(run_hydra_app("bench", bench_main, extra_schemas=SCHEMAS))
 
 
 if __name__ == "__main__":

@@ -9,21 +9,37 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from rich.console import Console
 
 from flodl_run.config.compose import conf_dir, experiment_to_yaml, register_schemas
 from flodl_run.config.materialize import ConfigError, materialize
+from flodl_run.say import labelled
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
 
-def fail_config(message: str, console: Console) -> NoReturn:
+def fail_config(message: str, console: Console, prog: str = "flodl_run") -> NoReturn:
     """Print a user error without a traceback and exit 2."""
-    console.print(f"[bold red]flodl_run:[/] {message}", highlight=False)
+    console.print(labelled(prog, message, "bold red"), highlight=False)
     sys.exit(EXIT_CONFIG)
+
+
+def typed_or_exit(cfg: Any, prog: str) -> Any:
+    """The composed config as its schema's dataclass (Hydra's own `hydra` node left out); a
+    value the schema refuses exits 2 naming the dotted key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    keys = [k for k in cfg.keys() if k != "hydra"]
+    plain = OmegaConf.masked_copy(cfg, keys) if "hydra" in cfg else cfg
+    try:
+        return OmegaConf.to_object(plain)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        fail_config(f"{key}: {str(exc).splitlines()[0]}", Console(stderr=True), prog)
 
 
 class JobFailed(Exception):
@@ -44,7 +60,7 @@ def run_job(cfg: Any) -> None:
     except ConfigError as exc:
         fail_config(str(exc), err)
     for warning in materialized.warnings:
-        err.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        err.print(labelled("warning", warning, "yellow"), highlight=False)
     (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
     try:
         status = launch(materialized.config, run_dir, Console())
@@ -58,30 +74,40 @@ def run_job(cfg: Any) -> None:
         sys.exit(1)
 
 
-def main() -> None:
-    """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
-    import hydra
+def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
+                  extra_schemas: Sequence[Any] = ()) -> int:
+    """Run `job` as the Hydra app over conf/<config_name>.yaml; returns the last job's status.
 
-    from flodl_run.sweep import end_active
+    Hydra exits 1 for overrides it cannot compose (unknown key, wrong type, missing option)
+    before any job starts: that is a config error, so it becomes exit 2 like ours. Shared by
+    the runner, the sim and the bench."""
+    import hydra
 
     if os.environ.get("FLODL_RUN_TRACEBACK"):
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    register_schemas()
-    entered = []
+    register_schemas(extra=list(extra_schemas))
+    status: list = []
 
-    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=config_name)
     def _app(cfg: Any) -> None:
-        entered.append(True)
-        run_job(cfg)
+        status.append(0)
+        status[-1] = job(cfg) or 0
 
     try:
         _app()
     except SystemExit as exc:
-        # Hydra exits 1 for overrides it cannot compose (unknown key, wrong type, missing
-        # option) before our job starts: that is a config error, so exit 2 like ours.
-        if exc.code == 1 and not entered:
+        if exc.code == 1 and not status:
             sys.exit(EXIT_CONFIG)
         raise
+    return status[-1] if status else 0
+
+
+def main() -> None:
+    """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
+    from flodl_run.sweep import end_active
+
+    try:
+        run_hydra_app("config", run_job)
     except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there
         fail_config(str(exc), Console(stderr=True))
     finally:

@@ -211,7 +211,7 @@ def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret
                 run_dir: Path, console: Console) -> List[RankProcess]:
     """One `ssh` per rank; each keeps its stdin open, whose EOF stops the remote rank."""
     console.print(f"note: multi-host run: save_path {config.save_path} must be on storage "
-                  "every host sees", highlight=False, soft_wrap=True)
+                  "every host sees", markup=False, highlight=False, soft_wrap=True)
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
     run_yaml = (run_dir / "run.yaml").read_text()

@@ -22,6 +22,7 @@ from flodl_run.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.observe import Observers
 from flodl_run.progress import TerminalProgress
 from flodl_run.records import RecordLog
+from flodl_run.say import labelled
 from flodl_run.summary import Summary, write_summary
 from flodl_run.tracking import make_tracker
 
@@ -70,9 +71,9 @@ def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
     if plan.hosts is not None:
         from flodl_run.hosts import hosts_line
 
-        console.print(hosts_line(plan.hosts), highlight=False)
+        console.print(hosts_line(plan.hosts), markup=False, highlight=False)
     else:
-        console.print(hardware_line(plan.gpus, plan.world_size), highlight=False)
+        console.print(hardware_line(plan.gpus, plan.world_size), markup=False, highlight=False)
     tracker = make_tracker(config)
     tracker.start(config, run_dir)
     progress = TerminalProgress(console)
@@ -141,7 +142,7 @@ def _report(summary: Summary, run_dir: Path, console: Console) -> None:
             syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)"
         console.print(f"done: final eval {final} | {summary.wall_s:.1f}s | "
                       f"{summary.samples_per_s:,.0f} samples/s{syncs} | {run_dir}",
-                      highlight=False, soft_wrap=True)
+                      markup=False, highlight=False, soft_wrap=True)
     else:
-        console.print(f"[bold red]{summary.status}:[/] {summary.message} | {run_dir}",
+        console.print(labelled(summary.status, f"{summary.message} | {run_dir}", "bold red"),
                       highlight=False, soft_wrap=True)

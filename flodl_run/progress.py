@@ -21,6 +21,7 @@ from rich.progress import (
 )
 
 from flodl_run.observe import Observer
+from flodl_run.say import labelled
 from flodl_run.summary import EpochRecord, ReportRecord
 
 
@@ -88,7 +89,7 @@ class TerminalProgress(Observer):
         """Events that change who trains (rank lost, shutdown) are worth a line; the rest go to
         the record log, the dashboard and MLflow."""
         if kind.startswith(("rank_", "shutdown")) or kind in ("failed", "interrupted"):
-            self.console.print(f"[yellow]{kind}:[/] {message}", highlight=False, soft_wrap=True)
+            self.console.print(labelled(kind, message, "yellow"), highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -29,6 +29,7 @@ from flodl_run.config.compose import (
     dotted_items,
 )
 from flodl_run.config.materialize import ConfigError, materialize
+from flodl_run.say import labelled
 
 EXIT_INVALID = 1
 SECTIONS = (*GROUPS, "run")
@@ -168,7 +169,7 @@ def render(tables: List[Tuple[str, Sequence[str], List[Row], bool]], warnings: L
     for spec in tables:
         console.print(rich_table(*spec))
     for warning in warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        console.print(labelled("warning", warning, "yellow"), highlight=False)
 
 
 def review(args: argparse.Namespace, console: Console) -> None:
@@ -206,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         review(args, Console())
     except (ComposeError, ConfigError, ReviewError) as exc:
-        Console(stderr=True).print(f"[bold red]flodl_run:[/] {exc}", highlight=False)
+        Console(stderr=True).print(labelled("flodl_run", str(exc), "bold red"), highlight=False)
         return EXIT_INVALID
     return 0
 

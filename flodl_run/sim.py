@@ -8,19 +8,18 @@ run dir. The rig model and the window loop are pure and live in `flodl_run.simri
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, List, NoReturn, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from flodl_run.config.compose import conf_dir, register_schemas
+from flodl_run.cli import fail_config, run_hydra_app, typed_or_exit
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.config.validate import Problem, validate
+from flodl_run.say import labelled
 from flodl_run.simrig import (
     SimConfig,
     SimResult,
@@ -30,7 +29,7 @@ from flodl_run.simrig import (
     simulate,
 )
 
-EXIT_CONFIG = 2
+PROG = "flodl_run.sim"
 # Above this many ranks `table=auto` shows batch counts as min / median / max.
 FULL_TABLE_MAX_RANKS = 8
 
@@ -168,35 +167,19 @@ def report(cfg: SimRunConfig, result: SimResult, console: Console) -> None:
     console.print(summary_table(result))
 
 
-def fail_config(message: str, console: Console) -> NoReturn:
-    console.print(f"[bold red]flodl_run.sim:[/] {message}", highlight=False)
-    sys.exit(EXIT_CONFIG)
-
-
-def _typed(cfg: Any) -> SimRunConfig:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", "") or "config"
-        fail_config(f"{key}: {str(exc).splitlines()[0]}", Console(stderr=True))
-
-
 def run_job(cfg: Any) -> None:
     """The body of one Hydra job: check, simulate, print, write sim.json."""
     from hydra.core.hydra_config import HydraConfig
 
     err = Console(stderr=True)
-    typed = _typed(cfg)
+    typed = typed_or_exit(cfg, PROG)
     problems, warnings = check(typed)
     if problems:
         count = len(problems)
         lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
-        fail_config("\n".join(lines + [f"  {p}" for p in problems]), err)
+        fail_config("\n".join(lines + [f"  {p}" for p in problems]), err, PROG)
     for warning in warnings:
-        err.print(f"[yellow]warning:[/] {warning}", highlight=False)
+        err.print(labelled("warning", warning, "yellow"), highlight=False)
     result = simulate(typed.sim, typed.elche)
     out = Console()
     if not out.is_terminal:
@@ -205,31 +188,12 @@ def run_job(cfg: Any) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sim.json").write_text(json.dumps(sim_json(result)))
-    out.print(f"wrote {run_dir / 'sim.json'}", highlight=False)
+    out.print(f"wrote {run_dir / 'sim.json'}", markup=False, highlight=False)
 
 
 def main() -> None:
     """Entry point; Hydra's flags (-m, --cfg, --help) work as usual."""
-    import hydra
-
-    if os.environ.get("FLODL_RUN_TRACEBACK"):
-        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    register_schemas(extra=[SCHEMA])
-    entered = []
-
-    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="sim")
-    def _app(cfg: Any) -> None:
-        entered.append(True)
-        run_job(cfg)
-
-    try:
-        _app()
-    except SystemExit as exc:
-        # Hydra exits 1 when it cannot compose the overrides (unknown key, wrong type, unknown
-        # option) before the job starts: a config error, so exit 2 like the runner.
-        if exc.code == 1 and not entered:
-            sys.exit(EXIT_CONFIG)
-        raise
+    run_hydra_app("sim", run_job, extra_schemas=[SCHEMA])
 
 
 if __name__ == "__main__":

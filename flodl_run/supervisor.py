@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from rich.console import Console
+from rich.markup import escape
 
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
@@ -88,8 +89,8 @@ def _forward(proc: RankProcess, console: Console) -> None:
     for line in proc.process.stdout:
         proc.log.write(line)
         proc.log.flush()
-        console.print(f"[dim]\\[rank {proc.rank}][/] {line.rstrip()}", highlight=False,
-                      markup=True, soft_wrap=True)
+        console.print(f"[dim]\\[rank {proc.rank}][/] {escape(line.rstrip())}", highlight=False,
+                      soft_wrap=True)
 
 
 def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: bytes,
@@ -257,4 +258,4 @@ def _announce_controller_only(config: ExperimentConfig, world_size: int, coord: 
         f"controller-only: waiting for {world_size} ranks. On each node run:\n"
         f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
         f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
-        highlight=False, soft_wrap=True)
+        markup=False, highlight=False, soft_wrap=True)

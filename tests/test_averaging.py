@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flodl_run.averaging.collective import consensus_weight, weighted_reduce_
+from flodl_run.averaging.collective import CollectiveError, consensus_weight, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams, relative_distance
 
 
@@ -117,3 +117,39 @@ def test_flat_params_are_views_the_optimizer_updates():
     opt.step()
     assert not torch.equal(before, flat.buffers[0])
     assert flat.numel == sum(p.numel() for p in model.parameters())
+
+
+def _dying_peer_worker(rank: int, port: int, out_dir: str) -> None:
+    import datetime
+    import time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # gone before the reduce's first all-reduce (the weights)
+    time.sleep(0.5)
+    model = _model(seed=100)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        weighted_reduce_(FlatParams(model), 5, 1.0)
+        raised = "nothing"
+    except CollectiveError:
+        raised = "CollectiveError"
+    except Exception as exc:  # noqa: BLE001 - the test reports what leaked
+        raised = type(exc).__name__
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    torch.save({"raised": raised, "same": same}, os.path.join(out_dir, "rank0.pt"))
+    os._exit(0)  # the group's peer is gone: no orderly teardown
+
+
+def test_a_peer_dead_before_the_weights_all_reduce_is_a_collective_error(tmp_path):
+    """Pins the CI failure of a SIGKILLed host: the first all-reduce of a reduce (the weights)
+    failing must surface as CollectiveError (the rank reports ReduceFailed and the round is
+    retried among survivors), not as a RuntimeError that kills the survivor, and must leave the
+    replica untouched."""
+    mp.start_processes(_dying_peer_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    result = torch.load(tmp_path / "rank0.pt")
+    assert result == {"raised": "CollectiveError", "same": True}

@@ -42,3 +42,29 @@ def test_live_bar_shows_per_rank_throughput():
     progress._progress.refresh()
     progress.close()
     assert "rank samples/s 41,000 | 16,500" in out.getvalue()
+
+
+GLOO_ERROR = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] "
+              "Read error [127.0.0.1]:55733: Connection reset by peer [bold]")
+
+
+def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
+    """Pins the CI failure where a Gloo error in a rank-lost event raised rich's MarkupError in
+    the coordinator: event messages, run-end messages and forwarded rank output keep their
+    brackets as text."""
+    from flodl_run.say import labelled
+    from flodl_run.supervisor import _forward
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=400)
+    TerminalProgress(console).on_event("rank_lost", f"rank 1 lost: {GLOO_ERROR}")
+    console.print(labelled("failed", GLOO_ERROR, "bold red"))
+
+    class _Proc:
+        rank = 1
+        process = type("P", (), {"stdout": iter([GLOO_ERROR + "\n"])})()
+        log = io.StringIO()
+
+    _forward(_Proc(), console)
+    assert out.getvalue().splitlines() == [f"rank_lost: rank 1 lost: {GLOO_ERROR}",
+                                           f"failed: {GLOO_ERROR}", f"[rank 1] {GLOO_ERROR}"]

@@ -44,7 +44,10 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
     weight = consensus_weight(steps, gamma)
     moved = 1.0 if steps > 0 else 0.0
     meta = torch.tensor([weight, moved], dtype=torch.float64, device=device)
-    dist.all_reduce(meta, group=group)
+    try:
+        dist.all_reduce(meta, group=group)
+    except Exception as exc:  # a peer died before anything moved: the replica is untouched
+        raise CollectiveError(str(exc)) from exc
     total_weight, movers = float(meta[0]), float(meta[1])
     if total_weight <= 0.0:
         return ReduceOutcome(False, weight, 0.0, 0.0, None)
