@@ -59,8 +59,11 @@ def main() -> None:
         g_ddp.all_reduce_gradients()
         g_opt.step()
     checksum = sum(float(p.detach().double().sum()) for p in [*gen_net.parameters(), *disc.parameters()])
+    # One write per line: under torchrun the ranks share one unbuffered stdout, where print's
+    # separate write of the newline let the other rank's line land in the middle of ours.
     print(f"rank {rank}: d_loss {d_loss.item():.4f} g_loss {g_loss.item():.4f} "
-          f"checksum {checksum:.10f} pid {os.getpid()}", flush=True)
+          f"checksum {checksum:.10f} pid {os.getpid()}\n", end="", flush=True)
+    dist.barrier()  # leave together: fewer of Gloo's teardown aborts (see tests/test_ddp_manual.py)
     dist.destroy_process_group()
 
 

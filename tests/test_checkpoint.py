@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from flodl_run.checkpoint import BundleError, paths, read_meta
 from tests.test_distributed_cli import REPO, _flodl_children, _run
 
 PAIR = ("cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1")
+LOCKSTEP = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0", "batch_size=64")
+
+
+@pytest.fixture(scope="module")
+def lockstep_bundle(tmp_path_factory) -> str:
+    """The bundle of one clean lockstep epoch (nccl_sync, homogeneous pair): resumed by one
+    test, copied and damaged by another."""
+    root = tmp_path_factory.mktemp("lockstep")
+    first, _ = _run(root, *LOCKSTEP, "num_epochs=1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    return str(root / "run" / "checkpoint")
 
 
 def test_clean_end_writes_a_complete_bundle(tmp_path):
@@ -33,17 +47,14 @@ def test_clean_end_writes_a_complete_bundle(tmp_path):
     assert set(torch.load(files["outer"], weights_only=True)) == {"prev", "velocity"}
 
 
-def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_path):
+def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_path, lockstep_bundle):
     """Pins resume: the second half starts at the saved epoch, and 1+1 epochs end on the same
     weights as 2 straight epochs (nccl_sync, homogeneous, lockstep)."""
-    common = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0", "batch_size=64")
-    first, _ = _run(tmp_path / "a", *common, "num_epochs=1")
-    assert first.returncode == 0, first.stdout + first.stderr
-    stem = str(tmp_path / "a" / "run" / "checkpoint")
-    second, resumed = _run(tmp_path / "b", *common, "num_epochs=2", f"resume_from={stem}")
+    stem = lockstep_bundle
+    second, resumed = _run(tmp_path / "b", *LOCKSTEP, "num_epochs=2", f"resume_from={stem}")
     assert second.returncode == 0, second.stdout + second.stderr
     assert [e["epoch"] for e in resumed["epochs"]] == [1]
-    straight, full = _run(tmp_path / "c", *common, "num_epochs=2")
+    straight, full = _run(tmp_path / "c", *LOCKSTEP, "num_epochs=2")
     assert straight.returncode == 0
     a = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "c" / "run" / "checkpoint.pt", weights_only=True)
@@ -75,24 +86,26 @@ def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path):
     assert run.data.tags["resumed_from_run_id"] == before["mlflow_run_id"]
 
 
-def test_unusable_bundles_exit_2_naming_the_problem(tmp_path):
+def test_unusable_bundles_exit_2_naming_the_problem(tmp_path, lockstep_bundle):
     """Pins clear errors instead of a traceback or a silent fresh start: corrupt meta, wrong
     world size, wrong seed, newer schema."""
-    first, _ = _run(tmp_path / "a", *PAIR, "num_epochs=1")
-    assert first.returncode == 0
-    stem = str(tmp_path / "a" / "run" / "checkpoint")
+    saved = Path(lockstep_bundle)
+    (tmp_path / "copy").mkdir()
+    for part in saved.parent.glob(saved.name + ".*"):  # damaged below: a copy of the shared bundle
+        shutil.copy(part, tmp_path / "copy" / part.name)
+    stem = str(tmp_path / "copy" / saved.name)
     cases = [("cluster.num_ranks=3", "saved by 2 ranks"), ("seed=7", "seed 0")]
     for override, expected in cases:
-        proc, _ = _run(tmp_path / override.replace("=", "_"), *PAIR, override, f"resume_from={stem}")
+        proc, _ = _run(tmp_path / override.replace("=", "_"), *LOCKSTEP, override, f"resume_from={stem}")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     meta_file = paths(stem)["meta"]
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps(dict(meta, schema_version=99)))
-    proc, _ = _run(tmp_path / "newer", *PAIR, f"resume_from={stem}")
+    proc, _ = _run(tmp_path / "newer", *LOCKSTEP, f"resume_from={stem}")
     assert proc.returncode == 2 and "newer" in proc.stdout + proc.stderr
     meta_file.write_text("{ not json")
-    proc, _ = _run(tmp_path / "corrupt", *PAIR, f"resume_from={stem}")
+    proc, _ = _run(tmp_path / "corrupt", *LOCKSTEP, f"resume_from={stem}")
     assert proc.returncode == 2 and "corrupt" in proc.stdout + proc.stderr
     try:
         read_meta(stem)

@@ -23,8 +23,8 @@ def _with_fault(spec: str) -> dict:
 def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):  # noqa: F811
     """Pins 'survivors carry on': SIGKILL rank 1 after its 12th batch; the run completes with
     two ranks, lists the dead rank, trains every sample of every epoch (exactly once where the
-    consensus is synchronous) and lands within 3 points of an undisturbed run (sync modes take
-    fewer steps per epoch than solo, so they are compared with their own undisturbed run)."""
+    consensus is synchronous) and lands within 3 points of the undisturbed solo run (measured:
+    undisturbed trios reach 0.953 (nccl_sync) and 0.975 (cpu_sync) against solo's 0.953)."""
     proc, summary = _run(tmp_path, *TRIO, f"elche={mode}", env=_with_fault("1:12:SIGKILL"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
@@ -35,12 +35,7 @@ def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):  # 
         else:
             assert epoch["samples"] == NUM_TRAIN
     assert summary["epochs"][-1]["per_rank_batch_share"][1] == 0.0
-    reference = solo_eval
-    if mode.endswith("_sync"):
-        undisturbed, ref = _run(tmp_path / "ref", *TRIO, f"elche={mode}")
-        assert undisturbed.returncode == 0
-        reference = ref["final_eval"]
-    assert summary["final_eval"] >= reference - 0.03
+    assert summary["final_eval"] >= solo_eval - 0.03
 
 
 def test_lone_collective_survivor_saves_and_a_fresh_pair_resumes(tmp_path):
