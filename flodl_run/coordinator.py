@@ -21,6 +21,7 @@ from flodl_run.config.schema import ExperimentConfig, Mode
 from flodl_run.datametrics import DataTally
 from flodl_run.dispatch import EpochPool, EpochSpan, epoch_span
 from flodl_run.elche import ElChe, Plan
+from flodl_run.hostinfo import merge_nodes
 from flodl_run.membership import Membership, RunAborted, ShutdownWithSave
 from flodl_run.observe import Observer
 from flodl_run.outer import OuterOptimizer
@@ -167,6 +168,9 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             raise RunAborted("failed", f"ranks see different train set sizes: {sorted(sizes)}")
         self.num_samples = sizes.pop()
         self.summary.devices = [self.joined[r].device_name for r in range(self.world_size)]
+        nodes = merge_nodes(self.joined[r].node for r in range(self.world_size) if self.joined[r].node)
+        self.summary.nodes = [node.record() for node in nodes]
+        self.observer.on_nodes(nodes)
         self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0))
         if self.config.resume_from:
             self._restore(self.config.resume_from)

@@ -1,7 +1,9 @@
 """Facts about this node for tracking and the record log: host name, CPUs, RAM, GPUs.
 
-Owns reading them once, cheaply, in the launcher: GPUs through NVML (`devices`), never through
-torch.cuda, so no CUDA context is created. It does not sample anything over time.
+Owns reading them once, cheaply: in the launcher for its own node, in each rank for the node
+it runs on (sent with RankJoined, merged per node by the coordinator). GPUs come through NVML
+(`devices`), never through torch.cuda, so no CUDA context is created. It does not sample
+anything over time.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from flodl_run.devices import GpuInfo, visible_gpus
+from flodl_run.wire import NodeFacts
 
 GIB = 2**30
 
@@ -64,3 +67,23 @@ def this_host(with_gpus: bool = True) -> HostInfo:
     """The launcher's node. `with_gpus=False` skips NVML (CPU-only topologies)."""
     return HostInfo(socket.gethostname(), os.cpu_count() or 1, _ram_bytes(),
                     visible_gpus() if with_gpus else [])
+
+
+def node_facts(with_gpus: bool) -> NodeFacts:
+    """What a rank says of its node. The launcher names SSH-started ranks' nodes as the cluster
+    config does (FLODL_RUN_NODE), so metrics, record log and config agree on host names."""
+    host = this_host(with_gpus)
+    return NodeFacts(os.environ.get("FLODL_RUN_NODE") or host.host, host.cpu_count,
+                     host.ram_bytes, [(g.index, g.uuid, g.name, g.memory_bytes) for g in host.gpus])
+
+
+def merge_nodes(facts: Iterable[NodeFacts]) -> List[HostInfo]:
+    """One HostInfo per node, in first-seen order; a node's GPUs are the union of what its
+    ranks saw (each rank pinned to one GPU sees only that one)."""
+    nodes: Dict[str, HostInfo] = {}
+    for f in facts:
+        node = nodes.setdefault(f.name, HostInfo(f.name, f.cpu_count, f.ram_bytes, []))
+        known = {g.uuid for g in node.gpus}
+        node.gpus.extend(GpuInfo(i, uuid, name, mem) for i, uuid, name, mem in f.gpus if uuid not in known)
+        node.gpus.sort(key=lambda g: g.index)
+    return list(nodes.values())

@@ -183,7 +183,7 @@ def rank_environment(config: ExperimentConfig, layout: HostLayout, slots: Worker
         "RANK": str(slots.ranks[local_rank]), "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(len(slots.ranks)),
         "MASTER_ADDR": layout.master_addr, "MASTER_PORT": str(layout.master_port),
-        "FLODL_RUN_COORD": coord, "PYTHONUNBUFFERED": "1",
+        "FLODL_RUN_COORD": coord, "FLODL_RUN_NODE": slots.worker.host, "PYTHONUNBUFFERED": "1",
     })
     if slots.worker.nccl_socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = slots.worker.nccl_socket_ifname

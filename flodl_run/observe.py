@@ -6,8 +6,9 @@ implement them. Observers never change the run.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
+from flodl_run.hostinfo import HostInfo
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord
 
 
@@ -31,6 +32,9 @@ class Observer:
 
     def on_event(self, kind: str, message: str) -> None:
         """Something worth a line in the log: rank lost, nudge, shutdown, ..."""
+
+    def on_nodes(self, nodes: List[HostInfo]) -> None:
+        """Once, when every rank has joined: the static facts of each node they run on."""
 
 
 class Observers(Observer):
@@ -62,3 +66,7 @@ class Observers(Observer):
     def on_event(self, kind: str, message: str) -> None:
         for o in self.observers:
             o.on_event(kind, message)
+
+    def on_nodes(self, nodes: List[HostInfo]) -> None:
+        for o in self.observers:
+            o.on_nodes(nodes)

@@ -34,6 +34,7 @@ from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
 from flodl_run.data import permutation
 from flodl_run.dataplane import DataPlane
+from flodl_run.hostinfo import node_facts
 from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
@@ -165,7 +166,7 @@ class RankWorker:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
                                      socket.gethostname(), str(self.device), name,
-                                     len(self.source)))
+                                     len(self.source), node_facts(self.device.type == "cuda")))
         if self.mode is Mode.cpu_async and self.env.rank == 0:
             self._send_snapshot(0, steps=0)  # the EASGD center starts at the initial weights
             self._awaiting_update = False

@@ -152,6 +152,11 @@ class RecordLog(Observer):
                              "world_size": world_size, "hosts": self.hosts})
         self._host(local, "system", self.host.record())
 
+    def on_nodes(self, nodes: List[HostInfo]) -> None:
+        for node in nodes:  # the launcher's node wrote its own at start
+            if node.host != self._local():
+                self._host(node.host, "system", node.record())
+
     def on_epoch(self, record: EpochRecord) -> None:
         self._root("epoch", dataclasses.asdict(record))
         rates, shares = record.per_rank_throughput, record.per_rank_batch_share

@@ -91,6 +91,8 @@ class Summary:
     anchor_trajectory: List[int] = field(default_factory=list)
     phase: Optional[str] = None
     dead_ranks: List[int] = field(default_factory=list)
+    nodes: List[Dict[str, Any]] = field(default_factory=list)
+    """Per node the ranks ran on: host, cpu_count, ram_bytes, gpus (static facts)."""
     checkpoint: Optional[str] = None
     mlflow_run_id: Optional[str] = None
     message: Optional[str] = None

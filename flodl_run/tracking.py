@@ -15,11 +15,11 @@ import logging
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig, TrackingKind
-from flodl_run.hostinfo import metric_safe, this_host
+from flodl_run.hostinfo import HostInfo, metric_safe, this_host
 from flodl_run.observe import Observer
 from flodl_run.phase import Phase
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
@@ -155,6 +155,7 @@ class MlflowTracker(NullTracker):
         self.run_id: Optional[str] = None
         self._pending: List[Any] = []  # per-reduce Metric objects not sent yet
         self._events: List[Dict[str, Any]] = []
+        self._nodes_logged: Set[str] = set()
         self._broken = False
 
     # ---- start ------------------------------------------------------------------------------
@@ -199,11 +200,14 @@ class MlflowTracker(NullTracker):
         if config.tracking.system_metrics:
             self._log_system()
 
-    def _log_system(self) -> None:
-        """Once per node; only the launcher's node is known here (see docs/decisions.md)."""
+    def _log_system(self, host: Optional[HostInfo] = None) -> None:
+        """Once per node: the launcher's at start, the ranks' nodes when they have joined."""
         from mlflow.entities import RunTag
 
-        host = this_host()
+        host = host or this_host()
+        if host.host in self._nodes_logged:
+            return
+        self._nodes_logged.add(host.host)
         self._send(host.metrics(), step=0)
         if host.tags():
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in host.tags().items()])
@@ -257,6 +261,14 @@ class MlflowTracker(NullTracker):
 
     def on_event(self, kind: str, message: str) -> None:
         self._events.append({"time": time.time(), "kind": kind, "message": message})
+
+    def on_nodes(self, nodes: List[HostInfo]) -> None:
+        def log() -> None:
+            for node in nodes:
+                self._log_system(node)
+
+        if self.config.tracking.system_metrics:
+            self._guarded("logging system metrics", log)
 
     # ---- teardown ---------------------------------------------------------------------------
 

@@ -29,6 +29,17 @@ class Message(msgspec.Struct, tag_field="type", tag=True, frozen=True):
 
 # ---- rank -> coordinator: facts, past tense -------------------------------------------------
 
+
+class NodeFacts(msgspec.Struct, frozen=True):
+    """The static facts of the node a rank runs on, for system metrics once per node."""
+
+    name: str
+    """The worker's `host` from the cluster config, else the node's host name."""
+    cpu_count: int
+    ram_bytes: Optional[int]
+    gpus: List[Tuple[int, str, str, int]] = []
+    """GPUs the rank sees through NVML: (index, uuid, name, memory_bytes)."""
+
 class RankJoined(Message):
     rank: int
     world_size: int
@@ -38,6 +49,7 @@ class RankJoined(Message):
     device_name: str
     num_samples: int
     """Length of the rank's train set: every rank must see the same data."""
+    node: Optional[NodeFacts] = None
 
 
 class Heartbeat(Message):

@@ -24,6 +24,7 @@ from typing import List
 import pytest
 
 from flodl_run.config.schema import ClusterConfig, SshConfig, Topology, WorkerConfig
+from flodl_run.hostinfo import metric_safe
 from flodl_run.probe import probe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,8 +132,9 @@ def _conf_dir(tmp_path: Path, ssh: SshConfig, devices=(["cpu", "cpu"], ["cpu"]))
     return conf
 
 
-def _command(tmp_path: Path, ssh: SshConfig, run_dir: Path, *overrides: str) -> List[str]:
-    return [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
+def _command(tmp_path: Path, ssh: SshConfig, run_dir: Path, *overrides: str,
+             tracking: str = "tracking=off") -> List[str]:
+    return [sys.executable, "-m", "flodl_run", tracking, f"hydra.run.dir={run_dir}",
             f"hydra.searchpath=[file://{_conf_dir(tmp_path, ssh)}]", "cluster=loopback_hosts",
             *overrides]
 
@@ -196,9 +198,13 @@ def test_probe_reports_both_hosts(sshd, tmp_path):
 def test_two_host_run_completes(sshd, tmp_path, mode):
     """Pins the fan-out end to end: 2 + 1 CPU ranks on two sshd "hosts" train to completion in
     a collective and a coordinator-averaged mode, per-rank logs in <run dir>/ranks, output
-    prefixed by host and rank, the shared-storage note once, and no secret in any output."""
+    prefixed by host and rank, the shared-storage note once, no secret in any output, and
+    system figures once per node: each worker host under its configured name in summary.json
+    and in MLflow (besides the launcher's own node)."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
-    done = subprocess.run(_command(tmp_path, sshd, run_dir, f"elche={mode}", "num_epochs=1"),
+    db = tmp_path / "mlflow.db"
+    done = subprocess.run(_command(tmp_path, sshd, run_dir, f"elche={mode}", "num_epochs=1",
+                                   tracking=f"tracking.uri=sqlite:///{db}"),
                           cwd=REPO, capture_output=True, text=True, timeout=180)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -212,6 +218,15 @@ def test_two_host_run_completes(sshd, tmp_path, mode):
     texts = [output] + [(run_dir / "ranks" / name).read_text() for name in logs]
     assert not any(SECRET_LIKE.search(t) for t in texts)
     assert not _await_gone(f"--run {run_dir.name}")
+    assert [n["host"] for n in summary["nodes"]] == list(HOSTS)
+    assert all(n["cpu_count"] == os.cpu_count() and n["ram_bytes"] > 0 and n["gpus"] == []
+               for n in summary["nodes"])
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
+    for host in [socket.gethostname(), *HOSTS]:
+        assert metrics[f"system/{metric_safe(host)}/cpu_count"] == os.cpu_count(), host
 
 
 def test_losing_a_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path):

@@ -106,3 +106,37 @@ def test_full_disk_warns_once_and_stops_writing(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if "record log" in r.getMessage()]
     assert len(warnings) == 1 and "No space left" in warnings[0]
     assert not (root / "root").exists()  # stopped before the host and rank files
+
+
+def test_nodes_merge_the_gpus_each_rank_saw_and_keep_first_seen_order():
+    """Pins the per-node merge of RankJoined facts: ranks pinned to one GPU each add up to the
+    node's GPUs (by UUID, in index order, no duplicates), nodes in first-seen order."""
+    from flodl_run.hostinfo import merge_nodes
+    from flodl_run.wire import NodeFacts
+
+    gib = 2**30
+    facts = [NodeFacts("b", 64, 512 * gib, [(1, "GPU-y", "NVIDIA A100", 80 * gib)]),
+             NodeFacts("a", 16, 128 * gib, []),
+             NodeFacts("b", 64, 512 * gib, [(0, "GPU-x", "NVIDIA H200", 141 * gib)]),
+             NodeFacts("b", 64, 512 * gib, [(1, "GPU-y", "NVIDIA A100", 80 * gib)])]
+    nodes = merge_nodes(facts)
+    assert [n.host for n in nodes] == ["b", "a"]
+    assert [(g.index, g.uuid) for g in nodes[0].gpus] == [(0, "GPU-x"), (1, "GPU-y")]
+    assert nodes[0].metrics()["system/b/gpu0_memory_gib"] == 141.0
+    assert nodes[1].gpus == [] and nodes[1].cpu_count == 16
+
+
+def test_record_log_gets_the_system_record_of_each_other_node(tmp_path):
+    """Pins system figures once per node in the record log: a node the ranks report besides the
+    launcher's gets a `system` record in root/<host>.log; the launcher's node is not repeated."""
+    records = RecordLog(tmp_path / "records", 1 << 20, host=HOST)
+    records.on_start(1, 10, 2)
+    records.on_nodes([HostInfo("node-a", 4, 8 * 2**30), HostInfo("node-b", 32, 64 * 2**30)])
+    records.close()
+
+    def kinds(host):
+        lines = (tmp_path / "records" / "root" / f"{host}.log").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    assert [r["kind"] for r in kinds("node-a")] == ["system"]
+    assert [(r["kind"], r["host"], r["cpu_count"]) for r in kinds("node-b")] == [("system", "node-b", 32)]

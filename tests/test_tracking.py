@@ -157,7 +157,8 @@ def test_git_commit_comes_from_the_recipe_repo_not_the_cwd(pair_run):
 
 
 def test_system_metrics_once_for_the_launcher_node(pair_run):
-    """Pins system figures once per node: one point of CPU count and RAM for this host."""
+    """Pins system figures once per node: one point of CPU count and RAM for this host, though
+    the launcher and both ranks (which report their node on joining) run on it."""
     import socket
 
     from flodl_run.hostinfo import metric_safe
@@ -166,6 +167,9 @@ def test_system_metrics_once_for_the_launcher_node(pair_run):
     cpus = _history(pair_run, f"system/{host}/cpu_count")
     assert [(m.step, m.value) for m in cpus] == [(0, float(os.cpu_count()))]
     assert len(_history(pair_run, f"system/{host}/ram_gib")) == 1
+    nodes = pair_run["summary"]["nodes"]
+    assert [(n["host"], n["cpu_count"], n["gpus"]) for n in nodes] == [
+        (socket.gethostname(), os.cpu_count(), [])]
 
 
 def test_events_artifact_holds_elche_events(pair_run):
