@@ -9,6 +9,7 @@ forwarding output with host and rank prefixes. Watching and stopping the ssh pro
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import subprocess
 import threading
@@ -32,7 +33,7 @@ from flodl_run.probe import (
     worker_path,
 )
 from flodl_run.ssh import encode_handshake, remote_command, ssh_argv
-from flodl_run.supervisor import RankProcess
+from flodl_run.supervisor import RankProcess, host_store
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, for controller-only layouts (never probed)
 
@@ -98,11 +99,14 @@ def plan_hosts(config: ExperimentConfig,
             problems += found
     if problems:
         raise ConfigError(problems)
-    master_addr = cluster.master_addr
-    if is_loopback(master_addr):  # the rendezvous store lives with rank 0
-        master_addr = slots[0].worker.host
-    master_port = cluster.master_port or (reports[0].get("free_port") if reports[0] else None)
-    layout = HostLayout(slots, master_addr, master_port or DEFAULT_MASTER_PORT)
+    if cluster.launch_ranks:  # the launcher hosts the rendezvous store, so it outlives any
+        # worker; port 0 is picked when the store starts (start_hosts)
+        layout = HostLayout(slots, cluster.controller.host, cluster.master_port)
+    else:  # controller-only: torchrun/srun's ranks keep their own store, with rank 0
+        master_addr = cluster.master_addr
+        if is_loopback(master_addr):
+            master_addr = slots[0].worker.host
+        layout = HostLayout(slots, master_addr, cluster.master_port or DEFAULT_MASTER_PORT)
     problems = _layout_problems(config, layout)
     if problems:
         raise ConfigError(problems)
@@ -150,7 +154,7 @@ def _layout_problems(config: ExperimentConfig, layout: HostLayout) -> List[Probl
         problems.append(Problem("cluster.controller.host", cluster.controller.host,
                                 f"must be an address the workers can reach ({remote[0]} is "
                                 "another machine), not loopback"))
-    if remote and is_loopback(layout.master_addr):
+    if remote and not cluster.launch_ranks and is_loopback(layout.master_addr):
         problems.append(Problem("cluster.master_addr", layout.master_addr,
                                 "must be rank 0's address as the other workers reach it"))
     # Rules that needed the world size (partition_ratios, emulate_slowdown, rank:<n>).
@@ -184,6 +188,7 @@ def rank_environment(config: ExperimentConfig, layout: HostLayout, slots: Worker
         "WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(len(slots.ranks)),
         "MASTER_ADDR": layout.master_addr, "MASTER_PORT": str(layout.master_port),
         "FLODL_RUN_COORD": coord, "FLODL_RUN_NODE": slots.worker.host, "PYTHONUNBUFFERED": "1",
+        "FLODL_RUN_STORE_HOSTED": "1",
     })
     if slots.worker.nccl_socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = slots.worker.nccl_socket_ifname
@@ -215,6 +220,8 @@ def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
     run_yaml = (run_dir / "run.yaml").read_text()
+    store = host_store(layout.master_addr, layout.master_port)  # on controller.host
+    layout = dataclasses.replace(layout, master_port=store.port)
     procs: List[RankProcess] = []
     for slots in layout.workers:
         for local_rank, rank in enumerate(slots.ranks):
@@ -232,7 +239,7 @@ def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret
             except BrokenPipeError:
                 pass  # ssh already gave up; its exit is reported like any rank's
             proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"),
-                               host=slots.worker.host)
+                               host=slots.worker.host, store=store)
             proc.forwarder = threading.Thread(target=_forward, args=(proc, console), daemon=True)
             proc.forwarder.start()
             procs.append(proc)

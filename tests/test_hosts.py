@@ -133,15 +133,16 @@ def test_skew_flags_torch_and_nccl_across_hosts():
 
 
 def test_ranks_follow_worker_order_and_all_probes_the_host():
-    """Pins global ranks in worker order, `all` = the probed GPUs, MASTER_ADDR = rank 0's host
-    when cluster.master_addr is loopback, and MASTER_PORT from that host's free port."""
+    """Pins global ranks in worker order, `all` = the probed GPUs, and the rendezvous store on
+    the controller (MASTER_ADDR = controller.host; port 0 = picked when the launcher starts the
+    store), whatever cluster.master_addr says."""
     cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[1], nccl_socket_ifname="eth0"),
                  WorkerConfig(host="10.0.0.2", local_devices="all", nccl_socket_ifname="eth0"),
                  controller=ControllerConfig(host="10.0.0.1", port=29400))
     layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
     assert [w.ranks for w in layout.workers] == [[0], [1, 2]]
     assert layout.workers[0].devices == ["GPU-bbbb-1"]
-    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.1", 29511)
+    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.1", 0)
     assert hosts_line(layout) == ("ddp: 3 ranks on 2 hosts | 10.0.0.1: A100 (80 GB) | "
                                   "10.0.0.2: H200 (141 GB), A100 (80 GB)")
 
@@ -186,7 +187,8 @@ def test_controller_only_takes_lists_as_given_and_refuses_all():
                  WorkerConfig(host="b", local_devices=[0], nccl_socket_ifname="e"),
                  controller=ControllerConfig(host="10.0.0.1"), master_addr="10.0.0.5",
                  launch_ranks=False)
-    assert plan_hosts(cfg, ask=never).world_size == 3
+    layout = plan_hosts(cfg, ask=never)
+    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.5", 29500)
     cfg.cluster.workers[1].local_devices = "all"
     with pytest.raises(ConfigError, match=r"cluster\.workers\.1\.local_devices"):
         plan_hosts(cfg, ask=never)
@@ -199,7 +201,8 @@ def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
     cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[0], nccl_socket_ifname="eth0"),
                  WorkerConfig(host="10.0.0.2", local_devices=["cpu", "cpu"], nccl_socket_ifname="ib0",
                               env={"LD_PRELOAD": "/opt/nccl.so"}),
-                 controller=ControllerConfig(host="10.0.0.1"), mode=Mode.cpu_cadence)
+                 controller=ControllerConfig(host="10.0.0.1"), mode=Mode.cpu_cadence,
+                 master_port=29511)
     layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts()}))
     env = rank_environment(cfg, layout, layout.workers[1], 1, "tcp://10.0.0.1:29400")
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
@@ -207,6 +210,7 @@ def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
         "RANK": "2", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
     assert env["FLODL_RUN_COORD"] == "tcp://10.0.0.1:29400"
+    assert env["FLODL_RUN_STORE_HOSTED"] == "1" and env["FLODL_RUN_NODE"] == "10.0.0.2"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert env["LD_PRELOAD"] == "/opt/nccl.so" and env["FLODL_RUN_DEVICE"] == "cpu"
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 CPU ranks

@@ -133,9 +133,9 @@ def _conf_dir(tmp_path: Path, ssh: SshConfig, devices=(["cpu", "cpu"], ["cpu"]))
 
 
 def _command(tmp_path: Path, ssh: SshConfig, run_dir: Path, *overrides: str,
-             tracking: str = "tracking=off") -> List[str]:
+             tracking: str = "tracking=off", devices=(["cpu", "cpu"], ["cpu"])) -> List[str]:
     return [sys.executable, "-m", "flodl_run", tracking, f"hydra.run.dir={run_dir}",
-            f"hydra.searchpath=[file://{_conf_dir(tmp_path, ssh)}]", "cluster=loopback_hosts",
+            f"hydra.searchpath=[file://{_conf_dir(tmp_path, ssh, devices)}]", "cluster=loopback_hosts",
             *overrides]
 
 
@@ -229,27 +229,30 @@ def test_two_host_run_completes(sshd, tmp_path, mode):
         assert metrics[f"system/{metric_safe(host)}/cpu_count"] == os.cpu_count(), host
 
 
-def test_losing_a_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path):
-    """Pins host loss (its only rank SIGKILLed mid-run): the ranks on the other host carry on to
-    the end, the log names the lost host, nothing of the run is left on either host, and the
-    secret never shows in a process listing."""
+def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path):
+    """Pins host loss in a collective mode, for the host that holds rank 0 (its only rank
+    SIGKILLed mid-run): the rendezvous store lives with the launcher, so the two ranks on the
+    other host rebuild their group and carry on to the end; the log names the lost host, nothing
+    of the run is left on either host, and the secret never shows in a process listing."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
-    launcher = subprocess.Popen(_command(tmp_path, sshd, run_dir, "num_epochs=100"), cwd=REPO,
+    launcher = subprocess.Popen(_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=100",
+                                         devices=(["cpu"], ["cpu", "cpu"])), cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []
-    for line in launcher.stdout:  # wait for training to be under way, then lose 127.0.0.3
+    for line in launcher.stdout:  # wait for training to be under way, then lose 127.0.0.2
         seen.append(line)
         if line.startswith("epoch 1/"):
             break
     ranks = [_rank_child(r, run_dir.name) for r in range(3)]
     listing = [Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes(run_dir.name) + ranks]
     assert not any(SECRET_LIKE.search(c.decode(errors="replace")) for c in listing)
-    os.kill(ranks[2], signal.SIGKILL)
+    os.kill(ranks[0], signal.SIGKILL)
     seen += launcher.stdout.readlines()
     assert launcher.wait(timeout=60) == 0, "".join(seen)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["dead_ranks"] == [2]
-    assert "host 127.0.0.3 lost: rank 2 gone (killed by SIGKILL)" in "".join(seen)
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [0]
+    assert summary["epochs"][-1]["per_rank_batch_share"][0] == 0.0
+    assert "host 127.0.0.2 lost: rank 0 gone (killed by SIGKILL)" in "".join(seen)
     assert not _await_gone(f"--run {run_dir.name}")
     assert not [p for p in ranks if Path(f"/proc/{p}").exists()]

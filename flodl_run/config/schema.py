@@ -215,7 +215,8 @@ class ClusterConfig:
     emulate_slowdown: Optional[List[float]] = None
     """Per-rank slowdown factors >= 1 (rank k sleeps (f_k - 1) x step time); DESIGN §13."""
     master_addr: str = "127.0.0.1"
-    """MASTER_ADDR of the torch.distributed rendezvous."""
+    """MASTER_ADDR of the torch.distributed rendezvous (local ranks; controller-only hosts
+    layouts). Ranks the launcher starts over SSH use its store at controller.host instead."""
     master_port: int = 0
     """MASTER_PORT of the rendezvous; 0 = a free port."""
     launch_ranks: bool = True
