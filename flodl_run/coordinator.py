@@ -17,6 +17,7 @@ import zmq
 
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
+from flodl_run.averaging.shm import Mapper, Slab
 from flodl_run.config.schema import ExperimentConfig, Mode
 from flodl_run.datametrics import DataTally
 from flodl_run.dispatch import EpochPool, EpochSpan, epoch_span
@@ -59,7 +60,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
-                 observer: Optional[Observer] = None):
+                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None):
         self.config, self.world_size = config, world_size
         self.mode = config.elche.mode
         self.observer = observer or Observer()
@@ -83,6 +84,11 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.averager = CentralAverager(OuterOptimizer(config.outer), config.elche.gamma,
                                         config.elche.easgd_alpha if self.mode is Mode.cpu_async else None)
         self._payloads: List[memoryview] = []
+        self._shm_prefix = shm_prefix
+        """Where this run's shared-memory slabs live (ranks on the launcher's host), or None."""
+        self._shm = Mapper(shm_prefix)
+        self._shm_ranks: Set[int] = set()  # ranks whose last snapshot came through shared memory
+        self._update_slab: Optional[Slab] = None
         self._deferred: List[Received] = []
         self.elche: Optional[ElChe] = None
         self.plan: Optional[Plan] = None
@@ -345,6 +351,9 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         if self.plan is not None:
             self.summary.phase = self.plan.phase.name.lower()
         self.summary.samples_per_s = self._samples_per_s()
+        if not self.mode.is_collective:
+            self.summary.param_transport = ["shm" if r in self._shm_ranks else "frames"
+                                            for r in range(self.world_size)]
         if self._train_started is not None:
             train_ms = (time.perf_counter() - self._train_started) * 1000.0
             self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self._compute_ms]

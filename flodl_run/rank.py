@@ -30,6 +30,7 @@ from flodl_run.averaging.central import blend_
 from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
+from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
 from flodl_run.data import permutation
@@ -146,7 +147,10 @@ class RankWorker:
         self._batches_total = 0
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
-        self._staging = HostStaging(self.flat.buffers)
+        self._staging: Optional[HostStaging] = None  # frames path (no shared memory)
+        self._shm_prefix = os.environ.get(PREFIX_ENV)  # set by a launcher on this host
+        self._slab: Optional[Slab] = None
+        self._shm = Mapper(self._shm_prefix)
         if config.resume_from:
             self._resume(config.resume_from)
         self.ctx = zmq.Context()
@@ -174,6 +178,8 @@ class RankWorker:
             self._serve()
         finally:
             heartbeat.stopped.set()
+            if self._slab is not None:
+                self._slab.unlink()
             if collective:
                 dist.destroy_process_group()
         return 0
@@ -335,21 +341,42 @@ class RankWorker:
             self.replica.optimizer.state.clear()  # DiLoCo: inner state restarts from the new global
 
     def _send_snapshot(self, round_: int, steps: Optional[int] = None) -> None:
-        """Coordinator backend: stage parameters and float buffers on the host and send them."""
-        params = self._staging.stage(self.flat.buffers)
-        frames = [as_frame(p) for p in params] + [as_frame(self.flat.flat_float_buffers())]
+        """Coordinator backend: parameters into this rank's shared-memory slab (launcher on this
+        host) or staged on the host as frames; float buffers always as a frame."""
+        buffers = as_frame(self.flat.flat_float_buffers())
         steps = self._steps_since_reduce if steps is None else steps
-        self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params)), frames)
+        slab = self._snapshot_slab()
+        if slab is not None:
+            slab.write(self.flat.buffers)
+            params = slab.tensors
+            taken = SnapshotTaken(self.env.rank, round_, steps, dtype_names(params), slab.paths,
+                                  [p.numel() for p in params])
+            self.channel.send(taken, [buffers])
+        else:
+            self._staging = self._staging or HostStaging(self.flat.buffers)
+            params = self._staging.stage(self.flat.buffers)
+            self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params)),
+                              [as_frame(p) for p in params] + [buffers])
         self._steps_since_reduce = 0
         if self.mode is Mode.cpu_async:
             self._sync_pending = False  # keep training while the round trip is in flight
         else:
             self._awaiting_update = True  # cpu_sync / cpu_cadence: block until the update lands
 
+    def _snapshot_slab(self) -> Optional[Slab]:
+        if self._slab is None and self._shm_prefix:
+            self._slab = Slab.create(self._shm_prefix, f"rank{self.env.rank}", self.flat.buffers)
+            if self._slab is None:
+                self._shm_prefix = None  # no room: frames from now on
+        return self._slab
+
     def _apply_update(self, update: Update, payloads: List[memoryview]) -> None:
         """Blend in the coordinator's parameters (1.0 = overwrite), overwrite float buffers."""
-        count = len(update.dtypes)
-        params = from_frames(payloads[:count], update.dtypes)
+        if update.shm:
+            count, params = 0, self._shm.tensors(update.shm, update.dtypes, update.numels)
+        else:
+            count = len(update.dtypes)
+            params = from_frames(payloads[:count], update.dtypes)
         blend_(self.flat.buffers, params, update.blend)
         with torch.no_grad():
             if update.buffers:

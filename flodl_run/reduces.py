@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Optional, Set
 
 from flodl_run.averaging.central import CentralResult, Snapshot
 from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
+from flodl_run.averaging.shm import Slab
 from flodl_run.config.schema import Mode
 from flodl_run.elche import ReduceReport
 from flodl_run.membership import RunAborted, ShutdownWithSave
@@ -146,26 +147,56 @@ class Reduces:
                                        f"since the last reduce, budget {window_batches} + {allowance}")
 
     def _snapshot(self, taken: SnapshotTaken) -> Snapshot:
-        count = len(taken.dtypes)
-        params = from_frames(self._payloads[:count], taken.dtypes)
+        """The rank's parameters: mapped from its shared-memory slab (valid until its next
+        snapshot, which comes only after it applied this round's update) or from the frames."""
+        if taken.shm:
+            self._shm_ranks.add(taken.rank)
+            params = self._shm.tensors(taken.shm, taken.dtypes, taken.numels)
+            count = 0
+        else:
+            self._shm_ranks.discard(taken.rank)
+            count = len(taken.dtypes)
+            params = from_frames(self._payloads[:count], taken.dtypes)
         buffers = from_frames(self._payloads[count:], ["torch.float32"])[0]
         return Snapshot(taken.rank, taken.steps, params, buffers)
 
     def _send_updates(self, result: Optional[CentralResult], trains: Dict[int, Train]) -> None:
-        """Every rank gets the result (blend 1.0 = overwrite; EASGD alpha in cpu_async)."""
-        frames: List[memoryview] = []
+        """Every rank gets the result (blend 1.0 = overwrite; EASGD alpha in cpu_async): through
+        the coordinator's shared-memory slab to ranks that sent theirs that way, else as frames.
+        The slab is rewritten next round, after every rank has applied this one."""
+        params: List[memoryview] = []
+        extra: List[memoryview] = []
         dtypes: List[str] = []
         blend, buffers, stepped = 0.0, False, False  # nobody trained: nothing to adopt
+        slab = None
         if result is not None:
             alpha = self.config.elche.easgd_alpha if self.mode is Mode.cpu_async else None
             blend, stepped = (alpha if alpha is not None else 1.0), result.outer_stepped
-            frames, dtypes = [as_frame(p) for p in result.params], dtype_names(result.params)
+            params, dtypes = [as_frame(p) for p in result.params], dtype_names(result.params)
             buffers = result.float_buffers is not None
             if buffers:
-                frames.append(as_frame(result.float_buffers))
+                extra.append(as_frame(result.float_buffers))
+            if self._shm_ranks & self.alive:
+                slab = self._slab_for_updates(result.params)
+        shared = {} if slab is None else {"shm": slab.paths, "numels": [t.numel() for t in slab.tensors]}
         for rank in sorted(self.alive):
-            self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes,
-                                    stepped, trains.get(rank)), frames)
+            via_shm = bool(shared) and rank in self._shm_ranks
+            self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes, stepped,
+                                    trains.get(rank), **(shared if via_shm else {})),
+                       extra if via_shm else params + extra)
+
+    def _slab_for_updates(self, params: List) -> Optional[Slab]:
+        """The coordinator's slab holding `params` (created on first use; None: frames)."""
+        slab = self._update_slab
+        if slab is None or [t.numel() for t in slab.tensors] != [p.numel() for p in params]:
+            if slab is not None:
+                slab.unlink()
+            slab = self._update_slab = Slab.create(self._shm_prefix, "update", params)
+            if slab is None:
+                self._shm_ranks.clear()  # no room: frames for everyone
+                return None
+        slab.write(params)
+        return slab
 
     def _maybe_report(self, epoch: int, tally: EpochTally) -> None:
         """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n."""

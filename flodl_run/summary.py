@@ -91,6 +91,9 @@ class Summary:
     anchor_trajectory: List[int] = field(default_factory=list)
     phase: Optional[str] = None
     dead_ranks: List[int] = field(default_factory=list)
+    param_transport: List[str] = field(default_factory=list)
+    """cpu_* modes, per rank: how its parameters last reached the coordinator and back, `shm`
+    (shared memory, ranks on the launcher's host) or `frames` (over the socket)."""
     nodes: List[Dict[str, Any]] = field(default_factory=list)
     """Per node the ranks ran on: host, cpu_count, ram_bytes, gpus (static facts)."""
     checkpoint: Optional[str] = None

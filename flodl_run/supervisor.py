@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, TextIO
 from rich.console import Console
 from rich.markup import escape
 
+from flodl_run.averaging.shm import PREFIX_ENV, remove_run, run_prefix
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
@@ -61,7 +62,8 @@ def host_store(addr: str, port: int) -> Any:
 
 def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
                      secret: bytes, run_file: Path, master_port: int,
-                     gpu_uuids: Optional[List[str]] = None) -> Dict[str, str]:
+                     gpu_uuids: Optional[List[str]] = None,
+                     shm_prefix: Optional[str] = None) -> Dict[str, str]:
     """The torchrun contract plus the coordinator's address, the key and the run file."""
     env = dict(os.environ)
     env.update({
@@ -72,6 +74,8 @@ def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord
         "FLODL_RUN_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
         "FLODL_RUN_STORE_HOSTED": "1",
     })
+    if shm_prefix:  # same host as the coordinator: parameters may travel through /dev/shm
+        env[PREFIX_ENV] = shm_prefix
     # Ranks import the recipe the way the launcher did: from the current directory first.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if gpu_uuids:
@@ -94,8 +98,8 @@ def _forward(proc: RankProcess, console: Console) -> None:
 
 
 def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: bytes,
-                run_dir: Path, console: Console, gpu_uuids: Optional[List[str]] = None
-                ) -> List[RankProcess]:
+                run_dir: Path, console: Console, gpu_uuids: Optional[List[str]] = None,
+                shm_prefix: Optional[str] = None) -> List[RankProcess]:
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
     master_port = config.cluster.master_port or free_port(config.cluster.master_addr)
@@ -103,7 +107,7 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
     procs = []
     for rank in range(world_size):
         env = rank_environment(config, rank, world_size, coord, secret, run_dir / "run.yaml",
-                               master_port, gpu_uuids)
+                               master_port, gpu_uuids, shm_prefix)
         process = subprocess.Popen(
             [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -204,8 +208,10 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
                  observer: Optional[Observer] = None, mlflow_run_id: Optional[str] = None) -> Summary:
     """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
+    local = config.cluster.launch_ranks and plan.hosts is None
+    shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
     coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
-                              observer=observer)
+                              observer=observer, shm_prefix=shm_prefix)
     coordinator.mlflow_run_id = mlflow_run_id
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
@@ -221,7 +227,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         elif config.cluster.launch_ranks:
             uuids = [g.uuid for g in plan.gpus] if plan.gpus else None
             procs = spawn_ranks(config, plan.world_size, coordinator.address, secret, run_dir,
-                                console, uuids)
+                                console, uuids, shm_prefix)
         else:
             _announce_controller_only(config, plan.world_size, coordinator.address, secret, run_dir, console)
         coordinator.on_rank_dead = _killer(procs)
@@ -229,6 +235,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_ranks(procs)
+        remove_run(shm_prefix)  # also what a killed rank left behind
     summary = summary_box[0] if summary_box else coordinator.summary
     _name_the_cause(summary, procs)
     return summary

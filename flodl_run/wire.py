@@ -97,13 +97,17 @@ class Reduced(Message):
 
 class SnapshotTaken(Message):
     """A rank's parameters at a reduce (coordinator backend); frames: one per flat parameter
-    buffer (dtypes in order), then one of flat float buffers."""
+    buffer (dtypes in order), then one of flat float buffers. With `shm`, the parameters are in
+    those shared-memory files instead (`numels` elements each) and the only frame is the float
+    buffers'."""
 
     rank: int
     round: int
     steps: int
     """Batches trained since the previous snapshot (the consensus weight's n_k)."""
     dtypes: List[str]
+    shm: List[str] = []
+    numels: List[int] = []
 
 
 class CheckpointSaved(Message):
@@ -162,7 +166,8 @@ class SyncNow(Message):
 class Update(Message):
     """Adopt the coordinator's result (frames as in SnapshotTaken): blend parameters with
     weight `blend` (1.0 = overwrite; EASGD alpha in cpu_async), overwrite float buffers when
-    `buffers`, then train `train` if given (the next chunk, folded in)."""
+    `buffers`, then train `train` if given (the next chunk, folded in). With `shm`, the
+    parameters are in those shared-memory files, as in SnapshotTaken."""
 
     round: int
     global_step: int
@@ -171,6 +176,8 @@ class Update(Message):
     dtypes: List[str]
     outer_stepped: bool = False
     train: Optional[Train] = None
+    shm: List[str] = []
+    numels: List[int] = []
 
 
 class Evaluate(Message):

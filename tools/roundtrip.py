@@ -6,6 +6,7 @@ two snapshots -> consensus -> two updates -> both ranks applied (a Heartbeat ack
 The floor is one memcpy of the bytes that must move (two snapshots in, two updates out).
 
     python tools/roundtrip.py --params 10000000 --rounds 10
+    python tools/roundtrip.py --shm     # parameters through /dev/shm slabs, as co-located runs do
 """
 
 from __future__ import annotations
@@ -21,26 +22,36 @@ import zmq
 
 from flodl_run.averaging.central import CentralAverager, Snapshot, blend_
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
+from flodl_run.averaging.shm import Mapper, Slab, remove_run, run_prefix
 from flodl_run.config.schema import OuterConfig
 from flodl_run.outer import OuterOptimizer
 from flodl_run.wire import Channel, Heartbeat, SnapshotTaken, SyncNow, Update, new_secret
 
 
-def _rank(rank: int, address: str, secret: bytes, numel: int, rounds: int) -> None:
+def _rank(rank: int, address: str, secret: bytes, numel: int, rounds: int, prefix: str) -> None:
     torch.set_num_threads(1)
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
     ch = Channel(sock, secret)
     params = [torch.randn(numel)]
     staging = HostStaging(params)
+    slab = Slab.create(prefix, f"rank{rank}", params) if prefix else None
+    mapper = Mapper(prefix or None)
     ch.send(Heartbeat(rank))
     for _ in range(rounds + 1):
         order = ch.recv().message
-        staged = staging.stage(params)
-        ch.send(SnapshotTaken(rank, order.round, 5, dtype_names(staged)),
-                [as_frame(p) for p in staged] + [b""])
+        if slab is not None:
+            slab.write(params)
+            ch.send(SnapshotTaken(rank, order.round, 5, dtype_names(params), slab.paths, [numel]), [b""])
+        else:
+            staged = staging.stage(params)
+            ch.send(SnapshotTaken(rank, order.round, 5, dtype_names(staged)),
+                    [as_frame(p) for p in staged] + [b""])
         got = ch.recv()
-        blend_(params, from_frames(got.payloads[:1], got.message.dtypes), got.message.blend)
+        update = got.message
+        remote = (mapper.tensors(update.shm, update.dtypes, update.numels) if update.shm
+                  else from_frames(got.payloads[:1], update.dtypes))
+        blend_(params, remote, update.blend)
         ch.send(Heartbeat(rank))
 
 
@@ -49,7 +60,9 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=10_000_000)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--ipc", action="store_true", help="unix socket instead of TCP loopback")
+    parser.add_argument("--shm", action="store_true", help="parameters through /dev/shm slabs")
     args = parser.parse_args()
+    prefix = run_prefix() if args.shm else None
     torch.set_num_threads(1)
     secret = new_secret()
     sock = zmq.Context().socket(zmq.ROUTER)
@@ -60,7 +73,7 @@ def main() -> None:
         address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
     ch = Channel(sock, secret)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, address, secret, args.params, args.rounds))
+    procs = [ctx.Process(target=_rank, args=(r, address, secret, args.params, args.rounds, prefix or ""))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -69,6 +82,7 @@ def main() -> None:
         got = ch.recv()
         ids[got.message.rank] = got.identity
     avg = CentralAverager(OuterOptimizer(OuterConfig()), 1.0, None)
+    mapper, update_slab = Mapper(prefix), None
     times, phases = [], []
     for round_ in range(args.rounds + 1):  # round 0 warms up
         began = time.perf_counter()
@@ -77,14 +91,23 @@ def main() -> None:
         snaps = []
         while len(snaps) < 2:
             got = ch.recv()
-            snaps.append(Snapshot(got.message.rank, got.message.steps,
-                                  from_frames(got.payloads[:1], got.message.dtypes), torch.empty(0)))
+            taken = got.message
+            params = (mapper.tensors(taken.shm, taken.dtypes, taken.numels) if taken.shm
+                      else from_frames(got.payloads[:1], taken.dtypes))
+            snaps.append(Snapshot(taken.rank, taken.steps, params, torch.empty(0)))
         got_snaps = time.perf_counter()
         result = avg.reduce(sorted(snaps, key=lambda s: s.rank))
         reduced = time.perf_counter()
-        frames = [as_frame(p) for p in result.params]
-        for r in range(2):
-            ch.send(Update(round_, 0, 1.0, False, dtype_names(result.params)), frames, identity=ids[r])
+        if prefix:
+            update_slab = update_slab or Slab.create(prefix, "update", result.params)
+            update_slab.write(result.params)
+            for r in range(2):
+                ch.send(Update(round_, 0, 1.0, False, dtype_names(result.params), shm=update_slab.paths,
+                               numels=[args.params]), identity=ids[r])
+        else:
+            frames = [as_frame(p) for p in result.params]
+            for r in range(2):
+                ch.send(Update(round_, 0, 1.0, False, dtype_names(result.params)), frames, identity=ids[r])
         sent = time.perf_counter()
         for _ in range(2):
             ch.recv()
@@ -95,6 +118,7 @@ def main() -> None:
                            (sent - reduced) * 1e3, (end - sent) * 1e3])
     for p in procs:
         p.join()
+    remove_run(prefix)
     moved = torch.empty(4 * args.params)  # 2 snapshots in + 2 updates out
     src = torch.randn(4 * args.params)
     floors = []
@@ -104,7 +128,8 @@ def main() -> None:
         floors.append((time.perf_counter() - t) * 1000.0)
     rt, floor = statistics.median(times), statistics.median(floors)
     mb = 4 * args.params * 4 / 1e6
-    print(f"params {args.params:,} | round trip median {rt:.1f} ms (min {min(times):.1f}) | "
+    print(f"{'shm' if prefix else 'frames'} | params {args.params:,} | "
+          f"round trip median {rt:.1f} ms (min {min(times):.1f}) | "
           f"memcpy of {mb:.0f} MB {floor:.1f} ms | ratio {rt / floor:.2f}x")
     names = ("snapshots in", "average", "updates out", "applied")
     print(" | ".join(f"{n} {statistics.median(p[i] for p in phases):.1f} ms" for i, n in enumerate(names)))

@@ -1,0 +1,130 @@
+"""Shared-memory slabs: the coordinator backend's parameter path between co-located processes.
+
+On one host, a snapshot or an update does not need to cross a socket: the sender writes its
+flat parameters into a file under /dev/shm that both sides map (MAP_SHARED), and the control
+message names the files. This saves the socket copies and the payload MAC of the frame path
+(DESIGN §7: the round trip's floor is one memcpy of the bytes that move).
+
+Owns creating a slab (space reserved up front with posix_fallocate, so a full /dev/shm is a
+clean fallback to frames, never a SIGBUS mid-write), mapping someone else's slab by path (paths
+must carry the run's prefix), and removing a run's files. When to use a slab is the caller's
+call; who may read a slab when follows from the protocol (a slab is rewritten only after every
+reader has used the previous contents).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import secrets
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+PREFIX_ENV = "FLODL_RUN_SHM_PREFIX"
+"""Set by the launcher for ranks on its own host: where this run's slabs live."""
+KILL_SWITCH_ENV = "FLODL_RUN_SHM"
+"""`off`: never use shared memory (every snapshot and update travels as frames)."""
+
+
+def run_prefix(root: str = SHM_DIR) -> Optional[str]:
+    """A fresh prefix for one run's slabs, or None when shared memory is off or unavailable."""
+    if os.environ.get(KILL_SWITCH_ENV, "").lower() == "off" or not os.path.isdir(root):
+        return None
+    return os.path.join(root, f"flodl_run-{os.getpid()}-{secrets.token_hex(4)}-")
+
+
+def remove_run(prefix: Optional[str]) -> None:
+    """Delete every slab of a run (the launcher, at the end; ranks remove their own too)."""
+    if not prefix:
+        return
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class Slab:
+    """Flat tensors (one per dtype group) backed by /dev/shm files this process created."""
+
+    def __init__(self, paths: List[str], tensors: List[torch.Tensor]):
+        self.paths, self.tensors = paths, tensors
+
+    @classmethod
+    def create(cls, prefix: str, name: str, like: Sequence[torch.Tensor]) -> Optional["Slab"]:
+        """Files `<prefix><name>.<i>` sized like `like`; None (and one log line) when /dev/shm
+        has no room or refuses, so the caller keeps using frames."""
+        paths: List[str] = []
+        try:
+            for i, t in enumerate(like):
+                path = f"{prefix}{name}.{i}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                paths.append(path)
+                try:
+                    if t.numel():
+                        os.posix_fallocate(fd, 0, t.numel() * t.element_size())
+                finally:
+                    os.close(fd)
+            tensors = [_map(p, t.numel(), t.dtype) for p, t in zip(paths, like)]
+        except OSError as exc:
+            for path in paths:
+                _unlink(path)
+            log.warning("shared memory unavailable (%s); parameters travel as frames", exc)
+            return None
+        return cls(paths, tensors)
+
+    def write(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy `tensors` (any device) into the slab; returns when the bytes are there."""
+        for dst, src in zip(self.tensors, tensors):
+            dst.copy_(src.reshape(-1))
+
+    def unlink(self) -> None:
+        for path in self.paths:
+            _unlink(path)
+
+
+class Mapper:
+    """Maps other processes' slabs on demand and keeps the mappings (a slab is reused)."""
+
+    def __init__(self, prefix: Optional[str]):
+        self.prefix = prefix
+        self._maps: Dict[str, torch.Tensor] = {}
+
+    def tensors(self, paths: Sequence[str], dtypes: Sequence[str],
+                numels: Sequence[int]) -> List[torch.Tensor]:
+        """The slab's tensors; refuses a path outside this run's prefix (the message naming it
+        is authenticated, the check keeps a bug from mapping an arbitrary file)."""
+        out = []
+        for path, dtype, numel in zip(paths, dtypes, numels):
+            if not self.prefix or not path.startswith(self.prefix) or os.sep in path[len(self.prefix):]:
+                raise ValueError(f"shared-memory path outside this run: {path}")
+            mapped = self._maps.get(path)
+            if mapped is None or mapped.numel() != numel or str(mapped.dtype) != dtype:
+                mapped = self._maps[path] = _map(path, numel, _dtype(dtype))
+            out.append(mapped)
+        return out
+
+
+def _map(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unsupported dtype in shared memory: {name}")
+    return dtype
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
