@@ -43,7 +43,6 @@ class AsyncLoop:
         self.snapshots: Optional[List[Snapshot]] = None
         self.overshoot = [0] * self.world  # budget of each rank's latest chunk
         self.rounds_started = 0
-        self.round_began = 0.0
 
     def give_back(self, epoch: int, slices: list) -> None:
         """A dead rank's chunks (since its last snapshot) go back to their epoch's pool, which
@@ -132,7 +131,6 @@ class AsyncLoop:
         self.c._window += 1
         self.c._round += 1
         self.rounds_started += 1
-        self.round_began = time.perf_counter()
         for rank in sorted(self.c.alive):
             self.c._send(rank, SyncNow(self.c._round, self.c._global_step, self.c._lr_factor()))
         self.snapshots = []
