@@ -137,7 +137,15 @@ class Reduces:
             if time.monotonic() - began > self._stall_ceiling_s():
                 raise ShutdownWithSave("reduce_stall", f"round {self._round}: snapshots missing")
         snapshots = [snapshots[r] for r in sorted(self.alive)]  # a dead rank's snapshot is dropped
-        return self.averager.reduce(snapshots)
+        return self.averager.reduce(snapshots, out=self._update_buffers(snapshots))
+
+    def _update_buffers(self, snapshots: List[Snapshot]) -> Optional[List]:
+        """The update slab's tensors to build the consensus in, when ranks read it from there
+        (every rank has applied the previous round's update before sending this snapshot)."""
+        if not snapshots or not (self._shm_ranks & self.alive):
+            return None
+        slab = self._slab_like(snapshots[0].params)
+        return slab.tensors if slab is not None else None
 
     def check_snapshot(self, snap: Snapshot, window_batches: int, allowance: int) -> None:
         """A rank may not train past its window plus `allowance` before a reduce: cpu_sync and
@@ -186,16 +194,23 @@ class Reduces:
                        extra if via_shm else params + extra)
 
     def _slab_for_updates(self, params: List) -> Optional[Slab]:
-        """The coordinator's slab holding `params` (created on first use; None: frames)."""
+        """The coordinator's slab holding `params` (copied in unless the consensus was built
+        there; None: frames)."""
+        slab = self._slab_like(params)
+        if slab is not None and any(t.data_ptr() != p.data_ptr() for t, p in zip(slab.tensors, params)):
+            slab.write(params)
+        return slab
+
+    def _slab_like(self, params: List) -> Optional[Slab]:
+        """The coordinator's update slab sized like `params` (created on first use)."""
         slab = self._update_slab
-        if slab is None or [t.numel() for t in slab.tensors] != [p.numel() for p in params]:
+        shape = [(p.numel(), p.dtype) for p in params]
+        if slab is None or [(t.numel(), t.dtype) for t in slab.tensors] != shape:
             if slab is not None:
                 slab.unlink()
             slab = self._update_slab = Slab.create(self._shm_prefix, "update", params)
             if slab is None:
                 self._shm_ranks.clear()  # no room: frames for everyone
-                return None
-        slab.write(params)
         return slab
 
     def _maybe_report(self, epoch: int, tally: EpochTally) -> None:

@@ -38,6 +38,19 @@ def test_central_consensus_and_buffers_match_float64(steps, gamma):
     assert result.divergence == pytest.approx(max(dists), rel=1e-5)
 
 
+def test_consensus_built_in_a_given_buffer_is_the_same_consensus():
+    """Pins `out=` (the coordinator's shared-memory slab): the consensus lands in the given
+    tensors, bit-equal to the one built in fresh tensors, and the snapshots stay untouched."""
+    snaps = [_snap(r, n, seed=20 + r) for r, n in enumerate([2, 5])]
+    kept = [s.params[0].clone() for s in snaps]
+    fresh = CentralAverager(OuterOptimizer(OuterConfig()), 1.0, None).reduce(snaps)
+    out = [torch.full((30,), float("nan"))]
+    built = CentralAverager(OuterOptimizer(OuterConfig()), 1.0, None).reduce(snaps, out=out)
+    assert built.params[0].data_ptr() == out[0].data_ptr()
+    assert torch.equal(out[0], fresh.params[0]) and built.divergence == fresh.divergence
+    assert all(torch.equal(s.params[0], k) for s, k in zip(snaps, kept))
+
+
 def test_nobody_trained_means_no_update():
     """Pins 'skip the reduce if all weights are 0'."""
     snaps = [_snap(r, 0, seed=r) for r in range(2)]

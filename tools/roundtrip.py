@@ -96,11 +96,12 @@ def main() -> None:
                       else from_frames(got.payloads[:1], taken.dtypes))
             snaps.append(Snapshot(taken.rank, taken.steps, params, torch.empty(0)))
         got_snaps = time.perf_counter()
-        result = avg.reduce(sorted(snaps, key=lambda s: s.rank))
+        if prefix:  # the consensus is built in the update slab, as the coordinator does
+            update_slab = update_slab or Slab.create(prefix, "update", snaps[0].params)
+        result = avg.reduce(sorted(snaps, key=lambda s: s.rank),
+                            out=update_slab.tensors if prefix else None)
         reduced = time.perf_counter()
         if prefix:
-            update_slab = update_slab or Slab.create(prefix, "update", result.params)
-            update_slab.write(result.params)
             for r in range(2):
                 ch.send(Update(round_, 0, 1.0, False, dtype_names(result.params), shm=update_slab.paths,
                                numels=[args.params]), identity=ids[r])

@@ -54,13 +54,17 @@ class CentralAverager:
         """EASGD: the center starts at the initial parameters."""
         self.center = [p.clone() for p in params]
 
-    def reduce(self, snapshots: Sequence[Snapshot]) -> Optional[CentralResult]:
-        """One round; None when every weight is 0 (nobody trained)."""
+    def reduce(self, snapshots: Sequence[Snapshot],
+               out: Optional[Sequence[torch.Tensor]] = None) -> Optional[CentralResult]:
+        """One round; None when every weight is 0 (nobody trained). `out`: where to build the
+        consensus (the coordinator's shared-memory slab, saving a copy), else new tensors."""
         weights = [consensus_weight(s.steps, self.gamma) for s in snapshots]
         total = sum(weights)
         if total <= 0:
             return None
-        consensus = [torch.mul(p, weights[0] / total) for p in snapshots[0].params]
+        first = snapshots[0].params
+        consensus = [torch.mul(p, weights[0] / total, out=o) for p, o in zip(first, out)] if out \
+            else [torch.mul(p, weights[0] / total) for p in first]
         for snap, w in zip(snapshots[1:], weights[1:]):
             for acc, p in zip(consensus, snap.params):
                 acc.add_(p, alpha=w / total)
