@@ -294,6 +294,8 @@ class RankWorker:
             reduces_seen=self._reduces_seen, **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
+        if order.then_sync is not None:  # the coordinator folded the SyncNow into the order
+            self._reduce(order.then_sync)
 
     def _emulate_slowdown(self, began: float) -> None:
         """DESIGN §13: sleep (f - 1) x the measured step time so this rank acts f times slower."""

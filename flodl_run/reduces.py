@@ -37,15 +37,17 @@ class Reduces:
     """Coordinator mixin: one consensus round, then ElChe's plan."""
 
     def _reduce(self, window: WindowTally, epoch_tally: EpochTally, epoch: int,
-                plan_next: Optional[Callable[[], Dict[int, Train]]] = None) -> Dict[int, Train]:
+                plan_next: Optional[Callable[[], Dict[int, Train]]] = None,
+                sync_sent: bool = False) -> Dict[int, Train]:
         """Order the consensus, wait for every rank, let ElChe plan, then send the next window
-        (`plan_next`) — after the collective, or folded into the coordinator's update."""
+        (`plan_next`) — after the collective, or folded into the coordinator's update.
+        `sync_sent`: the SyncNow already rode on the window's Train orders (nccl_sync)."""
         self._window += 1
         self._round += 1
         began = time.perf_counter()
         result = None
         if self.mode.is_collective:
-            divergence = self._collective_round()
+            divergence = self._collective_round(sync_sent)
         else:
             for rank in sorted(self.alive):
                 self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
@@ -66,17 +68,20 @@ class Reduces:
         self._maybe_report(epoch, epoch_tally)
         return trains
 
-    def _collective_round(self) -> float:
+    def _collective_round(self, sync_sent: bool = False) -> float:
         """SyncNow to the survivors until one round completes on all of them: a death during
         the reduce (ReduceFailed, or a rank lost) regroups and retries the same round; each
-        rank restores its pre-reduce replica before the retry."""
+        rank restores its pre-reduce replica before the retry. With `sync_sent` the first
+        attempt's SyncNow went out with the Train orders."""
         began = time.monotonic()
         while True:
             if self._regroup_needed:
                 self._regroup()
+                sync_sent = False
             asked = set(self.alive)
-            for rank in sorted(asked):
+            for rank in sorted(asked) if not sync_sent else ():
                 self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
+            sync_sent = False
             divergences, failed = self._collect_reduced(asked)
             if not failed and not self._regroup_needed:
                 return max(divergences) if divergences else 0.0

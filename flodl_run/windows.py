@@ -10,13 +10,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
+import msgspec
+
 from flodl_run.dispatch import EpochPool, equal_split, window_samples
 from flodl_run.scalars import merge
 from flodl_run.wire import (
+    SyncNow,
     Train,
     WindowDone,
 )
 
+FOLD_SPREAD = 1.3
+"""nccl_sync folds SyncNow into the Train orders while the ranks' ms/batch stay within this ratio."""
 POLL_MS = 200
 STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
@@ -145,8 +150,8 @@ class Windows:
         while any(part.remaining for part in parts):
             self._rehome_parts(parts)
             window = WindowTally.empty(self.world_size)
-            self._sync_window(epoch, parts, window, epoch_tally)
-            self._reduce(window, epoch_tally, epoch)
+            folded = self._sync_window(epoch, parts, window, epoch_tally)
+            self._reduce(window, epoch_tally, epoch, sync_sent=folded)
             if self._stop.is_set():
                 self._graceful_stop(epoch, [r for part in parts for r in part.uncovered()])
 
@@ -163,11 +168,15 @@ class Windows:
             parts[rank].ranges = []
 
     def _sync_window(self, epoch: int, parts: List[EpochPool], window: WindowTally,
-                     epoch_tally: EpochTally) -> None:
+                     epoch_tally: EpochTally) -> bool:
+        """One sync window; True when its SyncNow rode on the Train orders (see _folds)."""
         in_flight: Dict[int, float] = {}  # rank -> when its batch was sent
+        fold = self.mode.is_collective and self._folds(parts)
+        then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
 
         def give(rank: int) -> None:
-            self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size)))
+            order = self._train_order(epoch, parts[rank].take(self.config.batch_size))
+            self._send(rank, msgspec.structs.replace(order, then_sync=then_sync) if fold else order)
             in_flight[rank] = time.perf_counter()
 
         for rank in sorted(self.alive):
@@ -184,8 +193,21 @@ class Windows:
             del in_flight[done.rank]
             window.add(done)
             self._progress(epoch, epoch_tally, window, done)
-            if parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
+            if not fold and parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
                 give(done.rank)
+        return fold
+
+    def _folds(self, parts: List[EpochPool]) -> bool:
+        """nccl_sync sends the reduce order with the batch when the window is one batch per rank
+        for sure: every live rank has data, and no rank would keep stepping (speeds unknown, or
+        within 1.3x of each other, where a rank would need a laggard 1.5x slower). The ranks
+        then reduce as soon as they stepped, without a coordinator round trip in between."""
+        if any(not parts[r].remaining for r in self.alive):
+            return False
+        ms = [m for r, m in enumerate(self.elche.smoothed_ms()) if r in self.alive]
+        if all(m is None for m in ms):
+            return True
+        return None not in ms and max(ms) <= FOLD_SPREAD * min(ms)
 
     def _keeps_stepping(self, rank: int, window: WindowTally, in_flight: Dict[int, float]) -> bool:
         """Sync modes: a rank that moved goes on stepping while a rank that has not moved yet

@@ -145,6 +145,13 @@ class RankFailed(Message):
 
 # ---- coordinator -> rank: orders, imperative ------------------------------------------------
 
+class SyncNow(Message):
+    round: int
+    global_step: int
+    lr_factor: float = 0.0
+    """LR scaling for the live cohort (DESIGN §7.6: 1 + (alive - 1) x ratio); 0 = unchanged."""
+
+
 class Train(Message):
     """Train `num_batches` batches over these (pass, offset, size) slices of the permutation."""
 
@@ -154,13 +161,8 @@ class Train(Message):
     num_batches: int
     overshoot: int = 0
     """cpu_async: batches this rank may run past the window before it must wait for SyncNow."""
-
-
-class SyncNow(Message):
-    round: int
-    global_step: int
-    lr_factor: float = 0.0
-    """LR scaling for the live cohort (DESIGN §7.6: 1 + (alive - 1) x ratio); 0 = unchanged."""
+    then_sync: Optional[SyncNow] = None
+    """nccl_sync on an even rig: reduce right after this window, without waiting for SyncNow."""
 
 
 class Update(Message):

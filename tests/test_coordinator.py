@@ -76,6 +76,8 @@ class FakeRank(threading.Thread):
                     ch.send(self._answer(order.train))
             else:
                 ch.send(self._answer(order))
+                if isinstance(order, Train) and order.then_sync is not None:
+                    ch.send(self._answer(order.then_sync))  # the reduce rode on the order
         sock.close()
 
     def _snapshot(self, ch, round_):
@@ -140,12 +142,25 @@ def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode
 
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
-    """Pins the sync gate: equal speeds -> every rank steps once per reduce."""
+    """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
+    each reduce order with the batch (no separate SyncNow), cpu_sync still asks for snapshots."""
     summary, ranks = _run(mode, [5.0, 5.0], epochs=1)
     assert summary.status == "completed", summary.message
     per_rank_batches = NUM_SAMPLES // 2 // 8
     assert summary.syncs == per_rank_batches
     assert set(_positions(ranks, 1).values()) == {1}
+    sync_orders = [r.orders.count("SyncNow") for r in ranks]
+    assert sync_orders == ([0, 0] if mode == "nccl_sync" else [per_rank_batches] * 2)
+
+
+def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
+    """Pins where folding stops: once ElChe knows the speeds (2.5x apart) a window may give
+    the fast rank more than one batch, so the reduce is ordered on its own (SyncNow), and every
+    sample is still trained exactly once."""
+    summary, ranks = _run("nccl_sync", [4.0, 10.0], epochs=1)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 1).values()) == {1}
+    assert all(r.orders.count("SyncNow") > 0 for r in ranks)
 
 
 def test_epochs_are_aggregated_in_order_with_eval():
