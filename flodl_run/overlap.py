@@ -37,6 +37,9 @@ class AsyncLoop:
         # Windows that ranks finish while a round is in flight belong to the next gate.
         self.next_window = self.new_window()
         self.next_done: Set[int] = set()
+        # Chunks finished after their rank's snapshot of the round in flight: not in the center
+        # yet, so a death before the next round must give them back (see _maybe_finish_round).
+        self.after_snapshot: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}
         self.idle: Set[int] = set()
         self.dispatch_epoch = start_epoch
         self.closed = start_epoch
@@ -112,12 +115,14 @@ class AsyncLoop:
     def _on_window_done(self, done: WindowDone) -> None:
         self.tallies[done.epoch].add_done(done)
         self.outstanding[done.epoch] -= 1
-        self.in_hand[done.rank].pop(0)
+        chunk = self.in_hand[done.rank].pop(0)
         # A window the rank finished before it handled the in-flight SyncNow went into that
         # round's snapshot; one finished after belongs to the next gate.
         later = self.snapshots is not None and done.reduces_seen >= self.rounds_started
         (self.next_window if later else self.window).add(done)
         (self.next_done if later else self.window_done).add(done.rank)
+        if later:
+            self.after_snapshot[done.rank].append(chunk)
         self.c._progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
         self._give(done.rank)
         self._maybe_start_round()
@@ -145,7 +150,11 @@ class AsyncLoop:
         if self.snapshots is None or not self.c.alive <= {s.rank for s in self.snapshots}:
             return
         snapshots = sorted((s for s in self.snapshots if s.rank in self.c.alive), key=lambda s: s.rank)
-        self.c._since_reduce = {r: [] for r in self.c.alive}
+        # What the center now holds is forgotten; what a rank trained or holds beyond its
+        # snapshot (finished after it, or still in hand) stays owed if the rank dies. Resetting
+        # it all here lost those chunks (an epoch short by whole chunks after a SIGKILL).
+        self.c._since_reduce = {r: self.after_snapshot[r] + list(self.in_hand[r]) for r in self.c.alive}
+        self.after_snapshot = {r: [] for r in range(self.world)}
         # The reduce's cost is the averaging: ranks keep training while SyncNow and their
         # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
         # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
