@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
-from rich.markup import escape
 
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig, WorkerConfig
@@ -33,7 +32,7 @@ from flodl_run.probe import (
     worker_path,
 )
 from flodl_run.ssh import encode_handshake, remote_command, ssh_argv
-from flodl_run.supervisor import RankProcess, host_store
+from flodl_run.supervisor import RankProcess, forward, host_store
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, for controller-only layouts (never probed)
 
@@ -203,15 +202,6 @@ def rank_environment(config: ExperimentConfig, layout: HostLayout, slots: Worker
     return env
 
 
-def _forward(proc: RankProcess, console: Console) -> None:
-    """Copy a remote rank's output to its log file and to the terminal, prefixed by host and rank."""
-    prefix = f"[dim]\\[{escape(proc.host or '?')} rank {proc.rank}][/] "
-    for line in proc.process.stdout:
-        proc.log.write(line)
-        proc.log.flush()
-        console.print(prefix + escape(line.rstrip()), highlight=False, soft_wrap=True)
-
-
 def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret: bytes,
                 run_dir: Path, console: Console) -> List[RankProcess]:
     """One `ssh` per rank; each keeps its stdin open, whose EOF stops the remote rank."""
@@ -240,7 +230,8 @@ def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret
                 pass  # ssh already gave up; its exit is reported like any rank's
             proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"),
                                host=slots.worker.host, store=store)
-            proc.forwarder = threading.Thread(target=_forward, args=(proc, console), daemon=True)
+            proc.forwarder = threading.Thread(
+                target=forward, args=(proc, console, f"{slots.worker.host} rank {rank}"), daemon=True)
             proc.forwarder.start()
             procs.append(proc)
     return procs

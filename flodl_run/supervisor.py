@@ -88,13 +88,13 @@ def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord
     return env
 
 
-def _forward(proc: RankProcess, console: Console) -> None:
-    """Copy a rank's output to its log file and to the terminal, prefixed by rank."""
+def forward(proc: RankProcess, console: Console, label: str) -> None:
+    """Copy a rank's output to its log file and to the terminal, prefixed by `label`."""
+    prefix = f"[dim]\\[{escape(label)}][/] "
     for line in proc.process.stdout:
         proc.log.write(line)
         proc.log.flush()
-        console.print(f"[dim]\\[rank {proc.rank}][/] {escape(line.rstrip())}", highlight=False,
-                      soft_wrap=True)
+        console.print(prefix + escape(line.rstrip()), highlight=False, soft_wrap=True)
 
 
 def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: bytes,
@@ -113,7 +113,8 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
         proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"), store=store)
-        proc.forwarder = threading.Thread(target=_forward, args=(proc, console), daemon=True)
+        proc.forwarder = threading.Thread(target=forward, args=(proc, console, f"rank {rank}"),
+                                          daemon=True)
         proc.forwarder.start()
         procs.append(proc)
     return procs

@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
-import msgspec
-
 from flodl_run.dispatch import EpochPool, equal_split, window_samples
 from flodl_run.scalars import merge
 from flodl_run.wire import (
@@ -175,8 +173,8 @@ class Windows:
         then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
 
         def give(rank: int) -> None:
-            order = self._train_order(epoch, parts[rank].take(self.config.batch_size))
-            self._send(rank, msgspec.structs.replace(order, then_sync=then_sync) if fold else order)
+            self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size),
+                                               then_sync=then_sync))
             in_flight[rank] = time.perf_counter()
 
         for rank in sorted(self.alive):
@@ -226,9 +224,10 @@ class Windows:
         limit = self.config.elche.max_batch_diff
         return limit is None or window.batches[rank] < limit + min(window.batches)
 
-    def _train_order(self, epoch: int, slices: list, overshoot: int = 0) -> Train:
+    def _train_order(self, epoch: int, slices: list, overshoot: int = 0,
+                     then_sync: Optional[SyncNow] = None) -> Train:
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
-        return Train(self._window, epoch, slices, batches, overshoot)
+        return Train(self._window, epoch, slices, batches, overshoot, then_sync)
 
     def _collect_windows(self, waiting: Set[int], window: WindowTally, epoch: int,
                          epoch_tally: EpochTally) -> None:

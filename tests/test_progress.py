@@ -53,7 +53,7 @@ def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
     the coordinator: event messages, run-end messages and forwarded rank output keep their
     brackets as text."""
     from flodl_run.say import labelled
-    from flodl_run.supervisor import _forward
+    from flodl_run.supervisor import forward
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=400)
@@ -65,6 +65,6 @@ def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
         process = type("P", (), {"stdout": iter([GLOO_ERROR + "\n"])})()
         log = io.StringIO()
 
-    _forward(_Proc(), console)
+    forward(_Proc(), console, "rank 1")
     assert out.getvalue().splitlines() == [f"rank_lost: rank 1 lost: {GLOO_ERROR}",
                                            f"failed: {GLOO_ERROR}", f"[rank 1] {GLOO_ERROR}"]
