@@ -1,10 +1,10 @@
-"""`python -m flodl_run.bench [overrides]`: every mode against solo runs and plain torch DDP on
-one rig, with the same recipe, data, per-rank batch size, epochs and seed (DESIGN §13).
+"""`python -m flodl_run.bench [overrides]`: every mode against bare solo loops, torch DDP and
+torch local SGD on one rig, with the same recipe, data, per-rank batch size, epochs and seed (DESIGN §13).
 
 Owns the bench's Hydra app (conf/bench.yaml over the registered BenchRunConfig, the `bench`
 group), its config checks (exit 2 naming the dotted key), the plan of runs and running them as
 subprocesses with their run dirs inside the bench's. Figures and files are `benchreport`'s,
-MLflow is `benchtrack`'s; the torch DDP reference is `ddp_baseline`.
+MLflow is `benchtrack`'s; the peers (bare solo loop, torch DDP, torch local SGD) are `peers`'.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -77,9 +77,16 @@ class BenchConfig:
     """Samples per batch per rank (solo: per step); >= 1."""
     seed: int = 0
     solo: bool = True
-    """Run solo at each distinct rank speed (their sum is the ideal)."""
+    """Run a bare solo loop at each distinct rank speed (their sum is the ideal)."""
+    runner_solo: bool = True
+    """Also run flodl_run's own in-process path at speed 1.0 (its ratio is to the bare loop)."""
     torch_ddp: bool = True
-    """Run plain torch DDP on the rig (flodl_run.ddp_baseline)."""
+    """Run torch DDP on the rig as a careful user writes it (flodl_run.peers)."""
+    torch_localsgd: bool = True
+    """Run torch's local SGD (PeriodicModelAverager) on the rig (flodl_run.peers)."""
+    localsgd_period: Optional[int] = None
+    """torch_localsgd's local steps between averages; null = nccl_cadence's mean local steps per
+    reduce in the same bench round (8 when nccl_cadence is not run); >= 1."""
     overrides: List[str] = field(default_factory=list)
     """flodl_run overrides for every run, e.g. elche.overhead_target=0.1."""
     timeout_s: float = 900.0
@@ -132,17 +139,27 @@ class Job:
     name: str
     recipe: str
     kind: str
-    """solo | torch_ddp | flodl_run."""
+    """solo | torch_ddp | torch_localsgd (the peers) | runner_solo | flodl_run."""
     mode: str
     outer: str
     overrides: Tuple[str, ...]
     env: Tuple[Tuple[str, str], ...] = ()
+    period: Optional[int] = None
+    """torch_localsgd: local steps between averages (resolved before the run)."""
+
+    @property
+    def is_peer(self) -> bool:
+        return self.kind in PEER_KINDS
 
     def command(self, run_dir: Path) -> List[str]:
-        if self.kind == "torch_ddp":
-            return [sys.executable, "-m", "flodl_run.ddp_baseline", "--run",
-                    str(run_dir / "run.yaml"), "--out", str(run_dir)]
+        if self.is_peer:
+            period = ["--period", str(self.period)] if self.period else []
+            return [sys.executable, "-m", "flodl_run.peers", "--peer", self.kind, "--run",
+                    str(run_dir / "run.yaml"), "--out", str(run_dir), *period]
         return [sys.executable, "-m", "flodl_run", *self.overrides, f"hydra.run.dir={run_dir}"]
+
+
+PEER_KINDS = ("solo", "torch_ddp", "torch_localsgd")
 
 
 # ---- checks and the plan -----------------------------------------------------------------------
@@ -161,13 +178,16 @@ def check(cfg: BenchRunConfig, rig: Optional[Rig]) -> List[Problem]:
     if b.modes and not b.outers:
         problems.append(Problem("bench.outers", [],
                                 "must list at least one outer (none = plain averaging)"))
-    if rig is not None and rig.world_size < 2 and (b.modes or b.torch_ddp):
+    if b.localsgd_period is not None and b.localsgd_period < 1:
+        problems.append(Problem("bench.localsgd_period", b.localsgd_period, "must be >= 1"))
+    if rig is not None and rig.world_size < 2 and (b.modes or b.torch_ddp or b.torch_localsgd):
         problems.append(Problem("cluster", rig.choice,
-                                "must give 2+ ranks for modes and torch DDP (e.g. "
+                                "must give 2+ ranks for modes and the torch peers (e.g. "
                                 "cluster=cpu_pair); it runs in-process here"))
-    if rig is not None and rig.cluster.topology is Topology.hosts and b.torch_ddp:
-        problems.append(Problem("bench.torch_ddp", True, "must be false on a multi-host rig "
-                                                         "(the baseline starts local processes)"))
+    for key, on in (("bench.torch_ddp", b.torch_ddp), ("bench.torch_localsgd", b.torch_localsgd)):
+        if rig is not None and rig.cluster.topology is Topology.hosts and on:
+            problems.append(Problem(key, True, "must be false on a multi-host rig (the peers "
+                                               "start local processes)"))
     return problems
 
 
@@ -191,8 +211,10 @@ def _last_wins(overrides: Sequence[str]) -> Tuple[str, ...]:
     return tuple(by_key.values())
 
 
-def _solo_job(rig: Rig, b: BenchConfig, recipe: BenchRecipe, label: str, factor: float) -> Job:
-    """Solo at one rank speed, on that rank's device (its GPU, or its CPU threads)."""
+def _solo_job(rig: Rig, b: BenchConfig, recipe: BenchRecipe, label: str, factor: float,
+              kind: str = "solo") -> Job:
+    """Solo at one rank speed, on that rank's device (its GPU, or its CPU threads): the bare
+    loop (kind solo) or flodl_run's own in-process path (runner_solo)."""
     rank = rig.speeds.index(factor)
     placement = [f"cluster.emulate_slowdown=[{factor!r}]"]
     env: Tuple[Tuple[str, str], ...] = ()
@@ -202,16 +224,20 @@ def _solo_job(rig: Rig, b: BenchConfig, recipe: BenchRecipe, label: str, factor:
     else:
         placement += ["device=cpu", f"cluster.threads_per_rank={rig.cluster.threads_per_rank or 1}"]
     overrides = _last_wins(["cluster=solo", *_common(b, recipe), *placement])
-    return Job(solo_name(factor), label, "solo", "solo", "none", overrides, env)
+    name = solo_name(factor) if kind == "solo" else f"runner_{solo_name(factor)}"
+    return Job(name, label, kind, "solo", "none", overrides, env)
 
 
 def plan(cfg: BenchRunConfig, rig: Rig) -> List[Job]:
-    """Per recipe: solo at each distinct speed, torch DDP, then every mode x outer."""
+    """Per recipe: the bare solo loop at each distinct speed, flodl_run's solo path, torch DDP,
+    every mode x outer, then torch local SGD (its period may come from nccl_cadence's run)."""
     b, jobs = cfg.bench, []
     rig_overrides = [f"cluster={rig.choice}", *rig.overrides]
     for recipe, label in zip(b.recipes, recipe_labels(b.recipes)):
         if b.solo:
             jobs += [_solo_job(rig, b, recipe, label, f) for f in sorted(set(rig.speeds))]
+        if b.runner_solo:
+            jobs.append(_solo_job(rig, b, recipe, label, min(rig.speeds), "runner_solo"))
         if b.torch_ddp:
             jobs.append(Job("torch_ddp", label, "torch_ddp", "torch_ddp", "none",
                             _last_wins([*rig_overrides, *_common(b, recipe)])))
@@ -221,7 +247,23 @@ def plan(cfg: BenchRunConfig, rig: Rig) -> List[Job]:
                 jobs.append(Job(name, label, "flodl_run", mode.value, outer.value, _last_wins(
                     [*rig_overrides, f"elche={mode.value}", f"outer={outer.value}",
                      *_common(b, recipe)])))
+        if b.torch_localsgd:
+            jobs.append(Job("torch_localsgd", label, "torch_localsgd", "torch_localsgd", "none",
+                            _last_wins([*rig_overrides, *_common(b, recipe)]),
+                            period=b.localsgd_period))
     return jobs
+
+
+def localsgd_period(cadence: Optional[Dict[str, Any]], batch_size: int) -> int:
+    """nccl_cadence's mean local steps per reduce (batches per rank per sync, rounded), from its
+    summary.json; DEFAULT_PERIOD without a completed run to copy."""
+    from flodl_run.peers import DEFAULT_PERIOD
+
+    if not cadence or cadence.get("status") != "completed" or not cadence.get("syncs"):
+        return DEFAULT_PERIOD
+    samples = sum(e.get("samples", 0) for e in cadence.get("epochs", []))
+    batches_per_rank = samples / batch_size / max(cadence.get("world_size", 1), 1)
+    return max(1, round(batches_per_rank / cadence["syncs"]))
 
 
 def resolve_rig(cfg: BenchRunConfig, choice: str, overrides: Sequence[str]) -> Rig:
@@ -303,22 +345,28 @@ def _outcome_line(o: RunOutcome) -> str:
 
 
 def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float, repeats: int,
-            console: Console) -> Tuple[List[RunOutcome], bool]:
+            console: Console, batch_size: int = 1) -> Tuple[List[RunOutcome], bool]:
     """Every job `repeats` times, round by round (so a load that comes and goes touches every
     entry alike); each entry is then its median run by samples/s."""
     runs: Dict[Job, List[RunOutcome]] = {job: [] for job in jobs}
     total, interrupted = len(jobs) * repeats, False
     for rep in range(repeats):
-        for i, job in enumerate(jobs, 1):
+        for i, planned in enumerate(jobs, 1):
+            job = planned
             console.print(f"[bold]\\[{rep * len(jobs) + i}/{total}][/] {job.recipe} {job.name} ...",
                           highlight=False)
             run_dir = bench_dir / job.recipe / job.name
             run_dir = run_dir / f"rep{rep}" if repeats > 1 else run_dir
-            if job.kind == "torch_ddp":
+            if job.kind == "torch_localsgd" and job.period is None:
+                cadence = next((runs[j][-1].summary for j in jobs if j.recipe == job.recipe
+                                and j.name == "nccl_cadence" and len(runs[j]) > rep), None)
+                job = replace(job, period=localsgd_period(cadence, batch_size))
+                console.print(f"      period {job.period} local steps", highlight=False)
+            if job.is_peer:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "run.yaml").write_text(experiment_to_yaml(materialize_job(job, run_dir)))
             outcome, interrupted = run_job(job, run_dir, timeout_s, console)
-            runs[job].append(outcome)
+            runs[planned].append(outcome)
             console.print(f"      {_outcome_line(outcome)}", highlight=False, soft_wrap=True)
             if interrupted:
                 break
@@ -415,7 +463,7 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
                    "outers": ",".join(o.value for o in b.outers),
                    "recipes": ";".join(f"{r.name} {' '.join(r.overrides)}" for r in b.recipes)},
                   {"name": f"bench {' '.join(task)}".strip(), "bench_dir": str(bench_dir)})
-    outcomes, interrupted = run_all(jobs, bench_dir, b.timeout_s, b.repeats, out)
+    outcomes, interrupted = run_all(jobs, bench_dir, b.timeout_s, b.repeats, out, b.batch_size)
     recipes = []
     for recipe, label in zip(b.recipes, recipe_labels(b.recipes)):
         target = recipe.target_eval

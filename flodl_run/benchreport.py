@@ -1,5 +1,5 @@
 """The benchmark's figures and outputs: one entry per run from its summary.json, the ratios to
-the ideal and to torch DDP, time-to-target, bench.json, bench.md, the terminal table and the
+the ideal and to the torch peers (DDP, local SGD), time-to-target, bench.json, bench.md, the terminal table and the
 plot of eval against training time (DESIGN §13).
 
 Owns arithmetic and layout only. Which runs exist, how they are started and where the files go
@@ -17,7 +17,8 @@ from rich.table import Table
 
 NOT_REACHED = "not reached"
 ENTRY_KEYS = ("name", "recipe", "kind", "mode", "outer", "status", "samples_per_s",
-              "ratio_to_ideal", "ratio_to_torch_ddp", "final_loss", "final_eval",
+              "ratio_to_ideal", "ratio_to_torch_ddp", "ratio_to_torch_localsgd", "final_loss",
+              "final_eval",
               "time_to_target_s", "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms",
               "idle_fraction", "epochs", "load_average", "repeats", "run_dir", "command")
 
@@ -27,10 +28,10 @@ class RunOutcome:
     """One finished (or failed) run of the benchmark and what it wrote."""
 
     name: str
-    """solo@1.0, torch_ddp, nccl_cadence, nccl_cadence+diloco, ..."""
+    """solo@1.0, runner_solo@1.0, torch_ddp, torch_localsgd, nccl_cadence, nccl_cadence+diloco, ..."""
     recipe: str
     kind: str
-    """solo | torch_ddp | flodl_run."""
+    """solo | runner_solo | torch_ddp | torch_localsgd | flodl_run."""
     mode: str
     outer: str
     wall_s: float
@@ -122,9 +123,17 @@ def ideal(recipe: RecipeBench, outcomes: Sequence[RunOutcome]) -> Optional[float
     return sum(rates) if rates and all(r for r in rates) else None
 
 
+def peer_rates(outcomes: Sequence[RunOutcome]) -> Dict[str, Optional[float]]:
+    """Training rate of each collective peer (torch_ddp, torch_localsgd) and of the bare solo
+    loops (by name), for the ratios."""
+    return {o.name: training_rate(o.summary) for o in outcomes
+            if o.kind in ("solo", "torch_ddp", "torch_localsgd")}
+
+
 def entry(outcome: RunOutcome, recipe: RecipeBench,
-          ddp_samples_per_s: Optional[float]) -> Dict[str, Any]:
-    """One bench.json entry (ENTRY_KEYS)."""
+          peers: Dict[str, Optional[float]]) -> Dict[str, Any]:
+    """One bench.json entry (ENTRY_KEYS). A one-rank entry (the runner's solo path) is set
+    against the bare loop at its speed instead of the rig's ideal."""
     s = outcome.summary
     epochs = s.get("epochs", [])
     axis = train_axis(s)
@@ -136,8 +145,10 @@ def entry(outcome: RunOutcome, recipe: RecipeBench,
         "name": outcome.name, "recipe": outcome.recipe, "kind": outcome.kind,
         "mode": outcome.mode, "outer": outcome.outer, "status": s.get("status", "failed"),
         "samples_per_s": rate,
-        "ratio_to_ideal": _ratio(rate, recipe.ideal_samples_per_s),
-        "ratio_to_torch_ddp": _ratio(rate, ddp_samples_per_s),
+        "ratio_to_ideal": _ratio(rate, peers.get(outcome.name[len("runner_"):])
+                                 if outcome.kind == "runner_solo" else recipe.ideal_samples_per_s),
+        "ratio_to_torch_ddp": _ratio(rate, peers.get("torch_ddp")),
+        "ratio_to_torch_localsgd": _ratio(rate, peers.get("torch_localsgd")),
         "final_loss": losses[-1] if losses else None,
         "final_eval": s.get("final_eval"),
         "time_to_target_s": time_to_target(s, recipe.target_eval) if completed else None,
@@ -162,8 +173,7 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
     for recipe in recipes:
         recipe.ideal_samples_per_s = ideal(recipe, outcomes)
         mine = [o for o in outcomes if o.recipe == recipe.name]
-        ddp = next((training_rate(o.summary) for o in mine if o.kind == "torch_ddp"), None)
-        entries += [entry(o, recipe, ddp) for o in mine]
+        entries += [entry(o, recipe, peer_rates(mine)) for o in mine]
     return {
         "ideal_samples_per_s": recipes[0].ideal_samples_per_s if len(recipes) == 1 else None,
         "entries": entries,
@@ -179,7 +189,8 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
 COLUMNS = (("entry", "name"), ("status", "status"), ("final loss", "final_loss"),
            ("final eval", "final_eval"), ("wall s", "wall_s"), ("train s", "train_s"),
            ("samples/s", "samples_per_s"), ("x ideal", "ratio_to_ideal"),
-           ("x torch DDP", "ratio_to_torch_ddp"), ("time to target s", "time_to_target_s"),
+           ("x torch DDP", "ratio_to_torch_ddp"), ("x local SGD", "ratio_to_torch_localsgd"),
+           ("time to target s", "time_to_target_s"),
            ("loss drop / s", "loss_drop_per_s"), ("syncs", "syncs"),
            ("avg sync ms", "avg_sync_ms"), ("idle per rank", "idle_fraction"))
 
@@ -228,13 +239,16 @@ def to_markdown(doc: Dict[str, Any]) -> str:
 
 DEFINITIONS = (
     "samples/s: samples trained per second of training time (the epochs' time less their eval "
-    "callbacks; start-up excluded). x ideal: samples/s over the sum of the solo samples/s at "
-    "each rank's speed (the physical limit of the rig). x torch DDP: samples/s over plain torch "
-    "DDP's. time to target: training seconds (same clock) until the first per-epoch eval "
+    "callbacks; start-up excluded). solo@f: a bare training loop at speed f (data on the "
+    "device, no per-step host sync); runner_solo@f: flodl_run's own in-process path, whose x "
+    "ideal is its ratio to solo@f. x ideal: samples/s over the sum of the solo samples/s at "
+    "each rank's speed (the physical limit of the rig). x torch DDP, x local SGD: samples/s "
+    "over torch DDP's and torch local SGD's (PeriodicModelAverager), both written as a careful "
+    "user would (data on the device, no per-step host sync). time to target: training seconds (same clock) until the first per-epoch eval "
     "reaches the recipe's target. wall s: the whole process, start-up and teardown included. "
     "loss drop / s: (first epoch's mean loss - final epoch's) / training seconds. avg sync ms: "
-    "mean reduce time (torch DDP: per-step gradient all-reduce, launch to completion, waiting "
-    "included). idle per rank: share of the run's training wall time a rank was not computing "
+    "mean reduce time (not measured for the peers: timing their collectives would add host "
+    "syncs). idle per rank: share of the run's training wall time a rank was not computing "
     "(emulated slowdown counts as computing).")
 
 

@@ -17,7 +17,8 @@ from flodl_run.config.schema import ExperimentConfig, TrackingConfig, TrackingKi
 from flodl_run.summary import EpochRecord
 from flodl_run.tracking import MAX_PARAM_CHARS, MAX_TAG_CHARS, MlflowTracker, epoch_values
 
-FIGURES = ("samples_per_s", "ratio_to_ideal", "ratio_to_torch_ddp", "final_loss", "final_eval",
+FIGURES = ("samples_per_s", "ratio_to_ideal", "ratio_to_torch_ddp", "ratio_to_torch_localsgd",
+           "final_loss", "final_eval",
            "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms")
 
 

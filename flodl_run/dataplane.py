@@ -26,7 +26,7 @@ from flodl_run.config.validate import epoch_splits_problem
 from flodl_run.datametrics import DataStats
 from flodl_run.memprobe import DeviceProbe, disk_free_bytes, sim_device_bytes
 from flodl_run.picks import JobPlan, PickSpace, Transform, Work, apply_transform, epoch_of
-from flodl_run.prefetch import Prefetcher, tensors_of
+from flodl_run.prefetch import IndexUpload, Prefetcher, tensors_of
 from flodl_run.samplecache import (
     HostTiers,
     Layout,
@@ -86,6 +86,7 @@ class DataPlane:
         self._epoch: Optional[int] = None
         self._plan = JobPlan(self.batch_size, mb.MAX_DEPTH)
         self._warned: set = set()
+        self._upload = IndexUpload(device)
         if device.type == "cpu" and not self.probe.is_simulated and \
                 isinstance(dataset, TensorDataset):
             self._go_resident(dataset.tensors)  # already in this device's memory: no copy
@@ -154,7 +155,7 @@ class DataPlane:
         self.stats.delivery = self.delivery.value
 
     def _from_resident(self, indices: torch.Tensor) -> Any:
-        index = indices.to(self.device, non_blocking=True)
+        index = self._upload(indices)
         rows = tuple(field.index_select(0, index) for field in self._resident)
         self.stats.add("vram", len(indices))
         return self.layout.pack(rows) if self.layout is not None else rows

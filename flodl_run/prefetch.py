@@ -136,3 +136,39 @@ def tensors_of(batch: Any) -> Iterable[torch.Tensor]:
     elif isinstance(batch, dict):
         for item in batch.values():
             yield from tensors_of(item)
+
+
+class IndexUpload:
+    """Moves a batch's row indices to a CUDA device without stalling the host.
+
+    A copy from pageable host memory makes CUDA wait for the stream first, which would hold the
+    host at every batch until the GPU caught up. The indices are staged in a small ring of
+    pinned buffers instead; a slot is reused only after its copy finished (its event), so the
+    host may run up to SLOTS batches ahead of the device. Other devices get the indices as
+    they are.
+    """
+
+    SLOTS = 8
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._slots: list = [None] * self.SLOTS
+        self._next = 0
+
+    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return indices
+        n, i = len(indices), self._next
+        self._next = (i + 1) % self.SLOTS
+        slot = self._slots[i]
+        if slot is not None:
+            slot[1].synchronize()
+        if slot is None or slot[0].numel() < n:
+            slot = (torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True),
+                    torch.cuda.Event())
+            self._slots[i] = slot
+        staged = slot[0][:n]
+        staged.copy_(indices)
+        moved = staged.to(self.device, non_blocking=True)
+        slot[1].record(torch.cuda.current_stream(self.device))
+        return moved

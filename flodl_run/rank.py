@@ -271,8 +271,10 @@ class RankWorker:
         job = self.jobs[0]
         indices = job.batches[job.done]
         began = time.perf_counter()
-        job.loss_sum += self.replica.step(self.source.gather(indices, self.jobs))
-        self._emulate_slowdown(began)
+        loss = self.replica.step(self.source.gather(indices, self.jobs))
+        job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss  # read at window end
+        last = job.done + 1 == len(job.batches)
+        self._settle_step(began, timed=job.done == 0 or last)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
         job.done += 1
         job.samples += len(indices)
@@ -282,27 +284,30 @@ class RankWorker:
             os.kill(os.getpid(), self._fault[1])  # fault injection for tests (FLODL_RUN_FAULT)
         if self._sync_pending:
             self._overshoot_used += 1
-        if job.done == len(job.batches):
+        if last:
             self.jobs.popleft()
             self._window_done(job)
+
+    def _settle_step(self, began: float, timed: bool) -> None:
+        """Wait for the device only where a clock reading needs it: the first batch of a window
+        (its fill cost), the last (the window's compute time) and every batch of an emulated
+        slower rank (its sleep is a multiple of the step time). In between the host queues
+        batches ahead of the GPU, so a step's host time is its launch cost and the wait at the
+        window's end carries the rest: the window's total stays exact."""
+        if self.device.type == "cuda" and (timed or self.slowdown > 1.0):
+            torch.cuda.synchronize(self.device)
+        _emulate_slowdown(self.slowdown, began)
 
     def _window_done(self, job: "_Job") -> None:
         order = job.order
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
-            _fill_ms(job.step_ms), job.loss_sum, self.replica.lr, scalars.drain(),
+            _fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr, scalars.drain(),
             reduces_seen=self._reduces_seen, **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
         if order.then_sync is not None:  # the coordinator folded the SyncNow into the order
             self._reduce(order.then_sync)
-
-    def _emulate_slowdown(self, began: float) -> None:
-        """DESIGN §13: sleep (f - 1) x the measured step time so this rank acts f times slower."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
 
     # ---- reduces ---------------------------------------------------------------------------
 
@@ -459,7 +464,8 @@ class _Job:
     batches: List[torch.Tensor]
     done: int = 0
     samples: int = 0
-    loss_sum: float = 0.0
+    loss_sum: Optional[torch.Tensor] = None
+    """Sum of the window's losses, on the device (read once, when the window is done)."""
     step_ms: List[float] = field(default_factory=list)
 
 
@@ -482,6 +488,17 @@ def _cpu(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_cpu(v) for v in state)
     return state
+
+
+def _emulate_slowdown(factor: float, began: float) -> None:
+    """Emulated heterogeneity: sleep (f - 1) x the step time so this rank acts f times slower.
+    The caller has waited for the device, so the clock covers the whole step."""
+    if factor > 1.0:
+        time.sleep((factor - 1.0) * (time.perf_counter() - began))
+
+
+def _read(total: Optional[torch.Tensor]) -> float:
+    return 0.0 if total is None else float(total)
 
 
 def _fill_ms(step_ms: List[float]) -> float:

@@ -41,8 +41,10 @@ class Replica:
         self.scheduler = recipe.call("build_scheduler", self.optimizer) if recipe.build_scheduler else None
         self.steps = 0
 
-    def step(self, batch: Any) -> float:
-        """One optimizer step on `batch`; returns the loss. Clips after backward, before step."""
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on `batch`; returns the loss, detached, on the device. Clips after
+        backward, before step. Reading the loss (`float()`) waits for the device: callers sum
+        the tensors and read them once per window or report, never per step."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.recipe.train_step(self.model, batch)
@@ -53,7 +55,7 @@ class Replica:
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1
-        return float(loss.detach())
+        return loss.detach()
 
     @property
     def lr(self) -> float:

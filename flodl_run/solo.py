@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -100,13 +100,13 @@ class SoloTrainer:
 
     def _train_epoch(self, epoch: int) -> EpochRecord:
         indices = self._epoch_indices(epoch)
-        losses: List[float] = []
+        losses = _LossReader(self.observer, epoch)
         began = time.perf_counter()
         for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
             step_began = time.perf_counter()
-            losses.append(self.replica.step(batch))
+            losses.add(self.replica.step(batch))
             self._emulate_slowdown(step_began)
-            self.observer.on_batch(epoch, len(losses), losses[-1])
+        losses.flush()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
         compute_s = time.perf_counter() - began
@@ -114,7 +114,7 @@ class SoloTrainer:
         self._samples += len(indices)
         return EpochRecord(
             epoch=epoch,
-            avg_loss=sum(losses) / max(len(losses), 1),
+            avg_loss=losses.mean,
             eval=self._maybe_eval(epoch),
             epoch_ms=compute_s * 1000.0,
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
@@ -124,7 +124,7 @@ class SoloTrainer:
         )
 
     def _emulate_slowdown(self, began: float) -> None:
-        """DESIGN §13, as on a rank: sleep (f - 1) x the step time so the run acts f times slower."""
+        """As on a rank: sleep (f - 1) x the step time so the run acts f times slower."""
         if self.slowdown > 1.0:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -145,6 +145,38 @@ class SoloTrainer:
     def _finish(self, wall_s: float) -> None:
         self.summary.wall_s = wall_s
         self.summary.samples_per_s = self._samples / self._compute_s if self._compute_s else 0.0
+
+
+class _LossReader:
+    """Sums the epoch's losses on the device and reads them in batches: reading a loss waits
+    for the GPU, so once per READ_EVERY batches (and at the epoch's end) keeps the host ahead."""
+
+    READ_EVERY = 50
+
+    def __init__(self, observer: Observer, epoch: int):
+        self.observer, self.epoch = observer, epoch
+        self.pending: Optional[torch.Tensor] = None
+        self.pending_count = self.count = 0
+        self.total = 0.0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending = loss if self.pending is None else self.pending + loss
+        self.pending_count += 1
+        if self.pending_count == self.READ_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        chunk = float(self.pending)
+        self.total += chunk
+        self.count += self.pending_count
+        self.observer.on_batch(self.epoch, self.count, chunk / self.pending_count)
+        self.pending, self.pending_count = None, 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.count, 1)
 
 
 def train_solo(config: ExperimentConfig, recipe: Recipe,

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run.bench import BenchConfig, BenchRecipe, BenchRunConfig, Rig, check, plan
+from flodl_run.bench import (
+    BenchConfig,
+    BenchRecipe,
+    BenchRunConfig,
+    Rig,
+    check,
+    localsgd_period,
+    plan,
+)
 from flodl_run.benchreport import (
     ENTRY_KEYS,
     NOT_REACHED,
@@ -51,43 +59,67 @@ def _pair_rig() -> Rig:
     return Rig("cpu_pair", ("cluster.emulate_slowdown=[1.0,2.5]",), cluster, 2)
 
 
-def test_plan_runs_solo_at_each_speed_then_torch_ddp_then_modes_by_outer():
-    """Pins the entry names of bench.json and what each run is given: solo at each distinct
-    rank speed on one rank's threads (not the rig's cluster overrides), torch DDP and every
-    mode x outer on the rig with its command-line cluster overrides."""
+def test_plan_runs_solo_at_each_speed_then_peers_then_modes_by_outer():
+    """Pins the entry names of bench.json and what each run is given: the bare solo loop at
+    each distinct rank speed and the runner's own solo path, on one rank's threads (not the
+    rig's cluster overrides), torch DDP, every mode x outer and torch local SGD last (its
+    period may come from nccl_cadence), on the rig with its command-line cluster overrides."""
     cfg = BenchRunConfig(bench=BenchConfig(
         recipes=[BenchRecipe(overrides=["recipe.params.hidden=64", "batch_size=16"])],
         modes=[Mode.nccl_cadence, Mode.cpu_async], outers=[OuterKind.none, OuterKind.diloco]))
     jobs = plan(cfg, _pair_rig())
-    assert [j.name for j in jobs] == ["solo@1.0", "solo@2.5", "torch_ddp", "nccl_cadence",
-                                      "nccl_cadence+diloco", "cpu_async", "cpu_async+diloco"]
+    assert [j.name for j in jobs] == ["solo@1.0", "solo@2.5", "runner_solo@1.0", "torch_ddp",
+                                      "nccl_cadence", "nccl_cadence+diloco", "cpu_async",
+                                      "cpu_async+diloco", "torch_localsgd"]
+    assert [j.kind for j in jobs[:4]] == ["solo", "solo", "runner_solo", "torch_ddp"]
+    assert jobs[0].command(Path("d"))[2:5] == ["flodl_run.peers", "--peer", "solo"]
+    assert jobs[2].command(Path("d"))[2] == "flodl_run"  # the runner's own path
     slow = jobs[1].overrides
     assert "cluster=solo" in slow and "cluster.emulate_slowdown=[2.5]" in slow
     assert "cluster.threads_per_rank=1" in slow and "cluster.emulate_slowdown=[1.0,2.5]" not in slow
-    for job in jobs[2:]:
+    for job in jobs[3:]:
         assert "cluster=cpu_pair" in job.overrides
         assert "cluster.emulate_slowdown=[1.0,2.5]" in job.overrides
         assert "tracking=off" in job.overrides and "recipe.params.hidden=64" in job.overrides
         # the recipe's batch_size override replaces the bench's (Hydra refuses a key twice)
         assert [o for o in job.overrides if o.startswith("batch_size=")] == ["batch_size=16"]
-    assert "elche=cpu_async" in jobs[6].overrides and "outer=diloco" in jobs[6].overrides
+    assert "elche=cpu_async" in jobs[7].overrides and "outer=diloco" in jobs[7].overrides
+    assert jobs[-1].period is None  # resolved from nccl_cadence's run before it starts
+
+
+def test_localsgd_period_is_cadence_mean_local_steps_per_reduce():
+    """Pins torch_localsgd's default period: nccl_cadence's batches per rank per reduce in the
+    same round (samples / batch / world / syncs, rounded, >= 1); 8 without a completed run."""
+    cadence = {"status": "completed", "syncs": 10, "world_size": 2,
+               "epochs": [{"samples": 6400}, {"samples": 6400}]}
+    assert localsgd_period(cadence, batch_size=64) == 10  # 12800 / 64 / 2 / 10
+    assert localsgd_period(dict(cadence, syncs=1000), batch_size=64) == 1
+    assert localsgd_period(dict(cadence, status="failed"), batch_size=64) == 8
+    assert localsgd_period(None, batch_size=64) == 8
 
 
 def test_ideal_sums_solo_rates_per_rank_and_ratios_use_it():
     """Pins the ideal (sum over the rig's ranks of the solo rate at that rank's speed, so a
-    homogeneous pair counts solo@1.0 twice) and the ratios to it and to torch DDP."""
+    homogeneous pair counts solo@1.0 twice), the ratios to it and to the torch peers, and the
+    runner's solo path set against the bare loop at its speed."""
     outcomes = [RunOutcome("solo@1.0", "r", "solo", "solo", "none", 1.0,
                            _summary([0.5], samples_per_s=300.0)),
                 RunOutcome("torch_ddp", "r", "torch_ddp", "torch_ddp", "none", 1.0,
                            _summary([0.5], samples_per_s=200.0)),
                 RunOutcome("nccl_sync", "r", "flodl_run", "nccl_sync", "none", 1.0,
-                           _summary([0.5], samples_per_s=540.0))]
+                           _summary([0.5], samples_per_s=540.0)),
+                RunOutcome("torch_localsgd", "r", "torch_localsgd", "torch_localsgd", "none", 1.0,
+                           _summary([0.5], samples_per_s=450.0)),
+                RunOutcome("runner_solo@1.0", "r", "runner_solo", "solo", "none", 1.0,
+                           _summary([0.5], samples_per_s=285.0))]
     doc = bench_document([RecipeBench("r", None, [1.0, 1.0])], outcomes, {})
     assert doc["ideal_samples_per_s"] == 600.0
     sync = doc["entries"][2]
     assert set(sync) == set(ENTRY_KEYS)
     assert sync["ratio_to_ideal"] == pytest.approx(0.9)
     assert sync["ratio_to_torch_ddp"] == pytest.approx(2.7)
+    assert sync["ratio_to_torch_localsgd"] == pytest.approx(1.2)
+    assert doc["entries"][4]["ratio_to_ideal"] == pytest.approx(0.95)  # 285 / solo@1.0's 300
     missing = bench_document([RecipeBench("r", None, [1.0, 2.5])], outcomes, {})
     assert missing["ideal_samples_per_s"] is None
     assert missing["entries"][2]["ratio_to_ideal"] is None
@@ -135,26 +167,33 @@ def test_bad_override_exits_2_before_any_run(tmp_path):
 
 
 def test_smallest_bench_end_to_end(tmp_path):
-    """Pins the harness end to end on its smallest configuration: solo, torch DDP and two modes
-    on a homogeneous 2-rank CPU rig, one epoch of a tiny recipe; bench.json has the issue's
-    schema and one completed entry per run, bench.md and the plot are written, and torch DDP's
-    summary.json has the runner's keys."""
+    """Pins the harness end to end on its smallest configuration: the bare solo loop, the
+    runner's solo, torch DDP, two modes and torch local SGD on a homogeneous 2-rank CPU rig,
+    one epoch of a tiny recipe; bench.json has the issue's schema and one completed entry per
+    run, bench.md and the plot are written, and the peers' summary.json has the runner's
+    keys; local SGD averages every nccl_cadence's mean local steps."""
     done = run_bench(tmp_path, "cluster=cpu", "bench.epochs=1", "bench.batch_size=32",
                      "bench.modes=[nccl_cadence,cpu_async]", TINY)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert {"ideal_samples_per_s", "entries"} <= set(doc)
     names = [e["name"] for e in doc["entries"]]
-    assert names == ["solo@1.0", "torch_ddp", "nccl_cadence", "cpu_async"]
+    assert names == ["solo@1.0", "runner_solo@1.0", "torch_ddp", "nccl_cadence", "cpu_async",
+                     "torch_localsgd"]
     for e in doc["entries"]:
         assert set(e) == set(ENTRY_KEYS) and e["status"] == "completed", e
         assert e["samples_per_s"] > 0 and e["final_eval"] is not None
         assert isinstance(e["time_to_target_s"], float) or e["time_to_target_s"] == NOT_REACHED
-        assert len(e["idle_fraction"]) == (0 if e["kind"] == "solo" else 2)
-    solo, ddp = doc["entries"][0], doc["entries"][1]
+        assert len(e["idle_fraction"]) == (2 if e["kind"] == "flodl_run" else 0)
+    solo, ddp, cadence, lsgd = (doc["entries"][i] for i in (0, 2, 3, 5))
     assert doc["ideal_samples_per_s"] == pytest.approx(2 * solo["samples_per_s"])
     assert ddp["ratio_to_torch_ddp"] == pytest.approx(1.0) and ddp["syncs"] > 0
-    assert set(json.loads(Path(ddp["run_dir"], "summary.json").read_text())) == SUMMARY_KEYS
+    assert lsgd["ratio_to_torch_localsgd"] == pytest.approx(1.0)
+    cadence_summary = json.loads(Path(cadence["run_dir"], "summary.json").read_text())
+    period = localsgd_period(cadence_summary, 32)
+    assert lsgd["syncs"] > 0 and f"--period {period}" in lsgd["command"]
+    for peer in (solo, ddp, lsgd):
+        assert set(json.loads(Path(peer["run_dir"], "summary.json").read_text())) == SUMMARY_KEYS
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "| nccl_cadence | completed |" in (tmp_path / "bench.md").read_text()
 

@@ -62,34 +62,52 @@ class FlatParams:
             offset += n
 
 
-_CHUNK = 1 << 18  # 256K elements: float32 dot products this short stay accurate to ~1e-6,
-                  # and their sum is accumulated in a Python float (double)
+_CHUNK = 1 << 18  # 256K elements: float32 dot products this short stay accurate to ~1e-6, and
+                  # the chunks' sums are accumulated in float64
+# Elements per pass, which bounds the temporary of a difference: 64 MB of float32 on a GPU (few
+# launches), 4 MB on the CPU (the allocator reuses a block that size instead of mapping fresh pages).
+_BLOCK = {"cuda": 64 * _CHUNK}
+_CPU_BLOCK = 4 * _CHUNK
 
 
 @torch.no_grad()
-def _sum_squares(tensors: List[torch.Tensor], minus: Optional[List[torch.Tensor]] = None) -> float:
-    total = 0.0
+def _sum_squares(tensors: List[torch.Tensor], minus: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+    """sum ||t (- minus)||^2 as a float64 scalar on the tensors' device: computed there in
+    chunks of _CHUNK (row sums per block: float32 sums are pairwise, so accurate), so nothing is read back to the host."""
+    total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+    block = _BLOCK.get(total.device.type, _CPU_BLOCK)
     for i, t in enumerate(tensors):
         flat = t.reshape(-1)
         other = None if minus is None else minus[i].reshape(-1)
-        scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=flat.dtype, device=flat.device)
-        for start in range(0, flat.numel(), _CHUNK):
-            piece = flat[start:start + _CHUNK]
+        for start in range(0, flat.numel(), block):
+            piece = flat[start:start + block].float()
             if other is not None:
-                piece = torch.sub(piece, other[start:start + _CHUNK], out=scratch[:piece.numel()])
-            total += float(torch.dot(piece.float(), piece.float()))
+                piece = piece - other[start:start + block].float()
+            whole = piece.numel() // _CHUNK * _CHUNK
+            if whole:
+                rows = piece[:whole].view(-1, _CHUNK)
+                total += (rows * rows).sum(1).double().sum()
+            if whole < piece.numel():
+                tail = piece[whole:]
+                total += (tail * tail).sum().double()
     return total
 
 
 def relative_distance(before: List[torch.Tensor], after: List[torch.Tensor],
                       after_norm_sq: Optional[float] = None) -> float:
     """||before - after|| / ||after|| over all buffers (global L2, float64 accumulation);
-    0 when ||after|| ~ 0. Pass `after_norm_sq` to reuse ||after||^2 across several `before`."""
+    0 when ||after|| ~ 0. Pass `after_norm_sq` to reuse ||after||^2 across several `before`.
+    Reads one pair of numbers from the device."""
+    diff_sq = _sum_squares(before, minus=after)
     norm_sq = _sum_squares(after) if after_norm_sq is None else after_norm_sq
-    if norm_sq <= 1e-24:
+    if isinstance(norm_sq, torch.Tensor):
+        diff, norm = torch.stack([diff_sq, norm_sq]).tolist()
+    else:
+        diff, norm = float(diff_sq), norm_sq
+    if norm <= 1e-24:
         return 0.0
-    return (_sum_squares(before, minus=after) / norm_sq) ** 0.5
+    return (diff / norm) ** 0.5
 
 
 def squared_norm(tensors: List[torch.Tensor]) -> float:
-    return _sum_squares(tensors)
+    return float(_sum_squares(tensors))
