@@ -146,6 +146,7 @@ class RankWorker:
         self._tcp_store: Optional[dist.Store] = None
         self._batches_total = 0
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
+        self.waits = _Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
         self._staging: Optional[HostStaging] = None  # frames path (no shared memory)
         self._shm_prefix = os.environ.get(PREFIX_ENV)  # set by a launcher on this host
@@ -216,8 +217,12 @@ class RankWorker:
 
     def _serve(self) -> None:
         """Batch-granular loop: handle every order that arrived, then train one batch if allowed."""
+        idle_since: Optional[float] = None
         while True:
-            received = self.channel.recv(timeout_ms=0 if self._can_train() else 1000)
+            can_train = self._can_train()
+            if not can_train and idle_since is None:
+                idle_since = time.perf_counter()
+            received = self.channel.recv(timeout_ms=0 if can_train else 1000)
             if received is None:
                 if self._can_train():
                     self._train_one()
@@ -225,8 +230,13 @@ class RankWorker:
                     raise SystemExit("flodl_run.rank: the launcher is gone; exiting")
                 continue
             if isinstance(received.message, Stop):
+                self.waits.report(self.env.rank)
                 return
+            began = time.perf_counter()
+            self.waits.waited(received.message, idle_since, began)
+            idle_since = None
             self._handle(received.message, received.payloads)
+            self.waits.handled(received.message, began)
 
     def _orphaned(self) -> bool:
         return self.env.parent_pid is not None and os.getppid() != self.env.parent_pid
@@ -300,6 +310,7 @@ class RankWorker:
 
     def _window_done(self, job: "_Job") -> None:
         order = job.order
+        self.waits.sent("WindowDone")
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
             _fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr, scalars.drain(),
@@ -331,6 +342,7 @@ class RankWorker:
             self._after_outer_step()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
+        self.waits.sent("Reduced")
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight))
 
     def _undo_reduce(self) -> None:
@@ -454,6 +466,39 @@ class RankWorker:
             state = checkpoint.load_tensors(files["outer"])
             self.outer.load_state_dict({k: [t.to(self.device) for t in v] for k, v in state.items()
                                         if v is not None})
+
+
+class _Waits:
+    """Where an idle rank's time goes (FLODL_RUN_WAITS=1, a diagnostic): how long it waited for
+    each order after each fact it sent (e.g. Reduced -> Train), and how long it spent handling
+    each order; one JSON line on stderr at Stop (the rank's log)."""
+
+    def __init__(self, on: bool):
+        self.on, self.last_sent = on, "start"
+        self.totals: Dict[str, List[float]] = {}
+
+    def sent(self, what: str) -> None:
+        self.last_sent = what
+
+    def _add(self, key: str, ms: float) -> None:
+        self.totals.setdefault(key, []).append(ms)
+
+    def waited(self, message: Any, since: Optional[float], now: float) -> None:
+        if self.on and since is not None:
+            self._add(f"wait {self.last_sent}->{type(message).__name__}", (now - since) * 1000.0)
+
+    def handled(self, message: Any, began: float) -> None:
+        if self.on:
+            self._add(f"handle {type(message).__name__}", (time.perf_counter() - began) * 1000.0)
+
+    def report(self, rank: int) -> None:
+        if self.on:
+            import json
+
+            summary = {k: {"n": len(v), "total_ms": round(sum(v), 1),
+                           "median_ms": round(sorted(v)[len(v) // 2], 2)}
+                       for k, v in sorted(self.totals.items())}
+            print(f"rank {rank} waits: {json.dumps(summary)}", file=sys.stderr, flush=True)
 
 
 @dataclass

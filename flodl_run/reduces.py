@@ -58,13 +58,15 @@ class Reduces:
         self._since_reduce = {r: [] for r in self.alive}
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
-        self._after_reduce(window, epoch, sync_ms, divergence)
+        self._after_reduce(window, epoch, sync_ms, divergence, observe=False)
         trains = plan_next() if plan_next is not None else {}
         if result is not None or not self.mode.is_collective:
             self._send_updates(result, trains)
         else:
             for rank, order in trains.items():
                 self._send(rank, order)
+        # the ranks train again before the observers (tracking, records, progress) take their time
+        self._observe_reduce(epoch, sync_ms, divergence)
         self._maybe_report(epoch, epoch_tally)
         return trains
 
@@ -115,8 +117,10 @@ class Reduces:
         """DESIGN §9: a reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""
         return max(10 * self.config.heartbeat_timeout_secs, 300.0)
 
-    def _after_reduce(self, window: WindowTally, epoch: int, sync_ms: float, divergence: float) -> None:
-        """Feed ElChe one ReduceReport and publish what it decided."""
+    def _after_reduce(self, window: WindowTally, epoch: int, sync_ms: float, divergence: float,
+                      observe: bool = True) -> None:
+        """Feed ElChe one ReduceReport and publish what it decided (unless `observe` is False:
+        the caller publishes after sending the next orders)."""
         self._sync_ms.append(sync_ms)
         lr = next((x for x in window.lr if x is not None), None)
         self.plan = self.elche.on_reduce(ReduceReport(
@@ -124,7 +128,8 @@ class Reduces:
             fill_ms=window.fill_ms if self.mode.is_progressive else None,
             divergence=divergence, lr=lr))
         self.summary.anchor_trajectory.append(self.plan.anchor)
-        self._observe_reduce(epoch, sync_ms, divergence)
+        if observe:
+            self._observe_reduce(epoch, sync_ms, divergence)
 
     # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
 

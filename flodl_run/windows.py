@@ -112,12 +112,15 @@ class Windows:
         def plan_window() -> Dict[int, Train]:
             counts = [c if r in self.alive else 0 for r, c in enumerate(self.plan.batch_counts)]
             sizes = window_samples(pool.remaining, counts, self.config.batch_size)
-            trains = {}
-            for rank, size in enumerate(sizes):
-                slices = pool.take(size) if rank in self.alive else []
-                if slices:
-                    trains[rank] = self._train_order(epoch, slices)
-            return trains
+            takes = {rank: pool.take(size) if rank in self.alive else []
+                     for rank, size in enumerate(sizes)}
+            # Collective cadence: when every live rank has work, each order carries its reduce,
+            # so a rank enters the collective the moment its count is done (no coordinator
+            # round trip between the window and the reduce; the collective waits for the last).
+            fold = self.mode.is_collective and all(takes[r] for r in self.alive)
+            then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
+            return {rank: self._train_order(epoch, slices, then_sync=then_sync)
+                    for rank, slices in takes.items() if slices}
 
         trains = plan_window()
         for rank, order in trains.items():
@@ -130,8 +133,10 @@ class Windows:
                     self._send(rank, order)
             window = WindowTally.empty(self.world_size)
             self._collect_windows(set(trains), window, epoch, epoch_tally)
+            folded = all(order.then_sync is not None for order in trains.values())
             trains = self._reduce(window, epoch_tally, epoch,
-                                  plan_window if pool.remaining and not self._stop.is_set() else None)
+                                  plan_window if pool.remaining and not self._stop.is_set() else None,
+                                  sync_sent=folded and self.alive <= set(trains))
             reduces += 1
             in_flight = [s for order in trains.values() for s in order.slices]
             if self._stop.is_set():
