@@ -466,11 +466,11 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
     outcomes, interrupted = run_all(jobs, bench_dir, b.timeout_s, b.repeats, out, b.batch_size)
     recipes = []
     for recipe, label in zip(b.recipes, recipe_labels(b.recipes)):
-        target = recipe.target_eval
-        if target is None:
-            job = next(j for j in jobs if j.recipe == label)
-            target = materialize_job(job, bench_dir / label / job.name).recipe.target_eval
-        recipes.append(RecipeBench(label, target, rig.speeds, overrides=list(recipe.overrides)))
+        job = next(j for j in jobs if j.recipe == label)
+        declared = materialize_job(job, bench_dir / label / job.name).recipe
+        target = declared.target_eval if recipe.target_eval is None else recipe.target_eval
+        recipes.append(RecipeBench(label, target, rig.speeds, overrides=list(recipe.overrides),
+                                   eval_direction=declared.eval_direction.value))
     meta = {"command": command, "machine": machine(), "rig": rig.describe(),
             "runs": f"batch_size {b.batch_size} per rank, {b.epochs} epochs, seed {b.seed}"
                     + (f", {b.repeats} repeats round by round (each entry: its median run by "

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from rich.table import Table
 
+from flodl_run.config.schema import EvalDirection
+
 NOT_REACHED = "not reached"
 ENTRY_KEYS = ("name", "recipe", "kind", "mode", "outer", "status", "samples_per_s",
               "ratio_to_ideal", "ratio_to_torch_ddp", "ratio_to_torch_localsgd", "final_loss",
@@ -56,6 +58,8 @@ class RecipeBench:
     """Per rank of the rig, its slowdown factor (which solo run stands for it)."""
     ideal_samples_per_s: Optional[float] = None
     overrides: List[str] = field(default_factory=list)
+    eval_direction: str = "max"
+    """The recipe's recipe.eval_direction: max (reached when eval >= target) or min (<=)."""
 
 
 def median_run(runs: Sequence[RunOutcome]) -> RunOutcome:
@@ -97,19 +101,21 @@ def training_rate(summary: Dict[str, Any]) -> Optional[float]:
     return summary.get("samples_per_s", 0.0) * epoch_s / train[-1]
 
 
-def time_to_target(summary: Dict[str, Any], target: Optional[float]) -> Union[float, str, None]:
-    """Training seconds until the first eval >= target; NOT_REACHED if none is; None without a
-    target or without any eval."""
+def time_to_target(summary: Dict[str, Any], target: Optional[float],
+                   direction: str = "max") -> Union[float, str, None]:
+    """Training seconds until the first eval that reaches target (>= for direction max, <= for
+    min); NOT_REACHED if none does; None without a target or without any eval."""
+    reached = EvalDirection(direction).reached
     epochs = summary.get("epochs", [])
     evals = [(t, e["eval"]) for t, e in zip(train_axis(summary), epochs)
              if e.get("eval") is not None]
     if target is None or (not evals and summary.get("final_eval") is None):
         return None
     for t, score in evals:
-        if score >= target:
+        if reached(score, target):
             return t
     final = summary.get("final_eval")
-    if not evals and final is not None and final >= target:
+    if not evals and final is not None and reached(final, target):
         return train_axis(summary)[-1] if epochs else None
     return NOT_REACHED
 
@@ -151,7 +157,8 @@ def entry(outcome: RunOutcome, recipe: RecipeBench,
         "ratio_to_torch_localsgd": _ratio(rate, peers.get("torch_localsgd")),
         "final_loss": losses[-1] if losses else None,
         "final_eval": s.get("final_eval"),
-        "time_to_target_s": time_to_target(s, recipe.target_eval) if completed else None,
+        "time_to_target_s": (time_to_target(s, recipe.target_eval, recipe.eval_direction)
+                             if completed else None),
         "wall_s": outcome.wall_s, "train_s": train_s,
         "loss_drop_per_s": ((losses[0] - losses[-1]) / train_s
                             if len(losses) > 1 and train_s else None),
@@ -177,7 +184,8 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
     return {
         "ideal_samples_per_s": recipes[0].ideal_samples_per_s if len(recipes) == 1 else None,
         "entries": entries,
-        "recipes": [{"name": r.name, "target_eval": r.target_eval, "overrides": r.overrides,
+        "recipes": [{"name": r.name, "target_eval": r.target_eval,
+                     "eval_direction": r.eval_direction, "overrides": r.overrides,
                      "rank_speeds": r.rank_speeds, "ideal_samples_per_s": r.ideal_samples_per_s}
                     for r in recipes],
         **meta,
@@ -216,7 +224,8 @@ def _recipe_line(recipe: Dict[str, Any]) -> str:
     ideal_rate = recipe["ideal_samples_per_s"]
     ideal_text = f"{ideal_rate:,.0f} samples/s" if ideal_rate else "-"
     speeds = " + ".join(solo_name(f) for f in recipe["rank_speeds"])
-    return (f"recipe `{recipe['name']}` (overrides: `{overrides}`), target eval "
+    reached = "<=" if recipe.get("eval_direction") == "min" else ">="
+    return (f"recipe `{recipe['name']}` (overrides: `{overrides}`), target eval {reached} "
             f"{cell('final_eval', recipe['target_eval'])}; ideal = {speeds} = {ideal_text}")
 
 

@@ -15,8 +15,13 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-COLUMNS = ("job", "overrides", "status", "final_loss", "final_eval", "wall_s", "samples_per_s",
-           "loss_at_epoch_n", "loss_drop_per_s", "wall_per_epoch_s", "mlflow_run_id")
+import yaml
+
+from flodl_run.config.schema import EvalDirection
+
+COLUMNS = ("job", "overrides", "status", "final_loss", "final_eval", "eval_rank", "wall_s",
+           "samples_per_s", "loss_at_epoch_n", "loss_drop_per_s", "wall_per_epoch_s",
+           "mlflow_run_id")
 
 
 @dataclass
@@ -28,6 +33,8 @@ class JobOutcome:
     run_dir: Path
     summary: Dict = field(default_factory=dict)
     """summary.json as a dict; empty when the job wrote none (it crashed before)."""
+    eval_direction: Optional[EvalDirection] = None
+    """The job's recipe.eval_direction, from its run.yaml; None when it wrote none."""
 
     @classmethod
     def read(cls, num: int, overrides: Sequence[str], run_dir: Path) -> "JobOutcome":
@@ -36,7 +43,7 @@ class JobOutcome:
             summary = json.loads(path.read_text())
         except (OSError, ValueError):
             summary = {}
-        return cls(num, list(overrides), Path(run_dir), summary)
+        return cls(num, list(overrides), Path(run_dir), summary, _eval_direction(Path(run_dir)))
 
     @property
     def status(self) -> str:
@@ -65,6 +72,35 @@ class JobOutcome:
         return xs, ys
 
 
+def _eval_direction(run_dir: Path) -> Optional[EvalDirection]:
+    """recipe.eval_direction of the run.yaml in `run_dir`; None when unreadable or absent."""
+    try:
+        run = yaml.safe_load((run_dir / "run.yaml").read_text())
+        return EvalDirection(run["recipe"]["eval_direction"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
+
+
+def shared_direction(jobs: Sequence[JobOutcome]) -> Optional[EvalDirection]:
+    """The eval direction every job that says one shares (max when none says); None when they
+    differ, so their evals do not rank."""
+    directions = {j.eval_direction for j in jobs if j.eval_direction is not None}
+    if len(directions) > 1:
+        return None
+    return directions.pop() if directions else EvalDirection.max
+
+
+def eval_ranks(jobs: Sequence[JobOutcome]) -> List[Optional[int]]:
+    """Per job, 1 + how many jobs have a strictly better final eval in the shared direction
+    (ties share a rank); None without a final eval, or for all when directions differ."""
+    direction = shared_direction(jobs)
+    finals = [j.summary.get("final_eval") for j in jobs]
+    if direction is None:
+        return [None] * len(jobs)
+    return [None if f is None else
+            1 + sum(o is not None and direction.is_better(o, f) for o in finals) for f in finals]
+
+
 def varying(jobs: Sequence[JobOutcome]) -> Tuple[List[List[str]], List[str]]:
     """Per job, the overrides that differ between jobs; and the ones every job shares."""
     common = [o for o in jobs[0].overrides if all(o in j.overrides for j in jobs)] if jobs else []
@@ -81,14 +117,14 @@ def rows(jobs: Sequence[JobOutcome]) -> List[Dict[str, object]]:
     """One dict per job with the COLUMNS; None where a job has no such figure."""
     n = common_epochs(jobs)
     out = []
-    for job, own in zip(jobs, varying(jobs)[0]):
+    for job, own, rank in zip(jobs, varying(jobs)[0], eval_ranks(jobs)):
         s, losses, wall = job.summary, job.losses, job.wall_axis()
         train_s = wall[-1] if wall else None
         drop = (losses[0] - losses[-1]) / train_s if len(losses) > 1 and train_s else None
         out.append({
             "job": job.num, "overrides": " ".join(own), "status": job.status,
             "final_loss": losses[-1] if losses else None, "final_eval": s.get("final_eval"),
-            "wall_s": s.get("wall_s"), "samples_per_s": s.get("samples_per_s"),
+            "eval_rank": rank, "wall_s": s.get("wall_s"), "samples_per_s": s.get("samples_per_s"),
             "loss_at_epoch_n": losses[n - 1] if n and len(losses) >= n else None,
             "loss_drop_per_s": drop,
             "wall_per_epoch_s": train_s / len(losses) if losses and train_s else None,
@@ -108,8 +144,8 @@ def _cell(value: object) -> str:
 def to_markdown(jobs: Sequence[JobOutcome]) -> str:
     n = common_epochs(jobs)
     common = varying(jobs)[1]
-    header = ["job", "overrides", "status", "final loss", "final eval", "wall s", "samples/s",
-              f"loss @ epoch {n}", "loss drop / s", "wall s / epoch", "MLflow run"]
+    header = ["job", "overrides", "status", "final loss", "final eval", "eval rank", "wall s",
+              "samples/s", f"loss @ epoch {n}", "loss drop / s", "wall s / epoch", "MLflow run"]
     lines = [f"# Sweep comparison ({len(jobs)} jobs)", ""]
     if common:
         lines += [f"Shared overrides: `{' '.join(common)}`", ""]
@@ -118,8 +154,20 @@ def to_markdown(jobs: Sequence[JobOutcome]) -> str:
         lines.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
     lines += ["", f"`loss @ epoch {n}`: mean training loss of epoch {n}, the last epoch every job "
               "finished. `loss drop / s`: (loss of the first epoch - final loss) / training "
-              "wall seconds (sum of epoch_ms); higher is better.", ""]
+              "wall seconds (sum of epoch_ms); higher is better. " + _rank_note(jobs), ""]
     return "\n".join(lines)
+
+
+def _rank_note(jobs: Sequence[JobOutcome]) -> str:
+    direction = shared_direction(jobs)
+    if direction is None:
+        return "`eval rank`: none, the jobs' recipes disagree on recipe.eval_direction."
+    return (f"`eval rank`: 1 = best final eval; {_better(direction)} is better "
+            f"(recipe.eval_direction={direction.value}).")
+
+
+def _better(direction: EvalDirection) -> str:
+    return "lower" if direction is EvalDirection.min else "higher"
 
 
 def to_csv(jobs: Sequence[JobOutcome]) -> str:
@@ -146,7 +194,9 @@ def plot(jobs: Sequence[JobOutcome], path: Path) -> Optional[Path]:
         xs, ys = job.evals()
         if xs:
             eval_ax.plot(xs, ys, marker="o", markersize=3, label=label)
-    for ax, name in ((loss_ax, "training loss (epoch mean)"), (eval_ax, "eval")):
+    direction = shared_direction(jobs)
+    eval_name = "eval" if direction is None else f"eval ({_better(direction)} is better)"
+    for ax, name in ((loss_ax, "training loss (epoch mean)"), (eval_ax, eval_name)):
         ax.set_xlabel("training wall time (s)")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)

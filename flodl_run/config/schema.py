@@ -78,6 +78,21 @@ class Reduction(str, enum.Enum):
     last = "last"
 
 
+class EvalDirection(str, enum.Enum):
+    """Which way a recipe's eval improves: accuracy-like (max) or loss-like (min)."""
+
+    max = "max"
+    min = "min"
+
+    def reached(self, score: float, target: float) -> bool:
+        """`score` meets `target`: >= for max, <= for min."""
+        return score >= target if self is EvalDirection.max else score <= target
+
+    def is_better(self, score: float, other: float) -> bool:
+        """`score` is strictly better than `other`."""
+        return score > other if self is EvalDirection.max else score < other
+
+
 class Theme(str, enum.Enum):
     auto = "auto"
     light = "light"
@@ -274,6 +289,9 @@ class RecipeConfig:
     """Keyword arguments passed to every recipe function."""
     target_eval: Optional[float] = None
     """Eval score the benchmark counts as reached (time-to-target); null = none."""
+    eval_direction: EvalDirection = EvalDirection.max
+    """Which way eval improves: max (accuracy: reached when >= target) or min (a loss, bits per
+    byte: reached when <= target). Bench, sweep comparison and review follow it."""
 
 
 @dataclass

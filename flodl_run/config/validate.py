@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional
 
 from flodl_run.config.schema import (
+    EvalDirection,
     ExperimentConfig,
     Mode,
     OuterKind,
@@ -340,6 +341,13 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
                           "(use tracking=mlflow_server for http)")
     if not t.experiment:
         yield Problem("tracking.experiment", t.experiment, "must not be empty")
+
+
+@_check
+def _recipe(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    direction = cfg.recipe.eval_direction  # Python callers may pass a plain "max" / "min"
+    if direction not in {d.value for d in EvalDirection}:
+        yield Problem("recipe.eval_direction", direction, "must be max or min")
 
 
 def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
