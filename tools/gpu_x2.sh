@@ -13,6 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+export FLODL_RUN_WAITS=1  # each rank logs where its idle time went (one line at the end)
 GPUS="cluster=local_gpus cluster.devices=[0,1]"
 MLP='"recipe.params.hidden=4096","recipe.params.depth=4","recipe.params.num_samples=131072","recipe.params.lr=0.02"'
 MLP_RECIPE="bench.recipes=[{name:synthetic_mlp,overrides:[$MLP],target_eval:0.7}]"
@@ -22,6 +23,7 @@ bench() {  # bench NAME overrides...
   local name=$1; shift
   echo "== bench $name: $*"
   python3 -m flodl_run.bench hydra.run.dir=/tmp/bench_$name $COMMON "$@" 2>&1 | tail -40
+  grep -h "waits:" /tmp/bench_$name/*/*/output.log 2>/dev/null | cut -c1-700
   cp /tmp/bench_$name/bench.md "$OUT/bench_$name.md" 2>/dev/null
   cp /tmp/bench_$name/bench.json "$OUT/bench_$name.json" 2>/dev/null
 }
@@ -45,11 +47,13 @@ for stage in "$@"; do
         bench.runner_solo=false "bench.modes=[nccl_cadence,cpu_cadence,cpu_async]" "$MLP_RECIPE"
       ;;
     lm)
-      LM="bench.recipes=[{name:byte_lm,overrides:[]}]"
-      bench homog_lm $GPUS bench.epochs=3 bench.batch_size=${LM_BATCH:-32} \
+      # 4 MB of the stdlib text (15.6 K windows of 256 bytes), batch 64: ~120 steps per rank
+      # per epoch on the pair, 3 epochs
+      LM='bench.recipes=[{name:byte_lm,overrides:["recipe.params.max_bytes=4000000"]}]'
+      bench homog_lm $GPUS bench.epochs=3 bench.batch_size=${LM_BATCH:-64} \
         "bench.modes=[nccl_sync,nccl_cadence]" "$LM"
       bench hetero_lm $GPUS "cluster.emulate_slowdown=[1.0,2.5]" bench.epochs=3 \
-        bench.batch_size=${LM_BATCH:-32} bench.runner_solo=false "bench.modes=[nccl_cadence]" "$LM"
+        bench.batch_size=${LM_BATCH:-64} bench.runner_solo=false "bench.modes=[nccl_cadence]" "$LM"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
