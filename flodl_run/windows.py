@@ -142,7 +142,8 @@ class Windows:
     def _run_sync_epoch(self, epoch: int, pool: EpochPool, epoch_tally: EpochTally) -> None:
         """Equal split; a reduce fires once every rank with data has stepped since the last one,
         and ranks that are ahead keep stepping meanwhile (sync is not lockstep)."""
-        shares = equal_split(pool.remaining, self.world_size, self.config.elche.partition_ratios)
+        shares = equal_split(pool.remaining, self.world_size, self.config.elche.partition_ratios,
+                             self.config.batch_size)
         parts = pool.split(shares)
         self._pools, self._pool_epoch = parts, epoch
         while any(part.remaining for part in parts):
@@ -160,7 +161,8 @@ class Windows:
             if rank in self.alive or not parts[rank].remaining or not self.alive:
                 continue
             survivors = sorted(self.alive)
-            pieces = parts[rank].split(equal_split(parts[rank].remaining, len(survivors)))
+            pieces = parts[rank].split(equal_split(parts[rank].remaining, len(survivors),
+                                                   batch_size=self.config.batch_size))
             for target, piece in zip(survivors, pieces):
                 parts[target].give_back([(piece.pass_index, s, e - s) for s, e in piece.ranges])
             parts[rank].ranges = []
