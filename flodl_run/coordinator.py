@@ -177,10 +177,19 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         nodes = merge_nodes(self.joined[r].node for r in range(self.world_size) if self.joined[r].node)
         self.summary.nodes = [node.record() for node in nodes]
         self.observer.on_nodes(nodes)
-        self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0))
+        self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0),
+                           reduce_ms=self._reduce_ms())
         if self.config.resume_from:
             self._restore(self.config.resume_from)
         self.plan = self.elche.plan()
+
+    def _reduce_ms(self) -> Optional[float]:
+        """The slowest rank's view of one reduce timed before training (collective modes)."""
+        timed = [j.reduce_ms for j in self.joined.values() if j.reduce_ms is not None]
+        if not timed:
+            return None
+        self.observer.on_event("reduce_timed", f"one reduce before training: {max(timed):.1f} ms")
+        return max(timed)
 
     def _epoch_batches(self, epoch: int) -> int:
         span = self._span(epoch)
