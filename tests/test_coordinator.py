@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import List
 
 import pytest
@@ -106,8 +107,8 @@ class FakeRank(threading.Thread):
 
 
 def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, observer=None, **run):
-    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=batch_size,
-                              **run)
+    elche = run.pop("elche", None) or ElCheConfig.preset(mode)
+    config = ExperimentConfig(elche=elche, num_epochs=epochs, batch_size=batch_size, **run)
     secret = new_secret()
     coord = Coordinator(config, len(ms), secret, observer=observer)
     ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
@@ -140,6 +141,27 @@ def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
+    """Pins progressive_dispatch=false in the cadence modes: each rank's share of the epoch is
+    fixed up front (equal), so a rank 2.5x faster still trains half of it (and idles once its
+    share runs out), and every sample is trained exactly once."""
+    summary, ranks = _run(mode, [4.0, 10.0], epochs=2, progressive_dispatch=False)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
+    assert summary.epochs[-1].per_rank_batch_share == [0.5, 0.5]
+
+
+def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more():
+    """Pins progressive_dispatch=true in a sync mode: ranks take their next batch from the whole
+    epoch, not from a fixed equal share, so the rank 2.5x faster trains more than half of it;
+    every sample still exactly once."""
+    summary, ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, progressive_dispatch=True)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 1).values()) == {1} and len(_positions(ranks, 1)) == NUM_SAMPLES
+    assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
+
+
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
@@ -151,6 +173,25 @@ def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     assert set(_positions(ranks, 1).values()) == {1}
     sync_orders = [r.orders.count("SyncNow") for r in ranks]
     assert sync_orders == ([0, 0] if mode == "nccl_sync" else [per_rank_batches] * 2)
+
+
+def test_max_batch_diff_bounds_the_lead_within_a_sync_reduce():
+    """Pins where the max_batch_diff throttle lives on the coordinator backend: in a sync mode a
+    rank 2.5x faster keeps stepping while the slow one works (an extra batch per reduce without
+    a limit), but never gets more than M batches ahead of the rank with the fewest: M = 0 is
+    one batch each per reduce, lockstep."""
+    def leads(ranks):
+        per_round = []
+        for rank in ranks:  # Train orders between two SyncNow orders = batches of one reduce
+            segments = " ".join(rank.orders).split("SyncNow")
+            per_round.append([seg.split().count("Train") for seg in segments[:-1]])
+        return [max(r) - min(r) for r in zip(*per_round)]
+
+    capped, capped_ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, batch_size=8,
+                                elche=replace(ElCheConfig.cpu_sync(), max_batch_diff=0))
+    free, free_ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, batch_size=8)
+    assert capped.status == free.status == "completed"
+    assert set(leads(capped_ranks)) == {0} and max(leads(free_ranks)) >= 1
 
 
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
