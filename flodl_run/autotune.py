@@ -2,8 +2,9 @@
 
 Owns the overhead ratio, the proposal rule (phase gates, 2x growth cap, shrink by 1, 5% dead
 zone, clamps), the cold-start steps past the 2x cap (a first anchor sized from a reduce timed
-before training; larger steps when the trust window agrees), the growth latch, the discard-then-nudge order and relax_up. It does not compute
-verdicts (see `guard` and `meta`) or batch counts (see `batch_counts`).
+before training; larger steps when the trust window agrees), the growth latch, the
+discard-then-nudge order and relax_up. It does not compute verdicts (see `guard` and `meta`)
+or batch counts (see `batch_counts`).
 """
 
 from __future__ import annotations

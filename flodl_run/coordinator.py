@@ -114,6 +114,12 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
+        # snapshot_timeout_secs: ranks left out of a round's average (rank -> that round), the
+        # steps their late snapshots carried (folded into their next snapshot), and the ranks
+        # left out of the round just finished (they get a no-op update).
+        self._left_out: Dict[int, int] = {}
+        self._owed: Dict[int, int] = {}
+        self._late: Set[int] = set()
 
     # ---- thread-safe controls ---------------------------------------------------------------
 
@@ -289,9 +295,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self._since_reduce.setdefault(rank, []).append((order.epoch, list(order.slices)))
         self.channel.send(message, payloads, identity=self.identities[rank])
 
-    def _next(self, expect: type | tuple) -> Optional[Message]:
-        """The next message of type `expect`, or None when a rank died meanwhile (callers then
-        re-check what they wait for); heartbeats and failures are handled on the way.
+    def _next(self, expect: type | tuple, deadline: Optional[float] = None) -> Optional[Message]:
+        """The next message of type `expect`, or None when a rank died meanwhile or the
+        `deadline` (time.monotonic) passed (callers then re-check what they wait for);
+        heartbeats and failures are handled on the way.
         Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async) are
         kept, in order, for the call that expects them."""
         if self._absorb_deaths():
@@ -315,6 +322,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._check_heartbeats()
                 if self._absorb_deaths():
                     return None  # membership changed: the caller re-plans what it waits for
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue
             message = received.message
             rank = getattr(message, "rank", None)

@@ -137,7 +137,8 @@ class Windows:
             window = WindowTally.empty(self.world_size)
             self._collect_windows(set(trains), window, epoch, epoch_tally)
             more = self._pools_remaining() and not self._stop.is_set()
-            trains = self._reduce(window, epoch_tally, epoch, plan_window if more else None)
+            trains = self._reduce(window, epoch_tally, epoch, plan_window if more else None,
+                                  final=self._is_last_round(epoch))
             reduces += 1
             in_flight = [s for order in trains.values() for s in order.slices]
             if self._stop.is_set():
@@ -151,6 +152,11 @@ class Windows:
         async, off for sync."""
         chosen = self.config.progressive_dispatch
         return self.mode.is_progressive if chosen is None else bool(chosen)
+
+    def _is_last_round(self, epoch: int) -> bool:
+        """The reduce about to run is the run's last: the last epoch has nothing left to hand out."""
+        last = self.config.num_epochs * self.config.data.epoch_splits - 1
+        return epoch == last and not self._pools_remaining()
 
     def _pools_remaining(self) -> int:
         return sum(part.remaining for part in self._pools)
@@ -174,7 +180,7 @@ class Windows:
                 self._rehome_parts(parts)
             window = WindowTally.empty(self.world_size)
             folded = self._sync_window(epoch, parts, window, epoch_tally)
-            self._reduce(window, epoch_tally, epoch, sync_sent=folded)
+            self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=self._is_last_round(epoch))
             if self._stop.is_set():
                 self._graceful_stop(epoch, [r for part in self._pools for r in part.uncovered()])
 

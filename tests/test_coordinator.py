@@ -51,6 +51,8 @@ class FakeRank(threading.Thread):
         self.mode = mode
         self.sync_pending = False
         self.held: List[Train] = []
+        self.late_rounds: dict = {}  # round -> seconds this rank sits on its snapshot
+        self.reduces_seen = 0
 
     def run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -65,6 +67,7 @@ class FakeRank(threading.Thread):
             if isinstance(order, Stop):
                 break
             if isinstance(order, SyncNow) and self.mode.startswith("cpu_"):
+                self.reduces_seen += 1
                 self._snapshot(ch, order.round)
                 self.sync_pending = False
                 for held in self.held:  # chunks that waited for the reduce
@@ -82,6 +85,7 @@ class FakeRank(threading.Thread):
         sock.close()
 
     def _snapshot(self, ch, round_):
+        time.sleep(self.late_rounds.get(round_, 0.0))  # a stalled host, a slow link
         params = torch.full((4,), float(self.rank))
         ch.send(SnapshotTaken(self.rank, round_, self.steps, ["torch.float32"]),
                 [memoryview(params.numpy()).cast("B"), b""])
@@ -96,7 +100,8 @@ class FakeRank(threading.Thread):
             n = order.num_batches
             time.sleep(n * self.ms_per_batch / 1000.0)  # the compute the report claims (not a sync)
             return WindowDone(self.rank, order.window, order.epoch, n, samples,
-                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1)
+                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,
+                              reduces_seen=self.reduces_seen)
         if isinstance(order, SyncNow):
             return Reduced(self.rank, order.round, 0.01, 1.0)
         if isinstance(order, Evaluate):
@@ -192,6 +197,48 @@ def test_max_batch_diff_bounds_the_lead_within_a_sync_reduce():
     free, free_ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, batch_size=8)
     assert capped.status == free.status == "completed"
     assert set(leads(capped_ranks)) == {0} and max(leads(free_ranks)) >= 1
+
+
+class _Events(Observer):
+    def __init__(self):
+        self.events: List[tuple] = []
+
+    def on_event(self, kind: str, message: str) -> None:
+        self.events.append((kind, message))
+
+
+@pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
+def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mode):
+    """Pins snapshot_timeout_secs in every cpu_* mode: a rank whose snapshot of round 2 comes
+    1.5 s late (timeout 0.3 s) is left out of that round's average (event snapshot_late), its
+    late snapshot's steps fold into its next one (event snapshot_folded), so the averages
+    weigh every batch trained exactly once, and every sample is still trained once."""
+    events = _Events()
+    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=2, batch_size=8,
+                              snapshot_timeout_secs=0.3)
+    secret = new_secret()
+    coord = Coordinator(config, 2, secret, observer=events)
+    weighed: List[int] = []
+    reduce = coord.averager.reduce
+
+    def recording(snapshots, **kwargs):
+        weighed.extend(s.steps for s in snapshots)
+        return reduce(snapshots, **kwargs)
+
+    coord.averager.reduce = recording
+    ranks = [FakeRank(r, 2, coord.address, secret, 4.0, 8, mode) for r in range(2)]
+    ranks[1].late_rounds = {2: 1.5}
+    for r in ranks:
+        r.start()
+    summary = coord.run()
+    for r in ranks:
+        r.join(timeout=10)
+    assert summary.status == "completed", summary.message
+    kinds = [k for k, _ in events.events]
+    assert "snapshot_late" in kinds and "snapshot_folded" in kinds
+    assert next(m for k, m in events.events if k == "snapshot_late").startswith("round 2: rank(s) [1]")
+    assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
+    assert sum(weighed) == 2 * NUM_SAMPLES // 8
 
 
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
