@@ -133,9 +133,9 @@ class Reduces:
     # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
 
     def _central_round(self, window: WindowTally, wait_all: bool = False) -> Optional[CentralResult]:
-        """Collect the ranks' snapshots and average them here, on CPU. Once one is in, the others
-        get snapshot_timeout_secs; a rank still missing then is left out of this average
-        (`wait_all`: nobody is)."""
+        """Collect the ranks' snapshots and average them here, on CPU. snapshot_timeout_secs after
+        the SyncNow, and once at least one is in, a rank still missing is left out of this
+        average (`wait_all`: nobody is)."""
         snapshots: Dict[int, Snapshot] = {}
         began = time.monotonic()
         deadline = None if wait_all else began + self.config.snapshot_timeout_secs
