@@ -157,11 +157,12 @@ def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
     assert summary.epochs[-1].per_rank_batch_share == [0.5, 0.5]
 
 
-def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more():
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
+def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
     """Pins progressive_dispatch=true in a sync mode: ranks take their next batch from the whole
     epoch, not from a fixed equal share, so the rank 2.5x faster trains more than half of it;
     every sample still exactly once."""
-    summary, ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, progressive_dispatch=True)
+    summary, ranks = _run(mode, [4.0, 10.0], epochs=1, progressive_dispatch=True)
     assert summary.status == "completed", summary.message
     assert set(_positions(ranks, 1).values()) == {1} and len(_positions(ranks, 1)) == NUM_SAMPLES
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
