@@ -158,6 +158,17 @@ def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
 
 
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
+def test_sync_modes_shard_the_epoch_by_partition_ratios(mode):
+    """Pins that the sync modes split each epoch by the stated partition_ratios (3:1 here, on
+    ranks of equal speed), not equally: rank 0 trains three quarters of every epoch."""
+    elche = replace(ElCheConfig.preset(mode), partition_ratios=[3.0, 1.0])
+    summary, ranks = _run(mode, [5.0, 5.0], epochs=1, elche=elche)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 1).values()) == {1}
+    assert summary.epochs[-1].per_rank_batch_share == [0.75, 0.25]
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
     """Pins progressive_dispatch=true in a sync mode: ranks take their next batch from the whole
     epoch, not from a fixed equal share, so the rank 2.5x faster trains more than half of it;
