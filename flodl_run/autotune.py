@@ -1,8 +1,10 @@
 """Anchor auto-tune (DESIGN §6.5): an overhead-driven proposal, then the verdict's ruling.
 
 Owns the overhead ratio, the proposal rule (phase gates, 2x growth cap, shrink by 1, 5% dead
-zone, clamps), the growth latch, the discard-then-nudge order and relax_up. It does not compute
-verdicts (see `guard` and `meta`) or batch counts (see `batch_counts`).
+zone, clamps), the cold-start steps past the 2x cap (a first anchor sized from a reduce timed
+before training; larger steps when the trust window agrees), the growth latch, the
+discard-then-nudge order and relax_up. It does not compute verdicts (see `guard` and `meta`)
+or batch counts (see `batch_counts`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ REARM_AFTER = 5
 MIN_NUDGE = 0.1
 # Float slack for ceil(): 10 * 0.3 is 3.0000000000000004 and must stay 3.
 _CEIL_SLACK = 1e-9
+# Cold start, beyond the 2x cap. The first report may size the anchor straight from a reduce
+# timed before training, but only by the smaller of that cost and the first report's sync: one
+# spike in either reading cannot move it. Later, growth may take up to 4x in one step when the
+# last 3 reduces (the trust window) agree, within 1.5x of each other, on the anchor they want.
+COLD_START_GROWTH = 16.0
+TRUST_WINDOW = 3
+AGREEMENT = 1.5
+AGREED_GROWTH = 4.0
 
 
 def ceil_int(value: float) -> int:
@@ -75,6 +85,39 @@ def propose(anchor: int, overhead_ratio: Optional[float], phase: Phase, target: 
     if abs(proposal - anchor) < DEAD_ZONE * anchor:
         return anchor
     return proposal
+
+
+def wanted_anchor(anchor: int, overhead_ratio: Optional[float], target: float) -> Optional[float]:
+    """The anchor at which this reduce's overhead would meet the target: anchor x overhead /
+    target (the reduce cost over the target share of one batch). None without a reading."""
+    if overhead_ratio is None or target <= 0:
+        return None
+    return anchor * overhead_ratio / target
+
+
+def sized_first_anchor(anchor: int, reduce_ms: Optional[float], sync_ms: float,
+                       window_compute_ms: float, target: float, max_anchor: int) -> int:
+    """The first report's anchor from a reduce timed before training (`reduce_ms`) and the Probe
+    window's compute: the anchor whose compute makes min(reduce_ms, sync_ms) the target share,
+    at most 16x the current one. Never shrinks; `anchor` when either reading is missing."""
+    if reduce_ms is None or reduce_ms <= 0 or window_compute_ms <= 0 or sync_ms is None:
+        return anchor
+    wanted = wanted_anchor(anchor, min(reduce_ms, sync_ms) / window_compute_ms, target)
+    if wanted is None or wanted <= anchor * (1 + DEAD_ZONE):
+        return anchor
+    return max(anchor, min(ceil_int(wanted), int(COLD_START_GROWTH * anchor), max_anchor))
+
+
+def agreed_anchor(anchor: int, wanted: Sequence[float], max_anchor: int) -> int:
+    """A larger growth step when the trust window agrees: the last 3 wanted anchors all above
+    the current one (past the 5% dead zone) and within 1.5x of each other give the smallest of
+    them, at most 4x the current anchor. Otherwise `anchor` (the 2x rule of `propose` applies)."""
+    recent = list(wanted[-TRUST_WINDOW:])
+    if len(recent) < TRUST_WINDOW or min(recent) <= anchor * (1 + DEAD_ZONE):
+        return anchor
+    if max(recent) > AGREEMENT * min(recent):
+        return anchor
+    return max(anchor, min(ceil_int(min(recent)), int(AGREED_GROWTH * anchor), max_anchor))
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,12 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
+        # snapshot_timeout_secs: ranks left out of a round's average (rank -> that round), the
+        # steps their late snapshots carried (folded into their next snapshot), and the ranks
+        # left out of the round just finished (they get a no-op update).
+        self._left_out: Dict[int, int] = {}
+        self._owed: Dict[int, int] = {}
+        self._late: Set[int] = set()
 
     # ---- thread-safe controls ---------------------------------------------------------------
 
@@ -177,10 +183,19 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         nodes = merge_nodes(self.joined[r].node for r in range(self.world_size) if self.joined[r].node)
         self.summary.nodes = [node.record() for node in nodes]
         self.observer.on_nodes(nodes)
-        self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0))
+        self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0),
+                           reduce_ms=self._reduce_ms())
         if self.config.resume_from:
             self._restore(self.config.resume_from)
         self.plan = self.elche.plan()
+
+    def _reduce_ms(self) -> Optional[float]:
+        """The slowest rank's view of one reduce timed before training (collective modes)."""
+        timed = [j.reduce_ms for j in self.joined.values() if j.reduce_ms is not None]
+        if not timed:
+            return None
+        self.observer.on_event("reduce_timed", f"one reduce before training: {max(timed):.1f} ms")
+        return max(timed)
 
     def _epoch_batches(self, epoch: int) -> int:
         span = self._span(epoch)
@@ -280,9 +295,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self._since_reduce.setdefault(rank, []).append((order.epoch, list(order.slices)))
         self.channel.send(message, payloads, identity=self.identities[rank])
 
-    def _next(self, expect: type | tuple) -> Optional[Message]:
-        """The next message of type `expect`, or None when a rank died meanwhile (callers then
-        re-check what they wait for); heartbeats and failures are handled on the way.
+    def _next(self, expect: type | tuple, deadline: Optional[float] = None) -> Optional[Message]:
+        """The next message of type `expect`, or None when a rank died meanwhile or the
+        `deadline` (time.monotonic) passed (callers then re-check what they wait for);
+        heartbeats and failures are handled on the way.
         Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async) are
         kept, in order, for the call that expects them."""
         if self._absorb_deaths():
@@ -306,6 +322,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._check_heartbeats()
                 if self._absorb_deaths():
                     return None  # membership changed: the caller re-plans what it waits for
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue
             message = received.message
             rank = getattr(message, "rank", None)

@@ -47,12 +47,21 @@ def largest_remainder(total: int, weights: Sequence[float]) -> List[int]:
     return out
 
 
-def equal_split(size: int, num_ranks: int, ratios: Optional[Sequence[float]] = None) -> List[int]:
-    """Sync modes: equal shares (or by `ratios`), the remainder to the largest share."""
+def equal_split(size: int, num_ranks: int, ratios: Optional[Sequence[float]] = None,
+                batch_size: int = 1) -> List[int]:
+    """Sync modes: samples per rank, equal (or by `ratios`) in whole batches of `batch_size`.
+
+    The batches that do not divide evenly go one each to the ranks with the largest remainder
+    (ties to the lowest rank): 101 batches over 3 ranks are 34/34/33, not 35/33/33. The short
+    last batch of the epoch, if any, is the last rank's with data.
+    """
     weights = list(ratios) if ratios else [1.0] * num_ranks
-    shares = [int(size * w / sum(weights)) for w in weights]
-    shares[max(range(num_ranks), key=lambda i: (weights[i], -i))] += size - sum(shares)
-    return shares
+    batches = largest_remainder(-(-size // batch_size), weights)
+    samples = [b * batch_size for b in batches]
+    excess = sum(samples) - size
+    if excess > 0:
+        samples[max(i for i, b in enumerate(batches) if b > 0)] -= excess
+    return samples
 
 
 def window_samples(remaining: int, counts: Sequence[int], batch_size: int) -> List[int]:

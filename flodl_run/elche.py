@@ -16,6 +16,7 @@ from flodl_run.config.schema import ElCheConfig, Mode
 from flodl_run.guard import (
     STABLE,
     Verdict,
+    is_divergent,
     make_guard,
     resolved_threshold,
     verdict_from_json,
@@ -116,6 +117,8 @@ class _Cycle:
     verdict: Verdict = STABLE
     nudge_factor: Optional[float] = None
     anchor_step: int = 0
+    sync_ms: float = 0.0
+    compute_ms: float = 0.0
 
     def note(self, kind: str, message: str) -> None:
         self.events.append(Event(kind, message))
@@ -126,11 +129,13 @@ class ElChe:
 
     `prior`: per-rank relative speeds known before timing (e.g. from the GPU model; higher =
     faster) that pin the first anchor rank. `epoch_batches`: batches of one epoch over all
-    ranks, the cap of one window's counts (None = no cap).
+    ranks, the cap of one window's counts (None = no cap). `reduce_ms`: the wall of one reduce
+    timed before training (None = not measured); with it the first report sizes the anchor.
     """
 
     def __init__(self, config: ElCheConfig, world_size: int, *,
-                 epoch_batches: Optional[int] = None, prior: Optional[Sequence[float]] = None):
+                 epoch_batches: Optional[int] = None, prior: Optional[Sequence[float]] = None,
+                 reduce_ms: Optional[float] = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.config = config
@@ -150,6 +155,9 @@ class ElChe:
         self.reduces = 0
         self.alive = [True] * world_size
         self.calibrated = [False] * world_size
+        self.reduce_ms = reduce_ms
+        self.wanted: List[float] = []
+        """Recent wanted anchors (autotune.wanted_anchor), the trust window of growth."""
         self.batch_counts = self._initial_counts()
         self._last = self._plan(_Cycle())
 
@@ -163,6 +171,8 @@ class ElChe:
         return not self.config.mode.is_sync
 
     def _initial_counts(self) -> List[int]:
+        """Probe counts: by the stated partition_ratios (the smallest share runs the anchor),
+        else equal; from the first report on, the measured speeds set them."""
         if self.shares is not None:
             return batch_counts.ratio_counts(self.anchor, self.shares, self.alive)
         return batch_counts.cap_to_window([self.anchor] * self.world_size, self.epoch_batches)
@@ -186,8 +196,9 @@ class ElChe:
             self.calibration_count += 1
         if self.phase != before:
             cycle.note("phase", f"{before.label} -> {self.phase.label}")
-        cycle.overhead = autotune.overhead(
-            report.sync_ms, autotune.compute_ms(report.wall_ms, report.callback_ms))
+        cycle.sync_ms = report.sync_ms
+        cycle.compute_ms = autotune.compute_ms(report.wall_ms, report.callback_ms)
+        cycle.overhead = autotune.overhead(report.sync_ms, cycle.compute_ms)
         self._maybe_elect(cycle)
         cycle.verdict = self._verdict(report, cycle)
         if self.phase >= Phase.WARMUP:  # Probe: gather timings, no actions
@@ -211,8 +222,6 @@ class ElChe:
         return any(ms is not None for ms, _ in readings)
 
     def _maybe_elect(self, cycle: _Cycle) -> None:
-        if self.shares is not None:
-            return  # explicit shares fix the anchor rank (the smallest living share)
         current = self.anchor_rank
         streak = self.timing.invalid_streak(current) if current is not None else 0
         if not election.should_elect(self.phase, current, streak):
@@ -225,7 +234,12 @@ class ElChe:
             cycle.note("anchor_rank", f"{current} -> {chosen}")
 
     def _verdict(self, report: ReduceReport, cycle: _Cycle) -> Verdict:
-        """The guard's verdict, replaced by a meta-controller nudge when one fires."""
+        """The guard's verdict, replaced by a meta-controller nudge when one fires. Sync modes
+        get Stable: nothing there can act on a verdict (their anchor is not a cadence), and a
+        SuppressGrowth or a nudge in the record would read as if the guard had done something.
+        D is still reported."""
+        if not self._tunes_anchor:
+            return STABLE
         steps = max((b for b in report.batches if b), default=0)
         verdict = self.guard.observe(report.divergence, steps)
         if not self.config.meta_controller:
@@ -240,8 +254,9 @@ class ElChe:
         """Proposal, then the verdict's ruling, then relax_up (DESIGN §6.5)."""
         before = self.anchor
         c = self.config
-        proposal = autotune.propose(before, cycle.overhead, self.phase, c.overhead_target,
-                                    self.min_anchor, c.max_anchor, self.calibration_count == 1)
+        proposal = max(autotune.propose(before, cycle.overhead, self.phase, c.overhead_target,
+                                        self.min_anchor, c.max_anchor, self.calibration_count == 1),
+                       self._cold_start_step(cycle))
         was_latched = self.latch.latched
         ruling = autotune.rule(before, proposal, cycle.verdict, self.latch)
         self.latch = ruling.latch
@@ -259,6 +274,23 @@ class ElChe:
             cycle.anchor_step = self.anchor - before
             cycle.note("anchor", f"{before} -> {self.anchor}")
 
+    def _cold_start_step(self, cycle: _Cycle) -> int:
+        """Growth past the 2x cap: the first report sized from the reduce timed before training,
+        later reduces by the trust window's agreement (see autotune). `anchor` = no step.
+        Readings count only while growth is armed: after a veto or a nudge the window refills
+        from scratch, so divergence, not an old overhead reading, decides how fast it regrows."""
+        c = self.config
+        if self.latch.latched or is_divergent(cycle.verdict):
+            self.wanted = []
+            return self.anchor
+        wanted = autotune.wanted_anchor(self.anchor, cycle.overhead, c.overhead_target)
+        if wanted is not None:
+            self.wanted = (self.wanted + [wanted])[-autotune.TRUST_WINDOW:]
+        if self.calibration_count == 1:
+            return autotune.sized_first_anchor(self.anchor, self.reduce_ms, cycle.sync_ms,
+                                               cycle.compute_ms, c.overhead_target, c.max_anchor)
+        return autotune.agreed_anchor(self.anchor, self.wanted, c.max_anchor)
+
     def _lead_allows(self, anchor: int) -> bool:
         """Whether the fastest rank's lead at `anchor` stays within max_batch_diff."""
         limit = self.config.max_batch_diff
@@ -271,7 +303,7 @@ class ElChe:
         return fastest - anchor <= limit
 
     def _recount(self, cycle: _Cycle) -> None:
-        if self.shares is not None:
+        if self.shares is not None and self.calibration_count == 0:
             counts = batch_counts.ratio_counts(self.anchor, self.shares, self.alive)
         else:
             ms = self.timing.all_smoothed_ms()
@@ -309,7 +341,7 @@ class ElChe:
         return self._last
 
     def _successor(self) -> Optional[int]:
-        if self.shares is not None:
+        if self.shares is not None and self.calibration_count == 0:
             living = [r for r in range(self.world_size) if self.alive[r]]
             return min(living, key=lambda r: (self.shares[r], r)) if living else None
         return election.elect(self.timing.all_smoothed_ms(), None)
@@ -335,6 +367,7 @@ class ElChe:
             "overshoot": self.overshoot.batches,
             "meta": self.meta.export_state(),
             "last_verdict": verdict_to_json(self._last.verdict),
+            "wanted_anchors": list(self.wanted),
         }
 
     @classmethod
@@ -373,6 +406,7 @@ class ElChe:
         if not self.overshoot.fixed and state.get("overshoot") is not None:
             self.overshoot = Overshoot(int(state["overshoot"]))
         self.meta.restore(state.get("meta", {}))
+        self.wanted = [float(w) for w in state.get("wanted_anchors", [])]
         verdict = verdict_from_json(state.get("last_verdict", {"kind": "stable"}))
         self._last = self._plan(_Cycle(verdict=verdict))
 

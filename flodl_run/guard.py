@@ -139,7 +139,8 @@ RATE_FLOOR = 1e-8
 
 class RateGuard:
     """`rate`: EMA of lambda = ln(D_t / D_{t-1}) / k_max, bias-corrected; 3 events above 1e-3
-    -> SuppressGrowth, 3 above 1e-2 -> NudgeDown(0.5) (the nudge wins)."""
+    -> SuppressGrowth, 3 above 1e-2 -> NudgeDown(0.5) (the nudge wins). The streak that fired
+    starts over, as in floDl."""
 
     kind = GuardKind.rate
 
@@ -170,9 +171,16 @@ class RateGuard:
         corrected = self.ema / (1 - RATE_DECAY ** self.samples)
         self.suppress_streak = self.suppress_streak + 1 if corrected > RATE_SUPPRESS else 0
         self.nudge_streak = self.nudge_streak + 1 if corrected > RATE_NUDGE else 0
+        # A verdict spends the streak that fired it: 3 more events are needed for the next one,
+        # so a run of high rates nudges once per 3 reduces, not on every reduce after the 3rd.
+        # The nudge spends the suppress streak too (it already latched growth off).
         if self.nudge_streak >= RATE_STREAK:
+            self.nudge_streak = self.suppress_streak = 0
             return NudgeDown(RATE_NUDGE_FACTOR)
-        return SUPPRESS_GROWTH if self.suppress_streak >= RATE_STREAK else STABLE
+        if self.suppress_streak >= RATE_STREAK:
+            self.suppress_streak = 0
+            return SUPPRESS_GROWTH
+        return STABLE
 
     def export_state(self) -> Dict[str, Any]:
         return {"kind": self.kind.value, "previous": self.previous, "ema": self.ema,

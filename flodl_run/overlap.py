@@ -46,6 +46,7 @@ class AsyncLoop:
         self.snapshots: Optional[List[Snapshot]] = None
         self.overshoot = [0] * self.world  # budget of each rank's latest chunk
         self.rounds_started = 0
+        self.round_began = 0.0  # time.monotonic() of the round in flight's SyncNow
 
     def give_back(self, epoch: int, slices: list) -> None:
         """A dead rank's chunks (since its last snapshot) go back to their epoch's pool, which
@@ -71,7 +72,7 @@ class AsyncLoop:
         for rank in range(self.world):
             self._give(rank)
         while self.closed < len(self.spans):
-            message = self.c._next(expect=(WindowDone, SnapshotTaken))
+            message = self.c._next(expect=(WindowDone, SnapshotTaken), deadline=self._deadline())
             self._forget_dead()
             if isinstance(message, WindowDone):
                 self._on_window_done(message)
@@ -139,21 +140,39 @@ class AsyncLoop:
         for rank in sorted(self.c.alive):
             self.c._send(rank, SyncNow(self.c._round, self.c._global_step, self.c._lr_factor()))
         self.snapshots = []
+        self.round_began = time.monotonic()
+
+    def _deadline(self) -> Optional[float]:
+        """When the round in flight stops waiting for snapshots: snapshot_timeout_secs after
+        its SyncNow, once one snapshot is in; None while no round waits, or when nothing is
+        left to hand out (a late rank's steps would have no later round to fold into)."""
+        if not self.snapshots or not any(p.remaining for p in self.pools):
+            return None
+        return self.round_began + self.c.config.snapshot_timeout_secs
 
     def _on_snapshot(self, taken: SnapshotTaken) -> None:
-        snap = self.c._snapshot(taken)
-        self.c.check_snapshot(snap, self.window.batches[snap.rank], self.overshoot[snap.rank])
-        self.snapshots.append(snap)
+        snap = self.c.take_snapshot(taken, self.window.batches[taken.rank], self.overshoot[taken.rank])
+        if snap is not None:  # None: the late snapshot of a round that left its rank out
+            self.snapshots.append(snap)
 
     def _maybe_finish_round(self) -> None:
-        """Average once every live rank's snapshot is in (a dead rank's is dropped)."""
-        if self.snapshots is None or not self.c.alive <= {s.rank for s in self.snapshots}:
+        """Average once every live rank's snapshot is in (a dead rank's is dropped), or once
+        the snapshot timeout passed: a rank still missing is left out of this average."""
+        if self.snapshots is None:
             return
+        missing = self.c.alive - {s.rank for s in self.snapshots}
+        deadline = self._deadline()
+        if missing and (deadline is None or time.monotonic() < deadline):
+            return
+        if missing:
+            self.c.leave_out(missing)
         snapshots = sorted((s for s in self.snapshots if s.rank in self.c.alive), key=lambda s: s.rank)
         # What the center now holds is forgotten; what a rank trained or holds beyond its
         # snapshot (finished after it, or still in hand) stays owed if the rank dies. Resetting
         # it all here lost those chunks (an epoch short by whole chunks after a SIGKILL).
-        self.c._since_reduce = {r: self.after_snapshot[r] + list(self.in_hand[r]) for r in self.c.alive}
+        # A rank left out keeps all it was sent since its last fold owed.
+        self.c._since_reduce = {r: self.c._since_reduce.get(r, []) if r in missing else
+                                self.after_snapshot[r] + list(self.in_hand[r]) for r in self.c.alive}
         self.after_snapshot = {r: [] for r in range(self.world)}
         # The reduce's cost is the averaging: ranks keep training while SyncNow and their
         # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
@@ -166,6 +185,7 @@ class AsyncLoop:
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
         self.c._after_reduce(self.window, epoch, sync_ms, result.divergence if result else 0.0)
         self.c._send_updates(result, {})
+        self.c._late = set()
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
         if self.c._stop.is_set():

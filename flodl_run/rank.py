@@ -169,9 +169,11 @@ class RankWorker:
         heartbeat = _Heartbeat(self.ctx, self.env)
         heartbeat.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        reduce_ms = timed_reduce_ms(self.flat.buffers) if collective else None
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
                                      socket.gethostname(), str(self.device), name,
-                                     len(self.source), node_facts(self.device.type == "cuda")))
+                                     len(self.source), node_facts(self.device.type == "cuda"),
+                                     reduce_ms=reduce_ms))
         if self.mode is Mode.cpu_async and self.env.rank == 0:
             self._send_snapshot(0, steps=0)  # the EASGD center starts at the initial weights
             self._awaiting_update = False
@@ -544,6 +546,23 @@ def _emulate_slowdown(factor: float, began: float) -> None:
 
 def _read(total: Optional[torch.Tensor]) -> float:
     return 0.0 if total is None else float(total)
+
+
+def timed_reduce_ms(buffers: List[torch.Tensor]) -> float:
+    """Wall of one all-reduce of copies of `buffers` over the default group, in ms: what a reduce
+    costs on this backend, measured once before training so ElChe can size its first anchor.
+    One untimed round first (it sets the communicator up and lines the ranks up); the
+    parameters themselves are never touched. Every rank of the group must call it."""
+    scratch = [b.detach().clone() for b in buffers]
+    elapsed = 0.0
+    for timed in (False, True):
+        began = time.perf_counter()
+        for buf in scratch:
+            dist.all_reduce(buf)
+        if scratch and scratch[0].is_cuda:
+            torch.cuda.synchronize(scratch[0].device)
+        elapsed = (time.perf_counter() - began) * 1000.0 if timed else 0.0
+    return elapsed
 
 
 def _fill_ms(step_ms: List[float]) -> float:

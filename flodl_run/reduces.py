@@ -38,10 +38,12 @@ class Reduces:
 
     def _reduce(self, window: WindowTally, epoch_tally: EpochTally, epoch: int,
                 plan_next: Optional[Callable[[], Dict[int, Train]]] = None,
-                sync_sent: bool = False) -> Dict[int, Train]:
+                sync_sent: bool = False, final: bool = False) -> Dict[int, Train]:
         """Order the consensus, wait for every rank, let ElChe plan, then send the next window
         (`plan_next`) — after the collective, or folded into the coordinator's update.
-        `sync_sent`: the SyncNow already rode on the window's Train orders (nccl_sync)."""
+        `sync_sent`: the SyncNow already rode on the window's Train orders (nccl_sync).
+        `final`: the run's last reduce, which waits for every snapshot (nothing comes later
+        to fold a late one into)."""
         self._window += 1
         self._round += 1
         began = time.perf_counter()
@@ -51,11 +53,13 @@ class Reduces:
         else:
             for rank in sorted(self.alive):
                 self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
-            result = self._central_round(window)
+            result = self._central_round(window, wait_all=final)
             divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
         window.drop(set(range(self.world_size)) - self.alive)  # the dead's work is redone
-        self._since_reduce = {r: [] for r in self.alive}
+        # A rank left out of the average still owes what it trained since its last fold.
+        self._since_reduce = {r: self._since_reduce.get(r, []) if r in self._late else []
+                              for r in self.alive}
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
         self._after_reduce(window, epoch, sync_ms, divergence, observe=False)
@@ -133,21 +137,57 @@ class Reduces:
 
     # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
 
-    def _central_round(self, window: WindowTally) -> Optional[CentralResult]:
-        """Collect every rank's snapshot and average them here, on CPU."""
+    def _central_round(self, window: WindowTally, wait_all: bool = False) -> Optional[CentralResult]:
+        """Collect the ranks' snapshots and average them here, on CPU. snapshot_timeout_secs after
+        the SyncNow, and once at least one is in, a rank still missing is left out of this
+        average (`wait_all`: nobody is)."""
         snapshots: Dict[int, Snapshot] = {}
         began = time.monotonic()
+        deadline = None if wait_all else began + self.config.snapshot_timeout_secs
+        self._late = set()
         while not self.alive <= set(snapshots):
-            taken = self._next(expect=SnapshotTaken)
+            if deadline is not None and snapshots and time.monotonic() >= deadline:
+                self.leave_out(self.alive - set(snapshots))
+                break
+            taken = self._next(expect=SnapshotTaken, deadline=deadline if snapshots else None)
             if taken is None:
                 continue
-            snap = self._snapshot(taken)
-            self.check_snapshot(snap, window.batches[snap.rank], allowance=0)
-            snapshots[snap.rank] = snap
+            snap = self.take_snapshot(taken, window.batches[taken.rank], allowance=0)
+            if snap is not None:
+                snapshots[snap.rank] = snap
             if time.monotonic() - began > self._stall_ceiling_s():
                 raise ShutdownWithSave("reduce_stall", f"round {self._round}: snapshots missing")
-        snapshots = [snapshots[r] for r in sorted(self.alive)]  # a dead rank's snapshot is dropped
+        snapshots = [snapshots[r] for r in sorted(self.alive) if r in snapshots]  # the dead's dropped
         return self.averager.reduce(snapshots, out=self._update_buffers(snapshots))
+
+    def take_snapshot(self, taken: SnapshotTaken, window_batches: int,
+                      allowance: int) -> Optional[Snapshot]:
+        """The snapshot for the round in flight, with the steps of a late one folded in; None
+        for the late snapshot of a round that left its rank out (its steps become owed)."""
+        rank = taken.rank
+        if self._left_out.get(rank) == taken.round:
+            del self._left_out[rank]
+            self._owed[rank] = self._owed.get(rank, 0) + taken.steps
+            return None
+        snap = self._snapshot(taken)
+        self.check_snapshot(snap, window_batches, allowance)
+        owed = self._owed.pop(rank, 0)
+        if owed:
+            snap = Snapshot(rank, snap.steps + owed, snap.params, snap.float_buffers)
+            self.observer.on_event("snapshot_folded", f"round {self._round}: rank {rank}'s {owed} "
+                                                      "steps from a round it missed fold in now")
+        return snap
+
+    def leave_out(self, late: Set[int]) -> None:
+        """Ranks without a snapshot by the deadline: out of this round's average; the steps
+        their late snapshots carry fold into their next one, and they get a no-op update."""
+        for rank in late:
+            self._left_out[rank] = self._round
+        self._late = set(late)
+        self.observer.on_event(
+            "snapshot_late", f"round {self._round}: rank(s) {sorted(late)} sent no snapshot within "
+                             f"snapshot_timeout_secs={self.config.snapshot_timeout_secs:g}; left out "
+                             "of this average, their steps fold into their next snapshot")
 
     def _update_buffers(self, snapshots: List[Snapshot]) -> Optional[List]:
         """The update slab's tensors to build the consensus in, when ranks read it from there
@@ -198,6 +238,10 @@ class Reduces:
                 slab = self._slab_for_updates(result.params)
         shared = {} if slab is None else {"shm": slab.paths, "numels": [t.numel() for t in slab.tensors]}
         for rank in sorted(self.alive):
+            if rank in self._late:  # left out: keep its own parameters, just move on
+                self._send(rank, Update(self._round, self._global_step, 0.0, False, [], False,
+                                        trains.get(rank)))
+                continue
             via_shm = bool(shared) and rank in self._shm_ranks
             self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes, stepped,
                                     trains.get(rank), **(shared if via_shm else {})),

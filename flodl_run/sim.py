@@ -143,6 +143,8 @@ def summary_table(result: SimResult) -> Table:
     table.add_row("simulated samples/s", f"{s.samples_per_s:,.1f}")
     table.add_row("ideal samples/s (sum of per-rank throughputs)", f"{s.ideal_samples_per_s:,.1f}")
     table.add_row("ratio to ideal", f"{s.ratio_to_ideal:.3f}")
+    table.add_row("reduces until the anchor is within 10% of its final value",
+                  str(s.reduces_to_settle))
     idle = s.idle_fraction
     if len(idle) <= FULL_TABLE_MAX_RANKS:
         table.add_row("idle fraction per rank", "  ".join(f"{x:.3f}" for x in idle))

@@ -88,6 +88,9 @@ class SimConfig:
     """Batches of one epoch over all ranks (caps one window); null = no cap."""
     spec_prior: bool = True
     """Tell ElChe each rank's nominal speed up front, as GPU specs (NVML) would in a real run."""
+    reduce_probe: bool = True
+    """Hand ElChe one reduce's wall timed before training, as the collective modes measure it
+    in a real run (nccl_* only; the coordinator backend does not time one)."""
     table: TableStyle = TableStyle.auto
     """Per-window table: full counts, compact (min/median/max) or none; auto = compact above
     8 ranks."""
@@ -129,6 +132,8 @@ class SimSummary:
     ideal_samples_per_s: float
     ratio_to_ideal: float
     idle_fraction: List[float]
+    reduces_to_settle: int
+    """Reduces until the anchor stays within 10% of its final value."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,8 @@ class _Totals:
     wall_ms: float = 0.0
     samples: int = 0
     idle_ms: List[float] = field(default_factory=list)
+    anchors: List[int] = field(default_factory=list)
+    """The anchor after each reduce."""
 
     def __post_init__(self) -> None:
         self.idle_ms = [0.0] * self.world_size
@@ -215,7 +222,24 @@ class _Totals:
         rate = self.samples * batch_size / seconds if seconds > 0 else 0.0
         ideal = sum(batch_size * 1000.0 / ms for ms in rank_ms)
         idle = [i / self.wall_ms if self.wall_ms > 0 else 0.0 for i in self.idle_ms]
-        return SimSummary(rate, ideal, rate / ideal if ideal > 0 else 0.0, idle)
+        return SimSummary(rate, ideal, rate / ideal if ideal > 0 else 0.0, idle,
+                          reduces_to_settle(self.anchors))
+
+
+# The anchor counts as settled once it stays within this share of its final value.
+SETTLE_BAND = 0.10
+
+
+def reduces_to_settle(anchors: List[int]) -> int:
+    """Reduces until the anchor (after each reduce) stays within 10% of its final value: the
+    cold start's length. 0 when the initial anchor already was."""
+    if not anchors:
+        return 0
+    final = anchors[-1]
+    for index in range(len(anchors), 0, -1):
+        if abs(anchors[index - 1] - final) > SETTLE_BAND * final:
+            return index
+    return 0
 
 
 def _window_walls(plan: Plan, ms: List[float], fill_ms: float) -> List[float]:
@@ -235,7 +259,9 @@ def simulate(sim: SimConfig, elche_config: ElCheConfig,
     """Run `sim.windows` windows of the rig under ElChe; `on_window` sees each record."""
     rig = SimRig(sim)
     prior = [1.0 / ms for ms in rig.rank_ms] if sim.spec_prior else None
-    elche = ElChe(elche_config, rig.world_size, epoch_batches=sim.epoch_batches, prior=prior)
+    probed = sim.reduce_probe and elche_config.mode.is_collective
+    elche = ElChe(elche_config, rig.world_size, epoch_batches=sim.epoch_batches, prior=prior,
+                  reduce_ms=rig.sync_ms(rig.world_size) if probed else None)
     is_async = elche_config.mode is Mode.cpu_async
     totals = _Totals(rig.world_size)
     records: List[WindowRecord] = []
@@ -243,6 +269,7 @@ def simulate(sim: SimConfig, elche_config: ElCheConfig,
     for window in range(sim.windows):
         after, record, walls, sync_ms, extra = _step(rig, elche, plan, window, is_async)
         totals.add(walls, elche.alive, sync_ms, sum(plan.batch_counts) + extra)
+        totals.anchors.append(after.anchor)
         records.append(record)
         if on_window is not None:
             on_window(record)

@@ -1,14 +1,15 @@
-"""Pacing decisions between reduces (DESIGN §6.8): the cpu_async overshoot budget and the
-max_batch_diff throttle of the coordinator backend.
+"""The cpu_async overshoot budget (DESIGN §6.8): how far past its window a rank may train
+while a reduce is in flight.
 
-Owns the overshoot auto-tune (start 3, +1 per Stable verdict up to 15, back to 3 on a nudge)
-and the pure "who must pause / wait" questions. It does not send orders: the coordinator does.
+Owns the overshoot auto-tune (start 3, +1 per Stable verdict up to 15, back to 3 on a nudge).
+The max_batch_diff lead is not a run-time pause here: the sync gate, the count plan and the
+overshoot cap already bound it (docs/elche.md, "max_batch_diff").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Optional
 
 from flodl_run.guard import NudgeDown, Stable, Verdict
 
@@ -39,26 +40,3 @@ class Overshoot:
         if isinstance(verdict, Stable):
             return Overshoot(min(OVERSHOOT_CEILING, self.batches + 1))
         return self
-
-
-def must_wait(batches_done: int, batch_count: int, overshoot_batches: int) -> bool:
-    """cpu_async: a rank that ran its window plus the overshoot budget waits for the update."""
-    return batches_done >= batch_count + overshoot_batches
-
-
-def paused_ranks(batches_done: Sequence[int], batch_counts: Sequence[int],
-                 max_batch_diff: Optional[int]) -> List[int]:
-    """Ranks more than `max_batch_diff` batches ahead of the slowest rank still at work.
-
-    A rank that finished its window (or is dead, count 0) does not hold anyone back, so the
-    throttle can never stall a window; None = unbounded, nobody pauses.
-    """
-    if max_batch_diff is None:
-        return []
-    working = [done for done, count in zip(batches_done, batch_counts)
-               if 0 < count and done < count]
-    if not working:
-        return []
-    limit = min(working) + max_batch_diff
-    return [rank for rank, (done, count) in enumerate(zip(batches_done, batch_counts))
-            if count > 0 and done < count and done > limit]

@@ -104,29 +104,38 @@ class Windows:
         return epoch_tally
 
     def _run_cadence_epoch(self, epoch: int, pool: EpochPool, epoch_tally: EpochTally) -> None:
-        """Progressive dispatch: each window hands every rank its planned count of batches; the
-        next window's orders ride on the reduce (folded into the update on the coordinator
-        backend)."""
-        self._pools, self._pool_epoch = [pool], epoch
+        """Each window hands every rank its planned count of batches; the next window's orders
+        ride on the reduce (folded into the update on the coordinator backend). Progressive
+        dispatch (the default) cuts them from the whole epoch, so the fast rank never idles;
+        with progressive_dispatch off every rank's share is fixed up front (equal, or by
+        partition_ratios) and a rank whose share ran out sits the rest of the epoch out."""
+        parts = None if self._progressive else self._partition(pool)
+        self._pools, self._pool_epoch = ([pool] if parts is None else parts), epoch
 
         def plan_window() -> Dict[int, Train]:
             counts = [c if r in self.alive else 0 for r, c in enumerate(self.plan.batch_counts)]
-            sizes = window_samples(pool.remaining, counts, self.config.batch_size)
-            takes = {rank: pool.take(size) if rank in self.alive else []
-                     for rank, size in enumerate(sizes)}
+            if parts is None:
+                sizes = window_samples(pool.remaining, counts, self.config.batch_size)
+                cut = [pool.take(size) if rank in self.alive else [] for rank, size in enumerate(sizes)]
+            else:
+                self._rehome_parts(parts)
+                cut = [parts[r].take(c * self.config.batch_size) for r, c in enumerate(counts)]
             # Collective cadence: when every live rank has work, each order carries its reduce,
             # so a rank enters the collective the moment its count is done (no coordinator
             # round trip between the window and the reduce; the collective waits for the last).
-            fold = self.mode.is_collective and all(takes[r] for r in self.alive)
+            fold = self.mode.is_collective and all(cut[r] for r in self.alive)
             then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
             return {rank: self._train_order(epoch, slices, then_sync=then_sync)
-                    for rank, slices in takes.items() if slices}
+                    for rank, slices in enumerate(cut) if slices}
+
+        def uncovered() -> list:
+            return [r for part in self._pools for r in part.uncovered()]
 
         trains = plan_window()
         for rank, order in trains.items():
             self._send(rank, order)
         reduces = 0
-        while trains or pool.remaining:  # work given back by a dead rank is redone
+        while trains or self._pools_remaining():  # work given back by a dead rank is redone
             if not trains:
                 trains = plan_window()
                 for rank, order in trains.items():
@@ -134,29 +143,54 @@ class Windows:
             window = WindowTally.empty(self.world_size)
             self._collect_windows(set(trains), window, epoch, epoch_tally)
             folded = all(order.then_sync is not None for order in trains.values())
-            trains = self._reduce(window, epoch_tally, epoch,
-                                  plan_window if pool.remaining and not self._stop.is_set() else None,
+            more = self._pools_remaining() and not self._stop.is_set()
+            trains = self._reduce(window, epoch_tally, epoch, plan_window if more else None,
+                                  final=self._is_last_round(epoch),
                                   sync_sent=folded and self.alive <= set(trains))
             reduces += 1
             in_flight = [s for order in trains.values() for s in order.slices]
             if self._stop.is_set():
-                self._graceful_stop(epoch, pool.uncovered())
+                self._graceful_stop(epoch, uncovered())
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
-                self.save_bundle("checkpoint", epoch, pool.uncovered() + [list(s) for s in in_flight])
+                self.save_bundle("checkpoint", epoch, uncovered() + [list(s) for s in in_flight])
+
+    @property
+    def _progressive(self) -> bool:
+        """progressive_dispatch, its auto default (None) resolved by mode: on for cadence and
+        async, off for sync."""
+        chosen = self.config.progressive_dispatch
+        return self.mode.is_progressive if chosen is None else bool(chosen)
+
+    def _is_last_round(self, epoch: int) -> bool:
+        """The reduce about to run is the run's last: the last epoch has nothing left to hand out."""
+        last = self.config.num_epochs * self.config.data.epoch_splits - 1
+        return epoch == last and not self._pools_remaining()
+
+    def _pools_remaining(self) -> int:
+        return sum(part.remaining for part in self._pools)
+
+    def _partition(self, pool: EpochPool) -> List[EpochPool]:
+        """Per-rank shares of the epoch, fixed up front: equal, or by partition_ratios."""
+        return pool.split(equal_split(pool.remaining, self.world_size,
+                                      self.config.elche.partition_ratios, self.config.batch_size))
 
     def _run_sync_epoch(self, epoch: int, pool: EpochPool, epoch_tally: EpochTally) -> None:
-        """Equal split; a reduce fires once every rank with data has stepped since the last one,
-        and ranks that are ahead keep stepping meanwhile (sync is not lockstep)."""
-        shares = equal_split(pool.remaining, self.world_size, self.config.elche.partition_ratios)
-        parts = pool.split(shares)
-        self._pools, self._pool_epoch = parts, epoch
+        """A reduce fires once every rank with data has stepped since the last one, and ranks
+        that are ahead keep stepping meanwhile (sync is not lockstep). Each rank steps through
+        its own share, fixed up front (equal, or by partition_ratios); with progressive_dispatch
+        on, every rank takes its next batch from the whole epoch instead, so a fast rank does
+        more of it."""
+        shared = self._progressive
+        parts = [pool] * self.world_size if shared else self._partition(pool)
+        self._pools, self._pool_epoch = ([pool] if shared else parts), epoch
         while any(part.remaining for part in parts):
-            self._rehome_parts(parts)
+            if not shared:
+                self._rehome_parts(parts)
             window = WindowTally.empty(self.world_size)
             folded = self._sync_window(epoch, parts, window, epoch_tally)
-            self._reduce(window, epoch_tally, epoch, sync_sent=folded)
+            self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=self._is_last_round(epoch))
             if self._stop.is_set():
-                self._graceful_stop(epoch, [r for part in parts for r in part.uncovered()])
+                self._graceful_stop(epoch, [r for part in self._pools for r in part.uncovered()])
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
         """A dead rank's share of a sync epoch is split evenly among the survivors, so the
@@ -165,7 +199,8 @@ class Windows:
             if rank in self.alive or not parts[rank].remaining or not self.alive:
                 continue
             survivors = sorted(self.alive)
-            pieces = parts[rank].split(equal_split(parts[rank].remaining, len(survivors)))
+            pieces = parts[rank].split(equal_split(parts[rank].remaining, len(survivors),
+                                                   batch_size=self.config.batch_size))
             for target, piece in zip(survivors, pieces):
                 parts[target].give_back([(piece.pass_index, s, e - s) for s, e in piece.ranges])
             parts[rank].ranges = []
@@ -207,6 +242,9 @@ class Windows:
         then reduce as soon as they stepped, without a coordinator round trip in between."""
         if any(not parts[r].remaining for r in self.alive):
             return False
+        shared = len({id(parts[r]) for r in self.alive}) < len(self.alive)
+        if shared and parts[min(self.alive)].remaining <= (len(self.alive) - 1) * self.config.batch_size:
+            return False  # progressive sync: not every rank would get a batch of its own
         ms = [m for r, m in enumerate(self.elche.smoothed_ms()) if r in self.alive]
         if all(m is None for m in ms):
             return True

@@ -50,6 +50,8 @@ class RankJoined(Message):
     num_samples: int
     """Length of the rank's train set: every rank must see the same data."""
     node: Optional[NodeFacts] = None
+    reduce_ms: Optional[float] = None
+    """Wall of one all-reduce of the flat parameters, timed before training (collective modes)."""
 
 
 class Heartbeat(Message):

@@ -101,3 +101,36 @@ def test_relax_up(anchor, before, verdict, latch, phase, max_a, lead_ok, expecte
     """Pins relax_up: anchor + 1 on each Stable verdict from Stable on, unless latched, at
     max_anchor, already grown this cycle, or the projected lead breaks max_batch_diff."""
     assert relax_up(anchor, before, verdict, latch, phase, max_a, lead_ok) == expected
+
+
+@pytest.mark.parametrize(
+    "anchor, wanted, expected",
+    [
+        (10, [24.0, 24.0, 24.0], 24),          # agree: go to the smallest in one step
+        (10, [30.0, 40.0, 44.0], 30),          # within 1.5x: the smallest of them
+        (10, [30.0, 50.0, 44.0], 10),          # spread > 1.5x: no step past 2x
+        (10, [200.0, 210.0, 220.0], 40),       # at most 4x per step
+        (10, [24.0, 24.0], 10),                # fewer than 3 readings: no step
+        (10, [10.2, 10.3, 10.4], 10),          # inside the 5% dead zone
+        (10, [90.0, 24.0, 24.0, 24.0], 24),    # only the last 3 count
+    ],
+)
+def test_agreed_anchor(anchor, wanted, expected) -> None:
+    """Pins the trust-window step: 3 wanted anchors above the current one and within 1.5x of
+    each other give the smallest, at most 4x the anchor; otherwise no step."""
+    from flodl_run.autotune import agreed_anchor
+
+    assert agreed_anchor(anchor, wanted, 1000) == expected
+
+
+def test_sized_first_anchor_takes_the_smaller_reading_and_caps() -> None:
+    """Pins the first-report sizing: min(timed reduce, reported sync) / (target x compute) x
+    anchor, never a shrink, at most 16x, at most max_anchor."""
+    from flodl_run.autotune import sized_first_anchor
+
+    assert sized_first_anchor(10, 100.0, 500.0, 250.0, 0.05, 1000) == 80
+    assert sized_first_anchor(10, 500.0, 100.0, 250.0, 0.05, 1000) == 80
+    assert sized_first_anchor(10, 1.0, 100.0, 250.0, 0.05, 1000) == 10
+    assert sized_first_anchor(10, 1e5, 1e5, 250.0, 0.05, 1000) == 160
+    assert sized_first_anchor(10, 1e5, 1e5, 250.0, 0.05, 50) == 50
+    assert sized_first_anchor(10, None, 100.0, 250.0, 0.05, 1000) == 10

@@ -52,6 +52,8 @@ RULES = [
     ("num_epochs", dict(num_epochs=0), "num_epochs", "0"),
     ("device", dict(device="gpu"), "device", "'gpu'"),
     ("anchor", dict(elche__anchor=0), "elche.anchor", "0"),
+    ("progressive_async", dict(elche__mode=Mode.cpu_async, progressive_dispatch=False),
+     "progressive_dispatch", "False"),
     ("min_anchor", dict(elche__min_anchor=0), "elche.min_anchor", "0"),
     ("max_anchor", dict(elche__max_anchor=0), "elche.max_anchor", "0"),
     ("min>max", dict(elche__min_anchor=50, elche__max_anchor=20), "elche.min_anchor", "50"),

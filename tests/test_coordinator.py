@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import List
 
 import pytest
@@ -50,6 +51,8 @@ class FakeRank(threading.Thread):
         self.mode = mode
         self.sync_pending = False
         self.held: List[Train] = []
+        self.late_rounds: dict = {}  # round -> seconds this rank sits on its snapshot
+        self.reduces_seen = 0
 
     def run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -64,6 +67,7 @@ class FakeRank(threading.Thread):
             if isinstance(order, Stop):
                 break
             if isinstance(order, SyncNow) and self.mode.startswith("cpu_"):
+                self.reduces_seen += 1
                 self._snapshot(ch, order.round)
                 self.sync_pending = False
                 for held in self.held:  # chunks that waited for the reduce
@@ -81,6 +85,7 @@ class FakeRank(threading.Thread):
         sock.close()
 
     def _snapshot(self, ch, round_):
+        time.sleep(self.late_rounds.get(round_, 0.0))  # a stalled host, a slow link
         params = torch.full((4,), float(self.rank))
         ch.send(SnapshotTaken(self.rank, round_, self.steps, ["torch.float32"]),
                 [memoryview(params.numpy()).cast("B"), b""])
@@ -95,7 +100,8 @@ class FakeRank(threading.Thread):
             n = order.num_batches
             time.sleep(n * self.ms_per_batch / 1000.0)  # the compute the report claims (not a sync)
             return WindowDone(self.rank, order.window, order.epoch, n, samples,
-                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1)
+                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,
+                              reduces_seen=self.reduces_seen)
         if isinstance(order, SyncNow):
             return Reduced(self.rank, order.round, 0.01, 1.0)
         if isinstance(order, Evaluate):
@@ -106,8 +112,8 @@ class FakeRank(threading.Thread):
 
 
 def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, observer=None, **run):
-    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=batch_size,
-                              **run)
+    elche = run.pop("elche", None) or ElCheConfig.preset(mode)
+    config = ExperimentConfig(elche=elche, num_epochs=epochs, batch_size=batch_size, **run)
     secret = new_secret()
     coord = Coordinator(config, len(ms), secret, observer=observer)
     ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
@@ -140,6 +146,39 @@ def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
+    """Pins progressive_dispatch=false in the cadence modes: each rank's share of the epoch is
+    fixed up front (equal), so a rank 2.5x faster still trains half of it (and idles once its
+    share runs out), and every sample is trained exactly once."""
+    summary, ranks = _run(mode, [4.0, 10.0], epochs=2, progressive_dispatch=False)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
+    assert summary.epochs[-1].per_rank_batch_share == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
+def test_sync_modes_shard_the_epoch_by_partition_ratios(mode):
+    """Pins that the sync modes split each epoch by the stated partition_ratios (3:1 here, on
+    ranks of equal speed), not equally: rank 0 trains three quarters of every epoch."""
+    elche = replace(ElCheConfig.preset(mode), partition_ratios=[3.0, 1.0])
+    summary, ranks = _run(mode, [5.0, 5.0], epochs=1, elche=elche)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 1).values()) == {1}
+    assert summary.epochs[-1].per_rank_batch_share == [0.75, 0.25]
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
+def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
+    """Pins progressive_dispatch=true in a sync mode: ranks take their next batch from the whole
+    epoch, not from a fixed equal share, so the rank 2.5x faster trains more than half of it;
+    every sample still exactly once."""
+    summary, ranks = _run(mode, [4.0, 10.0], epochs=1, progressive_dispatch=True)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 1).values()) == {1} and len(_positions(ranks, 1)) == NUM_SAMPLES
+    assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
+
+
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
@@ -151,6 +190,67 @@ def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     assert set(_positions(ranks, 1).values()) == {1}
     sync_orders = [r.orders.count("SyncNow") for r in ranks]
     assert sync_orders == ([0, 0] if mode == "nccl_sync" else [per_rank_batches] * 2)
+
+
+def test_max_batch_diff_bounds_the_lead_within_a_sync_reduce():
+    """Pins where the max_batch_diff throttle lives on the coordinator backend: in a sync mode a
+    rank 2.5x faster keeps stepping while the slow one works (an extra batch per reduce without
+    a limit), but never gets more than M batches ahead of the rank with the fewest: M = 0 is
+    one batch each per reduce, lockstep."""
+    def leads(ranks):
+        per_round = []
+        for rank in ranks:  # Train orders between two SyncNow orders = batches of one reduce
+            segments = " ".join(rank.orders).split("SyncNow")
+            per_round.append([seg.split().count("Train") for seg in segments[:-1]])
+        return [max(r) - min(r) for r in zip(*per_round)]
+
+    capped, capped_ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, batch_size=8,
+                                elche=replace(ElCheConfig.cpu_sync(), max_batch_diff=0))
+    free, free_ranks = _run("cpu_sync", [4.0, 10.0], epochs=1, batch_size=8)
+    assert capped.status == free.status == "completed"
+    assert set(leads(capped_ranks)) == {0} and max(leads(free_ranks)) >= 1
+
+
+class _Events(Observer):
+    def __init__(self):
+        self.events: List[tuple] = []
+
+    def on_event(self, kind: str, message: str) -> None:
+        self.events.append((kind, message))
+
+
+@pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
+def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mode):
+    """Pins snapshot_timeout_secs in every cpu_* mode: a rank whose snapshot of round 2 comes
+    1.5 s late (timeout 0.3 s) is left out of that round's average (event snapshot_late), its
+    late snapshot's steps fold into its next one (event snapshot_folded), so the averages
+    weigh every batch trained exactly once, and every sample is still trained once."""
+    events = _Events()
+    config = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=2, batch_size=8,
+                              snapshot_timeout_secs=0.3)
+    secret = new_secret()
+    coord = Coordinator(config, 2, secret, observer=events)
+    weighed: List[int] = []
+    reduce = coord.averager.reduce
+
+    def recording(snapshots, **kwargs):
+        weighed.extend(s.steps for s in snapshots)
+        return reduce(snapshots, **kwargs)
+
+    coord.averager.reduce = recording
+    ranks = [FakeRank(r, 2, coord.address, secret, 4.0, 8, mode) for r in range(2)]
+    ranks[1].late_rounds = {2: 1.5}
+    for r in ranks:
+        r.start()
+    summary = coord.run()
+    for r in ranks:
+        r.join(timeout=10)
+    assert summary.status == "completed", summary.message
+    kinds = [k for k, _ in events.events]
+    assert "snapshot_late" in kinds and "snapshot_folded" in kinds
+    assert next(m for k, m in events.events if k == "snapshot_late").startswith("round 2: rank(s) [1]")
+    assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
+    assert sum(weighed) == 2 * NUM_SAMPLES // 8
 
 
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():

@@ -15,10 +15,15 @@ def test_epoch_splits_cut_a_pass_into_contiguous_spans():
     assert [(s.start, s.end) for s in spans[:3]] == [(0, 66), (66, 133), (133, 200)]
 
 
-def test_equal_split_gives_remainder_to_largest():
-    """Pins sync-mode shares: equal (remainder to the first largest) or by partition_ratios."""
+def test_equal_split_spreads_the_remainder_in_whole_batches():
+    """Pins sync-mode shares: equal (or by partition_ratios) in whole batches; the batches left
+    over go one each to the first ranks (101 over 3 -> 34/34/33, never 35/33/33), and the
+    epoch's short last batch is the last rank's."""
     assert equal_split(10, 3) == [4, 3, 3]
     assert equal_split(100, 2, [0.7, 0.3]) == [70, 30]
+    assert equal_split(101 * 8, 3, batch_size=8) == [34 * 8, 34 * 8, 33 * 8]
+    assert equal_split(101 * 8 - 5, 3, batch_size=8) == [34 * 8, 34 * 8, 33 * 8 - 5]
+    assert equal_split(6 * 8, 2, [2.0, 1.0], batch_size=8) == [32, 16]
 
 
 def test_window_is_counts_times_batch_until_the_tail():

@@ -76,13 +76,14 @@ def test_cpu_async_with_diloco_completes(tmp_path):
 
 
 def test_nccl_sync_on_equal_ranks_reduces_once_per_step(tmp_path):
-    """Pins the sync gate on a homogeneous rig: one reduce per step (23 steps per rank per epoch
-    for 1437 digits split over 2 ranks in batches of 32)."""
+    """Pins the sync gate on a homogeneous rig: one reduce per step. 1437 digits in batches of
+    32 are 45 batches, split in whole batches 23/22 (the leftover batch to rank 0, the short
+    last one to rank 1): 23 reduces, the last with rank 0 alone."""
     proc, summary = _run(tmp_path, "cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1",
                          "elche=nccl_sync", "num_epochs=1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary["syncs"] == 23
-    assert summary["epochs"][0]["per_rank_batch_share"] == [0.5, 0.5]
+    assert summary["epochs"][0]["per_rank_batch_share"] == [23 / 45, 22 / 45]
 
 
 @pytest.mark.parametrize("mode,outer", [("nccl_sync", "slowmo"), ("nccl_cadence", "diloco")])

@@ -135,13 +135,15 @@ def test_sync_modes_keep_their_anchor() -> None:
     assert plans[-1].batch_counts == (2, 1)
 
 
-def test_partition_ratios_fix_counts_and_anchor_rank() -> None:
-    """Pins explicit shares: counts follow the ratios (normalized) whatever the speeds, and the
-    smallest share is the anchor rank from the start."""
+def test_partition_ratios_seed_the_probe_then_measurement_corrects_them() -> None:
+    """Pins stated shares as a starting point: the Probe window runs the ratios (the smallest
+    share runs the anchor and is the anchor rank), the first report's speeds set the counts
+    (the pin held through Warmup), and from Stable the election seats the measured slowest."""
     elche = ElChe(ElCheConfig(partition_ratios=[3.0, 1.0, 2.0]), 3)
     assert elche.plan().anchor_rank == 1 and elche.plan().batch_counts == (30, 10, 20)
     plans = run(elche, 8, [50.0, 10.0, 10.0])
-    assert plans[-1].anchor_rank == 1 and plans[-1].batch_counts == (30, 10, 20)
+    assert plans[0].anchor_rank == 1 and plans[0].batch_counts == (2, 10, 10)
+    assert plans[-1].anchor_rank == 0 and plans[-1].batch_counts == (10, 50, 50)
 
 
 def test_forget_rank_reseats_and_recounts() -> None:
@@ -257,7 +259,8 @@ window = st.tuples(
 def test_invariants_under_random_reports(config, world_size, windows, cap) -> None:
     """Pins the invariants whatever the inputs: living counts >= 1 and summing within the
     window cap; anchor in [1, max_anchor]; phase never regresses; no growth on the first
-    report; at most 2x growth per cycle; a NudgeDown lands as exactly its shrink (a stale
+    report; at most 2x growth per cycle unless the last 3 wanted anchors agree (then at most 4x
+and never past the smallest of them); a NudgeDown lands as exactly its shrink (a stale
     proposal never overwrites it in the same cycle)."""
     elche = ElChe(config, world_size, epoch_batches=cap)
     previous = elche.plan()
@@ -277,9 +280,63 @@ def _check(plan: Plan, previous: Plan, elche: ElChe, config: ElCheConfig, cap, f
         assert sum(living) <= max(cap, len(living))
     assert 1 <= plan.anchor <= config.max_anchor
     assert plan.phase >= previous.phase
-    assert plan.anchor <= 2 * previous.anchor
+    if plan.anchor > 2 * previous.anchor:  # only an agreeing trust window steps past 2x
+        wanted = elche.wanted[-3:]
+        assert len(wanted) == 3 and max(wanted) <= 1.5 * min(wanted)
+        assert plan.anchor <= min(4 * previous.anchor, math.ceil(min(wanted)))
     if first and elche.calibration_count <= 1:
         assert plan.anchor <= previous.anchor
     if isinstance(plan.verdict, NudgeDown) and not config.mode.is_sync:
         factor = min(1.0, max(0.1, plan.verdict.factor))
         assert plan.anchor == max(1, math.ceil(previous.anchor * factor - 1e-9))
+
+
+def _anchors(elche: ElChe, syncs: Sequence[float], ms=(10.0, 25.0)) -> List[int]:
+    return [elche.on_reduce(report(elche.plan(), list(ms), sync_ms=s)).anchor for s in syncs]
+
+
+def test_first_anchor_sized_from_the_reduce_timed_before_training() -> None:
+    """Pins the cold start: with one reduce timed before training, the first report sizes the
+    anchor at once to where the reduce costs the target share (100 ms over 5% of 25 ms per
+    batch: 80), instead of doubling over several reduces; without it the first report never
+    grows the anchor (floDl's rule)."""
+    sized = ElChe(ElCheConfig(), 2, reduce_ms=100.0)
+    assert _anchors(sized, [100.0] * 4) == [80, 80, 80, 80]
+    assert sized.plan().batch_counts == (200, 80)
+    assert _anchors(ElChe(ElCheConfig(), 2), [100.0])[0] == 10
+
+
+@pytest.mark.parametrize("spike_at", [0, 1, 2])
+@pytest.mark.parametrize("reduce_ms", [5.0, None])
+def test_one_10x_sync_spike_early_moves_the_anchor_at_most_2x(spike_at, reduce_ms) -> None:
+    """Pins the noise protection the cold start keeps: a single 10x sync spike on one of the
+    first reports (reduce 5 ms, spike 50 ms, 250 ms of compute) never takes the anchor past 2x
+    its start, whether or not a reduce was timed before training."""
+    syncs = [50.0 if i == spike_at else 5.0 for i in range(6)]
+    assert max(_anchors(ElChe(ElCheConfig(), 2, reduce_ms=reduce_ms), syncs)) <= 20
+
+
+def test_a_spike_in_the_reduce_timed_before_training_is_ignored() -> None:
+    """Pins the sizing on the smaller of the two readings: a 10x spike in the reduce timed
+    before training (50 ms) against a first report of 5 ms moves nothing."""
+    assert _anchors(ElChe(ElCheConfig(), 2, reduce_ms=50.0), [5.0] * 3) == [10, 10, 10]
+
+
+def test_agreeing_trust_window_steps_past_the_2x_cap() -> None:
+    """Pins the larger growth step: once the last 3 reduces agree (within 1.5x) on the anchor
+    they want (60 ms sync over 5% of 25 ms: 48), growth goes there in one step (at most 4x),
+    where the 2x rule alone would take 20 -> 40 -> 48."""
+    anchors = _anchors(ElChe(ElCheConfig(), 2), [60.0] * 4)
+    assert anchors == [10, 20, 48, 48]
+
+
+def test_sync_modes_get_no_actionable_verdict() -> None:
+    """Pins that sync modes report D but always a Stable verdict and no nudge: their anchor is
+    not a cadence, so a SuppressGrowth or NudgeDown there would claim an action never taken."""
+    elche = ElChe(ElCheConfig(mode=Mode.cpu_sync, anchor=1, convergence_guard=GuardKind.rate), 2)
+    rising = [0.01 * math.exp(0.5 * i) for i in range(8)]
+    plans = [elche.on_reduce(report(elche.plan(), [10.0, 25.0], divergence=d, lr=0.1 / (i + 1)))
+             for i, d in enumerate(rising)]
+    assert {p.verdict.label for p in plans} == {"stable"}
+    assert all(p.nudge_factor is None for p in plans) and plans[-1].divergence == rising[-1]
+    assert "nudge" not in {e.kind for p in plans for e in p.events}

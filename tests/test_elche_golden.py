@@ -42,6 +42,8 @@ class Scenario:
     prior: Optional[List[float]] = None
     elche: Dict[str, Any] = field(default_factory=dict)
     """ElCheConfig fields over the nccl_cadence defaults."""
+    reduce_ms: Optional[float] = None
+    """One reduce timed before training, handed to ElChe (None = not measured)."""
 
     def ms(self, window: int) -> List[float]:
         speeds = list(self.rank_ms)
@@ -64,6 +66,8 @@ SCENARIOS = [
              divergence=[0.01], skew={"rank": 0, "factor": 3.0, "windows": 3}),
     Scenario("rising_divergence_lr_drop", [10.0, 25.0], windows=30, sync_ms=30.0,
              divergence=RISING, lr_drops=[15]),
+    Scenario("two_ranks_timed_reduce", [10.0, 25.0], windows=30, sync_ms=30.0, divergence=[0.01],
+             reduce_ms=28.0),
 ]
 
 
@@ -81,7 +85,7 @@ def _row(plan: Plan) -> Dict[str, Any]:
 
 def trace(s: Scenario) -> Dict[str, Any]:
     """Run the scenario: window w runs the current plan at s.ms(w), then reports its reduce."""
-    elche = ElChe(ElCheConfig(**s.elche), len(s.rank_ms), prior=s.prior)
+    elche = ElChe(ElCheConfig(**s.elche), len(s.rank_ms), prior=s.prior, reduce_ms=s.reduce_ms)
     rows = [_row(elche.plan())]
     for w in range(s.windows):
         plan = elche.plan()

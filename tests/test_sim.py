@@ -20,7 +20,8 @@ from flodl_run.simrig import ColdStartSkew, RankGroup, SimConfig, simulate
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_KEYS = {"window", "phase", "anchor", "anchor_rank", "batch_counts", "overhead",
                "divergence", "verdict", "nudge_factor"}
-SUMMARY_KEYS = {"samples_per_s", "ideal_samples_per_s", "ratio_to_ideal", "idle_fraction"}
+SUMMARY_KEYS = {"samples_per_s", "ideal_samples_per_s", "ratio_to_ideal", "idle_fraction",
+                "reduces_to_settle"}
 
 
 def run_sim(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -93,10 +94,14 @@ def test_scripted_rising_divergence_vetoes_growth() -> None:
     """Pins guard authority in the sim: with overhead asking for growth (sync 30 ms), a scripted
     D rising above 0.05 yields suppress_growth and the anchor never grows past where it stood
     when the rise began; a flat D lets it grow."""
-    rising = [0.02, 0.03, 0.04, 0.06, 0.07, 0.08, 0.09, 0.10, 0.11, 0.12, 0.13, 0.14]
+    # rising from the first reduce: the veto lands (reduce 3) before the trust window could agree
+    rising = [0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.10, 0.11, 0.12, 0.13, 0.14, 0.15]
     elche = ElCheConfig(meta_controller=False)
-    vetoed = simulate(_sim(sync_ms=30.0, divergence=rising, windows=12), elche).windows
-    free = simulate(_sim(sync_ms=30.0, divergence=[0.01], windows=12), elche).windows
+    # no reduce timed before training: the first report's sizing comes before any guard evidence
+    vetoed = simulate(_sim(sync_ms=30.0, divergence=rising, windows=12, reduce_probe=False),
+                      elche).windows
+    free = simulate(_sim(sync_ms=30.0, divergence=[0.01], windows=12, reduce_probe=False),
+                    elche).windows
     assert "suppress_growth" in {r.verdict for r in vetoed}
     assert max(r.anchor for r in vetoed) < max(r.anchor for r in free)
     first = next(r.window for r in vetoed if r.verdict == "suppress_growth")

@@ -220,6 +220,9 @@ def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Pr
 def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     yield from _at_least("checkpoint_every", cfg.checkpoint_every, 1)
     yield from _above("snapshot_timeout_secs", cfg.snapshot_timeout_secs, 0)
+    if cfg.progressive_dispatch is False and cfg.elche.mode is Mode.cpu_async:
+        yield Problem("progressive_dispatch", False, "must be on (or null) in mode cpu_async: its "
+                      "ranks stream chunks across epochs, with no fixed share to hand out up front")
     yield from _above("max_grad_norm", cfg.max_grad_norm, 0)
     yield from _at_least("lr_scale_ratio", cfg.lr_scale_ratio, 0)
     yield from _above("heartbeat_timeout_secs", cfg.heartbeat_timeout_secs, 0)
