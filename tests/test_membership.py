@@ -9,8 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import zmq
 
+from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
+from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import read_meta
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.coordinator import Coordinator
+from flodl_run.wire import AbortGroup, Channel, Listening, new_secret
+from tests.test_averaging import _free_port, _model
 from tests.test_distributed_cli import _run, solo_eval  # noqa: F401  (fixture)
 
 TRIO = ("cluster=cpu", "cluster.num_ranks=3", "cluster.threads_per_rank=1")
@@ -102,3 +112,71 @@ def test_max_failure_stops_with_a_save(tmp_path, limit):
     assert proc.returncode == 1
     assert summary["status"] == "shutdown_with_save"
     assert read_meta(summary["checkpoint"]).save_reason == "max_failure_exceeded"
+
+
+def _listeners(coordinator, secret: bytes, world: int) -> list:
+    """One DEALER per rank standing in for its listener thread, announced with Listening."""
+    socks = []
+    for rank in range(world):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coordinator.address)
+        Channel(sock, secret).send(Listening(rank))
+        socks.append(sock)
+    for _ in range(world):
+        assert isinstance(coordinator._next(expect=Listening), Listening)
+    return socks
+
+
+@pytest.mark.parametrize("mode,notified", [("nccl_sync", True), ("cpu_sync", False)])
+def test_a_death_is_announced_to_every_survivors_listener(mode, notified):
+    """Pins the abort notice: when a death is absorbed in a collective mode, each survivor's
+    listener socket (not the dead rank's) gets AbortGroup(current generation, [dead]) at once,
+    so a survivor blocked in a collective can abort it. The coordinator backend has no group
+    to abort and sends nothing."""
+    secret = new_secret()
+    coordinator = Coordinator(ExperimentConfig(elche=ElCheConfig.preset(mode)), 3, secret)
+    socks = _listeners(coordinator, secret, 3)
+    try:
+        coordinator.report_death(1, "exited with code -9")
+        assert coordinator._absorb_deaths()
+        assert coordinator.alive == {0, 2}
+        for rank, sock in enumerate(socks):
+            got = Channel(sock, secret).recv(timeout_ms=500 if rank != 1 and notified else 100)
+            if rank != 1 and notified:
+                assert got is not None and got.message == AbortGroup(0, [1])
+            else:
+                assert got is None
+    finally:
+        for sock in socks:
+            sock.close()
+        coordinator.channel.socket.close()
+
+
+def _aborted_reduce_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = _model(seed=100 + rank)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    checks = iter([False, True] if rank == 0 else [False, False])  # rank 0: aborted meanwhile
+    try:
+        weighted_reduce_(FlatParams(model), 5, 1.0, broken=lambda: next(checks))
+        raised = "nothing"
+    except CollectiveError:
+        raised = "CollectiveError"
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    torch.save({"raised": raised, "same": same}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_reduce_whose_group_was_aborted_meanwhile_restores_the_replica(tmp_path):
+    """Pins the abort check after the collectives: NCCL collectives of an aborted group return
+    garbage instead of raising, so a rank whose group was aborted while it reduced must report
+    CollectiveError and hold its pre-reduce parameters and BatchNorm statistics again, while
+    a rank whose group was not aborted keeps the consensus."""
+    mp.start_processes(_aborted_reduce_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results[0] == {"raised": "CollectiveError", "same": True}
+    assert results[1] == {"raised": "nothing", "same": False}
