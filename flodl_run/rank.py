@@ -63,6 +63,7 @@ from flodl_run.wire import (
 )
 
 HEARTBEAT_PERIOD_S = 1.0
+LISTEN_POLL_MS = 200
 NCCL_ABORTABLE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
 """NCCL settings under which a communicator can be aborted from another thread: torch's
 watchdog leaves errors to us (it would otherwise tear the process down on a timeout), and a
@@ -125,11 +126,13 @@ class _Heartbeat(threading.Thread):
 
 class _Listener(threading.Thread):
     """Receives the coordinator's notices on its own socket, so they land while the main thread
-    is blocked inside a collective with a dead peer: AbortGroup aborts the group from here."""
+    is blocked inside a collective with a dead peer: AbortGroup aborts the group from here.
+    `on_idle` runs every LISTEN_POLL_MS when nothing arrived."""
 
-    def __init__(self, ctx: zmq.Context, env: RankEnv, on_abort: Callable[[AbortGroup], None]):
+    def __init__(self, ctx: zmq.Context, env: RankEnv, on_abort: Callable[[AbortGroup], None],
+                 on_idle: Callable[[], None]):
         super().__init__(daemon=True, name=f"listener-{env.rank}")
-        self.ctx, self.env, self.on_abort = ctx, env, on_abort
+        self.ctx, self.env, self.on_abort, self.on_idle = ctx, env, on_abort, on_idle
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -139,8 +142,10 @@ class _Listener(threading.Thread):
         channel = Channel(sock, self.env.secret)
         channel.send(Listening(self.env.rank))
         while not self.stopped.is_set():
-            received = channel.recv(timeout_ms=200)
-            if received is not None and isinstance(received.message, AbortGroup):
+            received = channel.recv(timeout_ms=LISTEN_POLL_MS)
+            if received is None:
+                self.on_idle()
+            elif isinstance(received.message, AbortGroup):
                 self.on_abort(received.message)
         sock.close()
 
@@ -178,6 +183,8 @@ class RankWorker:
         self._alone = False  # the only member left: no group, the reduce is the identity
         self._generation = 0
         self._aborted_generation = -1  # the listener aborted this generation's group
+        self._collective_began: Optional[float] = None  # the main thread is inside a reduce since
+        self._collective_limit_s = max(5.0, 2 * config.heartbeat_timeout_secs)  # the group timeout
         self._batches_total = 0
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
@@ -201,7 +208,7 @@ class RankWorker:
             self._join_group(0, list(range(self.env.world_size)))
         heartbeat = _Heartbeat(self.ctx, self.env)
         heartbeat.start()
-        listener = _Listener(self.ctx, self.env, self._abort_group)
+        listener = _Listener(self.ctx, self.env, self._abort_group, self._watch_collective)
         if collective:
             listener.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -243,7 +250,7 @@ class RankWorker:
             for name, value in NCCL_ABORTABLE.items():
                 os.environ.setdefault(name, value)
         if len(members) > 1:
-            timeout = datetime.timedelta(seconds=max(5.0, 2 * self.config.heartbeat_timeout_secs))
+            timeout = datetime.timedelta(seconds=self._collective_limit_s)
             store = dist.PrefixStore(f"flodl_run/gen{generation}/", self._store())
             dist.init_process_group(backend, store=store, rank=members.index(self.env.rank),
                                     world_size=len(members), timeout=timeout,
@@ -278,6 +285,16 @@ class RankWorker:
             except Exception as exc:  # never let the listener die: the regroup destroys it anyway
                 print(f"rank {self.env.rank}: aborting generation {notice.generation}: {exc}",
                       file=sys.stderr)
+
+    def _watch_collective(self) -> None:
+        """Listener thread, our stand-in for NCCL's watchdog (whose teardown is off): a reduce
+        stuck past the group timeout with no death announced (a hang, a desync) is aborted as if
+        a member had died. The rank reports ReduceFailed, the coordinator regroups and retries,
+        and a round that keeps failing ends in reduce_stall (save and stop)."""
+        began = self._collective_began
+        if began is not None and self._group is not None and \
+                time.monotonic() - began > self._collective_limit_s:
+            self._abort_group(AbortGroup(self._generation, []))
 
     def _group_broken(self) -> bool:
         """The listener aborted the group this reduce runs on: its results cannot be trusted."""
@@ -412,7 +429,11 @@ class RankWorker:
         if self._alone:
             weight = consensus_weight(steps, gamma)
             return ReduceOutcome(weight > 0.0, weight, weight, 0.0, None)
-        return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken)
+        self._collective_began = time.monotonic()
+        try:
+            return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken)
+        finally:
+            self._collective_began = None
 
     def _undo_reduce(self) -> None:
         """Back to the pre-reduce replica (parameters, step count, outer state)."""
