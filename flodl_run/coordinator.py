@@ -37,6 +37,7 @@ from flodl_run.wire import (
     Evaluate,
     Evaluated,
     Heartbeat,
+    Listening,
     Message,
     RankFailed,
     RankJoined,
@@ -76,6 +77,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.address = f"tcp://{bind_host}:{port}"
         self.channel = Channel(sock, secret)
         self.identities: Dict[int, bytes] = {}
+        self.listeners: Dict[int, bytes] = {}
+        """Each collective rank's listener socket (AbortGroup goes there, see Membership)."""
         self.last_seen: Dict[int, float] = {}
         self.joined: Dict[int, RankJoined] = {}
         self.num_samples = 0
@@ -336,6 +339,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity
                 self.joined[message.rank] = message
+            elif isinstance(message, Listening):
+                self.listeners[message.rank] = received.identity
             elif isinstance(message, RankFailed):
                 self.report_death(message.rank, f"failed: {message.error}")
                 self._absorb_deaths()
@@ -346,7 +351,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, ReduceFailed,
                                     CheckpointSaved, Regrouped)):
                 self._deferred.append(received)
-            elif not isinstance(message, (Heartbeat, RankJoined)):
+            elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
 
     def _check_heartbeats(self) -> None:

@@ -12,6 +12,7 @@ from typing import List, Set
 import zmq
 
 from flodl_run.wire import (
+    AbortGroup,
     Regroup,
     Regrouped,
 )
@@ -45,11 +46,13 @@ class Membership:
         """Turn reported deaths into a smaller membership: forget the rank's timing, give its
         unfinished work back, re-plan, then apply the failure policy. True when it changed."""
         changed = False
+        dead: List[int] = []
         while not self._deaths.empty():
             rank, reason = self._deaths.get()
             if rank not in self.alive:
                 continue
             self.alive.discard(rank)
+            dead.append(rank)
             self.summary.dead_ranks.append(rank)
             self.observer.on_event("rank_lost", f"rank {rank} lost: {reason}")
             log.warning("rank %d lost: %s", rank, reason)
@@ -60,8 +63,24 @@ class Membership:
                 self.plan = self.elche.forget_rank(rank)
             self._regroup_needed = self.mode.is_collective
             changed = True
+        if dead and self.mode.is_collective:
+            self._abort_groups(dead)
+        if dead:
             self._apply_failure_policy(reason)
         return changed
+
+    def _abort_groups(self, dead: List[int]) -> None:
+        """Tell every survivor's listener at once that its process group lost members: a
+        survivor blocked in a collective with the dead aborts the group and leaves it, instead
+        of waiting for a collective timeout or NCCL's watchdog. The regroup follows."""
+        notice = AbortGroup(self._generation, sorted(dead))
+        for rank in sorted(self.alive):
+            identity = self.listeners.get(rank)
+            if identity is not None:
+                try:
+                    self.channel.send(notice, identity=identity)
+                except zmq.ZMQError as exc:  # that rank is going too: its death comes next
+                    log.warning("abort notice to rank %d not sent: %s", rank, exc)
 
     def _give_back(self, rank: int) -> None:
         """Everything the rank trained since the last reduce is lost with it: redo it."""
@@ -80,8 +99,7 @@ class Membership:
         if (limit.absolute is not None and dead >= limit.absolute) or \
                 (limit.percent is not None and dead >= math.ceil(limit.percent * self.world_size)):
             raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")
-        if self.mode.is_collective and len(self.alive) == 1:
-            raise ShutdownWithSave("single_survivor", "one rank cannot form a collective")
+        # One survivor carries on alone (its reduce is the identity) and takes the pool's work.
 
     def _regroup(self) -> None:
         """Collective modes: survivors rebuild the process group (new store prefix, new ranks

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ import zmq
 
 from flodl_run import checkpoint, scalars
 from flodl_run.averaging.central import blend_
-from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
+from flodl_run.averaging.collective import CollectiveError, ReduceOutcome, consensus_weight, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
 from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab
@@ -40,11 +40,13 @@ from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
+    AbortGroup,
     Channel,
     CheckpointSaved,
     Evaluate,
     Evaluated,
     Heartbeat,
+    Listening,
     RankFailed,
     RankJoined,
     Reduced,
@@ -61,6 +63,12 @@ from flodl_run.wire import (
 )
 
 HEARTBEAT_PERIOD_S = 1.0
+LISTEN_POLL_MS = 200
+NCCL_ABORTABLE = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+"""NCCL settings under which a communicator can be aborted from another thread: torch's
+watchdog leaves errors to us (it would otherwise tear the process down on a timeout), and a
+non-blocking communicator's abort returns without waiting on a dead peer. Set before the first
+process group unless the environment already names them."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,32 @@ class _Heartbeat(threading.Thread):
         sock.close()
 
 
+class _Listener(threading.Thread):
+    """Receives the coordinator's notices on its own socket, so they land while the main thread
+    is blocked inside a collective with a dead peer: AbortGroup aborts the group from here.
+    `on_idle` runs every LISTEN_POLL_MS when nothing arrived."""
+
+    def __init__(self, ctx: zmq.Context, env: RankEnv, on_abort: Callable[[AbortGroup], None],
+                 on_idle: Callable[[], None]):
+        super().__init__(daemon=True, name=f"listener-{env.rank}")
+        self.ctx, self.env, self.on_abort, self.on_idle = ctx, env, on_abort, on_idle
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.env.coord)
+        channel = Channel(sock, self.env.secret)
+        channel.send(Listening(self.env.rank))
+        while not self.stopped.is_set():
+            received = channel.recv(timeout_ms=LISTEN_POLL_MS)
+            if received is None:
+                self.on_idle()
+            elif isinstance(received.message, AbortGroup):
+                self.on_abort(received.message)
+        sock.close()
+
+
 class RankWorker:
     """Follows orders: Train, SyncNow, Evaluate, Stop."""
 
@@ -144,6 +178,13 @@ class RankWorker:
         self._overshoot_used = 0
         self._reduces_seen = 0
         self._tcp_store: Optional[dist.Store] = None
+        self._group_lock = threading.Lock()  # the listener thread aborts what the main thread built
+        self._group: Optional[dist.ProcessGroup] = None  # the NCCL group the listener may abort
+        self._alone = False  # the only member left: no group, the reduce is the identity
+        self._generation = 0
+        self._aborted_generation = -1  # the listener aborted this generation's group
+        self._collective_began: Optional[float] = None  # the main thread is inside a reduce since
+        self._collective_limit_s = max(5.0, 2 * config.heartbeat_timeout_secs)  # the group timeout
         self._batches_total = 0
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self.waits = _Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
@@ -168,6 +209,9 @@ class RankWorker:
             self._join_group(0, list(range(self.env.world_size)))
         heartbeat = _Heartbeat(self.ctx, self.env)
         heartbeat.start()
+        listener = _Listener(self.ctx, self.env, self._abort_group, self._watch_collective)
+        if collective:
+            listener.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         reduce_ms = timed_reduce_ms(self.flat.buffers) if collective else None
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
@@ -181,10 +225,10 @@ class RankWorker:
             self._serve()
         finally:
             heartbeat.stopped.set()
+            listener.stopped.set()
             if self._slab is not None:
                 self._slab.unlink()
-            if collective:
-                dist.destroy_process_group()
+            self._leave_group()
         return 0
 
     def _store(self) -> dist.Store:
@@ -200,16 +244,64 @@ class RankWorker:
         return self._tcp_store
 
     def _join_group(self, generation: int, members: List[int]) -> None:
-        """(Re)build the process group of one membership generation (DESIGN §9). Collectives
-        time out after 2 x heartbeat_timeout_secs, so a hung peer cannot hold survivors long."""
+        """(Re)build the process group of one membership generation (DESIGN §9). A rank left
+        alone builds none: its reduce is the identity. Collectives time out after
+        2 x heartbeat_timeout_secs, a backstop only: the coordinator's AbortGroup comes first."""
+        self._leave_group()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            for name, value in NCCL_ABORTABLE.items():
+                os.environ.setdefault(name, value)
+        if len(members) > 1:
+            timeout = datetime.timedelta(seconds=self._collective_limit_s)
+            store = dist.PrefixStore(f"flodl_run/gen{generation}/", self._store())
+            dist.init_process_group(backend, store=store, rank=members.index(self.env.rank),
+                                    world_size=len(members), timeout=timeout,
+                                    device_id=self.device if backend == "nccl" else None)
+        with self._group_lock:
+            self._generation = generation
+            self._group = dist.group.WORLD if len(members) > 1 and backend == "nccl" else None
+            self._alone = len(members) == 1
+
+    def _leave_group(self) -> None:
+        """Destroy this generation's group (an aborted one included); nothing when there is none."""
+        with self._group_lock:
+            self._group = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=max(5.0, 2 * self.config.heartbeat_timeout_secs))
-        store = dist.PrefixStore(f"flodl_run/gen{generation}/", self._store())
-        dist.init_process_group(backend, store=store, rank=members.index(self.env.rank),
-                                world_size=len(members), timeout=timeout,
-                                device_id=self.device if backend == "nccl" else None)
+
+    def _abort_group(self, notice: AbortGroup) -> None:
+        """Listener thread: members of this generation died. Abort the group (NCCL: the
+        communicator, which ends kernels waiting on the dead) so the main thread leaves the
+        collective now; its reduce then reports failure and the coordinator regroups. Gloo has
+        no abort (torch's is a no-op there, and an aborted Gloo group dies badly at teardown): a
+        dead peer's closed sockets end Gloo collectives at once, and the launcher kills a rank
+        it declared dead, hung or not; the group timeout is the backstop."""
+        with self._group_lock:
+            if notice.generation != self._generation or self._aborted_generation == notice.generation:
+                return
+            self._aborted_generation = notice.generation
+            group = self._group
+        if group is not None:
+            try:
+                group.abort()
+            except Exception as exc:  # never let the listener die: the regroup destroys it anyway
+                print(f"rank {self.env.rank}: aborting generation {notice.generation}: {exc}",
+                      file=sys.stderr)
+
+    def _watch_collective(self) -> None:
+        """Listener thread, our stand-in for NCCL's watchdog (whose teardown is off): a reduce
+        stuck past the group timeout with no death announced (a hang, a desync) is aborted as if
+        a member had died. The rank reports ReduceFailed, the coordinator regroups and retries,
+        and a round that keeps failing ends in reduce_stall (save and stop)."""
+        began = self._collective_began
+        if began is not None and self._group is not None and \
+                time.monotonic() - began > self._collective_limit_s:
+            self._abort_group(AbortGroup(self._generation, []))
+
+    def _group_broken(self) -> bool:
+        """The listener aborted the group this reduce runs on: its results cannot be trusted."""
+        return self._aborted_generation == self._generation
 
     def _regroup(self, order: Regroup) -> None:
         if self.env.rank not in order.members:
@@ -332,10 +424,13 @@ class RankWorker:
             return
         if self._last_reduce is not None and self._last_reduce[0] == order.round:
             self._undo_reduce()  # a retry after a death: start again from our own replica
+        if self._group_broken():  # a member died: wait for the Regroup, touch nothing
+            self.channel.send(ReduceFailed(self.env.rank, order.round, "process group aborted"))
+            return
         outer_before = self.outer.state_dict() if self.outer.active and self.outer.prev is not None else None
         outer_before = {k: [t.clone() for t in v] for k, v in outer_before.items()} if outer_before else None
         try:
-            outcome = weighted_reduce_(self.flat, self._steps_since_reduce, self.config.elche.gamma)
+            outcome = self._weighted_reduce()
         except CollectiveError as exc:
             self.channel.send(ReduceFailed(self.env.rank, order.round, str(exc)))
             return
@@ -346,6 +441,18 @@ class RankWorker:
         self._steps_since_reduce = 0
         self.waits.sent("Reduced")
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight))
+
+    def _weighted_reduce(self) -> ReduceOutcome:
+        """The cohort's consensus; alone, the identity (this replica is the consensus)."""
+        steps, gamma = self._steps_since_reduce, self.config.elche.gamma
+        if self._alone:
+            weight = consensus_weight(steps, gamma)
+            return ReduceOutcome(weight > 0.0, weight, weight, 0.0, None)
+        self._collective_began = time.monotonic()
+        try:
+            return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken)
+        finally:
+            self._collective_began = None
 
     def _undo_reduce(self) -> None:
         """Back to the pre-reduce replica (parameters, step count, outer state)."""

@@ -134,6 +134,13 @@ class Regrouped(Message):
     generation: int
 
 
+class Listening(Message):
+    """A rank's listener socket is up: notices that must reach the rank while its main thread
+    is blocked inside a collective (AbortGroup) go to the socket this came from."""
+
+    rank: int
+
+
 class Evaluated(Message):
     rank: int
     epoch: int
@@ -199,6 +206,15 @@ class Regroup(Message):
     members: List[int]
 
 
+class AbortGroup(Message):
+    """Sent to a rank's listener socket when members of its process group died: abort the
+    group of membership `generation` now, so a survivor blocked in a collective with the dead
+    leaves it at once instead of waiting for a timeout."""
+
+    generation: int
+    dead: List[int]
+
+
 class SaveCheckpoint(Message):
     """Write `<stem>.pt` and `<stem>.optim.pt` (and `<stem>.outer.pt` in collective modes); with
     `dtypes`, the model state is the parameters in the frames (the EASGD center)."""
@@ -215,7 +231,7 @@ class Stop(Message):
 
 AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated,
                    RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Train, SyncNow, Update,
-                   Evaluate, Regroup, SaveCheckpoint, Stop]
+                   Evaluate, Regroup, SaveCheckpoint, Stop, Listening, AbortGroup]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

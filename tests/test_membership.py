@@ -3,12 +3,24 @@ declared as data (FLODL_RUN_FAULT="<rank>:<after batches>:<SIGNAL>")."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import zmq
 
+from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
+from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import read_meta
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.coordinator import Coordinator
+from flodl_run.wire import AbortGroup, Channel, Listening, new_secret
+from tests.test_averaging import _free_port, _model
 from tests.test_distributed_cli import _run, solo_eval  # noqa: F401  (fixture)
 
 TRIO = ("cluster=cpu", "cluster.num_ranks=3", "cluster.threads_per_rank=1")
@@ -38,22 +50,46 @@ def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):  # 
     assert summary["final_eval"] >= solo_eval - 0.03
 
 
-def test_lone_collective_survivor_saves_and_a_fresh_pair_resumes(tmp_path):
-    """Pins the single-survivor rule: in a 2-rank collective mode a death ends the run with
-    shutdown_with_save and a bundle; two fresh ranks resume it and complete."""
-    proc, summary = _run(tmp_path / "a", "cluster=cpu_pair", "elche=nccl_cadence", "num_epochs=3",
+def _lost_to_end_s(run_dir: Path, rank: int) -> float:
+    """Seconds from the coordinator's "rank N lost" log line to summary.json being written."""
+    log = (run_dir / "cli.log").read_text()
+    stamp = re.search(rf"\[([0-9-]+ [0-9:,]+)\]\S* - rank {rank} lost", log).group(1)
+    lost = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return (run_dir / "summary.json").stat().st_mtime - lost
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
+def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
+    """Pins 'one survivor carries on alone': SIGKILL rank 1 of a pair after its 10th batch (in
+    nccl_sync rank 0 is then inside the reduce with it; in nccl_cadence mid-window). Rank 0
+    finishes the run alone: status completed, every sample of every epoch trained (the dead
+    rank's share included), and the run ends within heartbeat timeout + 10 s of the death. The
+    timeout is large (60 s) so the bound only catches a survivor left waiting for the group
+    timeout (2 x heartbeat), never a slow machine (the rest of the run took 2.7 s here)."""
+    proc, summary = _run(tmp_path, "cluster=cpu_pair", "cluster.emulate_slowdown=null",
+                         f"elche={mode}", "num_epochs=3", "heartbeat_timeout_secs=60",
                          env=_with_fault("1:10:SIGKILL"))
-    assert proc.returncode == 1
-    assert summary["status"] == "shutdown_with_save"
-    assert summary["message"].startswith("single_survivor")
-    stem = summary["checkpoint"]
-    meta = read_meta(stem)
-    assert meta.save_reason == "single_survivor" and meta.world_size_at_save == 2
-    assert meta.coverage.uncovered  # what the survivor's weights may not hold is listed
-    resumed, after = _run(tmp_path / "b", "cluster=cpu_pair", "elche=nccl_cadence", "num_epochs=3",
-                          f"resume_from={stem}")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert after["status"] == "completed" and after["epochs"][0]["epoch"] == meta.epoch
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
+    assert [e["samples"] for e in summary["epochs"]] == [NUM_TRAIN] * 3
+    assert summary["epochs"][-1]["per_rank_batch_share"] == [1.0, 0.0]
+    assert read_meta(summary["checkpoint"]).save_reason == "checkpoint"
+    assert _lost_to_end_s(tmp_path / "run", 1) <= 60 + 10
+
+
+def test_a_stopped_rank_inside_a_collective_is_dropped_within_the_heartbeat_timeout(tmp_path):
+    """Pins the hung-peer path of a collective: rank 1 of an nccl_sync pair is SIGSTOPped after
+    its 8th batch while rank 0 waits for it in the reduce. It is declared dead after
+    heartbeat_timeout_secs=3 (3-8 s under load), the launcher kills it, and rank 0 leaves the
+    broken reduce and finishes alone (completed, every sample)."""
+    proc, summary = _run(tmp_path, "cluster=cpu_pair", "cluster.emulate_slowdown=null",
+                         "elche=nccl_sync", "num_epochs=2", "heartbeat_timeout_secs=3",
+                         env=_with_fault("1:8:SIGSTOP"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
+    assert [e["samples"] for e in summary["epochs"]] == [NUM_TRAIN] * 2
+    silent = float(re.search(r"rank 1 lost: silent for ([0-9.]+)s", proc.stdout).group(1))
+    assert 3.0 <= silent <= 8.0
 
 
 def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
@@ -76,3 +112,71 @@ def test_max_failure_stops_with_a_save(tmp_path, limit):
     assert proc.returncode == 1
     assert summary["status"] == "shutdown_with_save"
     assert read_meta(summary["checkpoint"]).save_reason == "max_failure_exceeded"
+
+
+def _listeners(coordinator, secret: bytes, world: int) -> list:
+    """One DEALER per rank standing in for its listener thread, announced with Listening."""
+    socks = []
+    for rank in range(world):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(coordinator.address)
+        Channel(sock, secret).send(Listening(rank))
+        socks.append(sock)
+    for _ in range(world):
+        assert isinstance(coordinator._next(expect=Listening), Listening)
+    return socks
+
+
+@pytest.mark.parametrize("mode,notified", [("nccl_sync", True), ("cpu_sync", False)])
+def test_a_death_is_announced_to_every_survivors_listener(mode, notified):
+    """Pins the abort notice: when a death is absorbed in a collective mode, each survivor's
+    listener socket (not the dead rank's) gets AbortGroup(current generation, [dead]) at once,
+    so a survivor blocked in a collective can abort it. The coordinator backend has no group
+    to abort and sends nothing."""
+    secret = new_secret()
+    coordinator = Coordinator(ExperimentConfig(elche=ElCheConfig.preset(mode)), 3, secret)
+    socks = _listeners(coordinator, secret, 3)
+    try:
+        coordinator.report_death(1, "exited with code -9")
+        assert coordinator._absorb_deaths()
+        assert coordinator.alive == {0, 2}
+        for rank, sock in enumerate(socks):
+            got = Channel(sock, secret).recv(timeout_ms=500 if rank != 1 and notified else 100)
+            if rank != 1 and notified:
+                assert got is not None and got.message == AbortGroup(0, [1])
+            else:
+                assert got is None
+    finally:
+        for sock in socks:
+            sock.close()
+        coordinator.channel.socket.close()
+
+
+def _aborted_reduce_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = _model(seed=100 + rank)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    checks = iter([False, True] if rank == 0 else [False, False])  # rank 0: aborted meanwhile
+    try:
+        weighted_reduce_(FlatParams(model), 5, 1.0, broken=lambda: next(checks))
+        raised = "nothing"
+    except CollectiveError:
+        raised = "CollectiveError"
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    torch.save({"raised": raised, "same": same}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_reduce_whose_group_was_aborted_meanwhile_restores_the_replica(tmp_path):
+    """Pins the abort check after the collectives: NCCL collectives of an aborted group return
+    garbage instead of raising, so a rank whose group was aborted while it reduced must report
+    CollectiveError and hold its pre-reduce parameters and BatchNorm statistics again, while
+    a rank whose group was not aborted keeps the consensus."""
+    mp.start_processes(_aborted_reduce_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results[0] == {"raised": "CollectiveError", "same": True}
+    assert results[1] == {"raised": "nothing", "same": False}

@@ -8,7 +8,7 @@ one rank; when to reduce is the coordinator's call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,17 +38,22 @@ class ReduceOutcome:
 
 
 def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
-                     group: Optional[dist.ProcessGroup] = None) -> ReduceOutcome:
-    """Replace this rank's parameters and float buffers by the cohort's consensus, in place."""
+                     group: Optional[dist.ProcessGroup] = None,
+                     broken: Callable[[], bool] = lambda: False) -> ReduceOutcome:
+    """Replace this rank's parameters and float buffers by the cohort's consensus, in place.
+    `broken()` true after the collectives completed (another thread aborted the group while
+    they waited on a dead peer): their results are garbage, so the replica is restored."""
     device = flat.buffers[0].device
     weight = consensus_weight(steps, gamma)
     moved = 1.0 if steps > 0 else 0.0
     meta = torch.tensor([weight, moved], dtype=torch.float64, device=device)
     try:
         dist.all_reduce(meta, group=group)
+        total_weight, movers = float(meta[0]), float(meta[1])  # waits for the result
+        if broken():
+            raise CollectiveError("the process group was aborted")
     except Exception as exc:  # a peer died before anything moved: the replica is untouched
         raise CollectiveError(str(exc)) from exc
-    total_weight, movers = float(meta[0]), float(meta[1])
     if total_weight <= 0.0:
         return ReduceOutcome(False, weight, 0.0, 0.0, None)
     scratch = flat.clone()
@@ -58,12 +63,15 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
             buf.mul_(weight / total_weight)
             dist.all_reduce(buf, group=group)
         _reduce_float_buffers_(flat, moved / movers, group)
+        divergence = relative_distance(scratch, flat.buffers)  # waits for the result
+        if broken():
+            raise CollectiveError("the process group was aborted")
     except Exception as exc:  # a peer died mid-reduce: leave this replica as it was
         flat.copy_(scratch)
         if stats is not None:
             flat.load_float_buffers_(stats)
         raise CollectiveError(str(exc)) from exc
-    return ReduceOutcome(True, weight, total_weight, relative_distance(scratch, flat.buffers), scratch)
+    return ReduceOutcome(True, weight, total_weight, divergence, scratch)
 
 
 def _reduce_float_buffers_(flat: FlatParams, share: float, group: Optional[dist.ProcessGroup]) -> None:
