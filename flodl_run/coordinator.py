@@ -96,6 +96,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._stop_reason = ""
         self._stop_deadline = float("inf")
         self._failure: Optional[RunAborted] = None
+        self._saving = False  # a bundle is being written: a stop deadline waits for it
         self._window = 0
         self._round = 0
         self._global_step = 0
@@ -298,7 +299,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         while True:
             if self._failure is not None:
                 raise self._failure
-            if self._stop.is_set() and time.monotonic() > self._stop_deadline:
+            if self._stop.is_set() and not self._saving and time.monotonic() > self._stop_deadline:
                 raise RunAborted("interrupted", f"{self._stop_reason or 'stopped'} (no reduce "
                                                 f"boundary within {STOP_GRACE_S:.0f}s: not saved)")
             received = self.channel.recv(timeout_ms=POLL_MS)

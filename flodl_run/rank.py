@@ -422,28 +422,38 @@ class RankWorker:
             self.flat.copy_(saved)
 
     def _save(self, order: SaveCheckpoint, payloads: List[memoryview]) -> None:
-        """Model (or the center sent along) and optimizer; the outer state in collective modes."""
+        """Model (or the center sent along) and optimizer; the outer state in collective modes.
+        `order.stem` is the new generation's: the files become the bundle only when the
+        coordinator's meta names them. Non-finite weights are refused, never written."""
         files = checkpoint.paths(order.stem)
+        written: Dict[str, str] = {}
         error = ""
+
+        def save(path: Path, state: Any) -> None:
+            written[path.name] = checkpoint.save_tensors(path, state)
+
         try:
             optim = _cpu(self.replica.optimizer.state_dict())
-            checkpoint.save_tensors(checkpoint.rank_optim_path(order.stem, self.env.rank), optim)
+            save(checkpoint.rank_optim_path(order.stem, self.env.rank), optim)
             if order.write_model:
-                with self._parameters(payloads, order.dtypes):
-                    checkpoint.save_tensors(files["model"], _cpu(self.replica.model.state_dict()))
-                checkpoint.save_tensors(files["optim"], optim)
+                with self._parameters(payloads, order.dtypes):  # on CPU the state shares storage
+                    model = _cpu(self.replica.model.state_dict())
+                    checkpoint.require_finite(model, "the model")
+                    save(files["model"], model)
+                save(files["optim"], optim)
                 if self.mode.is_collective and self.outer.active and self.outer.prev is not None:
-                    checkpoint.save_tensors(files["outer"], _cpu(self.outer.state_dict()))
+                    save(files["outer"], _cpu(self.outer.state_dict()))
         except Exception as exc:  # a full disk must not kill the rank: the coordinator decides
             error = f"{type(exc).__name__}: {exc}"
-        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error))
+        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error, written))
 
     def _resume(self, stem: str) -> None:
-        """Load a bundle's model, optimizer and (collective) outer state before training."""
-        files = checkpoint.paths(stem)
+        """Load a bundle's model, optimizer and (collective) outer state before training (the
+        launcher verified the files against the meta's checksums)."""
+        meta = checkpoint.read_meta(stem)
+        files = checkpoint.bundle_files(stem, meta)
         self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
-        own = checkpoint.rank_optim_path(stem, self.env.rank)
-        optim = own if own.is_file() else files["optim"]
+        optim = checkpoint.rank_optim_file(stem, meta, self.env.rank)
         self.replica.optimizer.load_state_dict(checkpoint.load_tensors(optim))
         if self.mode.is_collective and self.outer.active and files["outer"].is_file():
             state = checkpoint.load_tensors(files["outer"])

@@ -115,6 +115,8 @@ class CheckpointSaved(Message):
     stem: str
     error: str = ""
     """Empty when the model and optimizer files were written."""
+    files: Dict[str, str] = {}
+    """File name -> SHA-256 of each file this rank wrote (the meta records them)."""
 
 
 class ReduceFailed(Message):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_run.checkpoint import BundleError, paths, read_meta
+from flodl_run.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
 from tests.test_distributed_cli import REPO, _flodl_children, _run
 
 PAIR = ("cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1")
@@ -36,10 +36,16 @@ def test_clean_end_writes_a_complete_bundle(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stem = summary["checkpoint"]
     assert stem == str(tmp_path / "run" / "checkpoint")
-    files = paths(stem)
-    assert all(files[k].is_file() for k in ("model", "optim", "outer", "meta"))
     meta = read_meta(stem)
-    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (1, 2, 2)
+    files = bundle_files(stem, meta)
+    assert all(files[k].is_file() for k in ("model", "optim", "outer"))
+    assert files["model"].name == f"checkpoint.g{meta.generation}.pt"
+    assert set(meta.files) == {f"checkpoint.g{meta.generation}.{part}.pt"
+                               for part in ("optim", "outer", "optim.rank0", "optim.rank1")} | \
+        {files["model"].name}
+    assert sorted(p.name for p in Path(stem).parent.glob("checkpoint.*")) == \
+        sorted([*meta.files, "checkpoint.meta.json"])  # older generations removed
+    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (2, 2, 2)
     assert meta.save_reason == "checkpoint" and meta.coverage.uncovered == []
     assert meta.global_step > 0 and meta.sync_round == summary["syncs"]
     assert meta.elche_state["phase"] == summary["phase"]
@@ -56,8 +62,8 @@ def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_pa
     assert [e["epoch"] for e in resumed["epochs"]] == [1]
     straight, full = _run(tmp_path / "c", *LOCKSTEP, "num_epochs=2")
     assert straight.returncode == 0
-    a = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
-    b = torch.load(tmp_path / "c" / "run" / "checkpoint.pt", weights_only=True)
+    a = load_model(tmp_path / "b" / "run" / "checkpoint")
+    b = load_model(tmp_path / "c" / "run" / "checkpoint")
     for name in a:
         assert torch.allclose(a[name].float(), b[name].float(), atol=1e-5), name
     assert resumed["syncs"] + read_meta(stem).sync_round == full["syncs"]

@@ -141,10 +141,11 @@ def test_rule_names_dotted_key_and_value(changes, key, shown):
 
 
 def test_resume_from_existing_bundle_is_valid(tmp_path):
-    """Pins: resume_from rejecting a bundle that does exist (stem + .pt + .meta.json)."""
+    """Pins: resume_from rejecting a bundle that does exist (its stem + .meta.json, which names
+    the generation's other files), and accepting a stem without one."""
     stem = tmp_path / "ckpt"
-    for suffix in (".pt", ".meta.json"):
-        stem.with_name(stem.name + suffix).write_text("x")
+    assert not validate(make(resume_from=str(stem))).ok
+    stem.with_name(stem.name + ".meta.json").write_text("x")
     assert validate(make(resume_from=str(stem))).ok
 
 

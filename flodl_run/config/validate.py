@@ -233,10 +233,9 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
                           "is a core metric key whose reduction is fixed")
     yield from _checkpoint_at_epoch(cfg)
     if cfg.resume_from is not None:
-        missing = [s for s in (".meta.json", ".pt") if not Path(cfg.resume_from + s).is_file()]
-        if missing:
+        if not Path(cfg.resume_from + ".meta.json").is_file():  # the meta names the other files
             yield Problem("resume_from", cfg.resume_from,
-                          f"must name an existing checkpoint bundle (missing {', '.join(missing)})")
+                          "must name an existing checkpoint bundle (missing .meta.json)")
 
 
 def _max_failure(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
