@@ -66,8 +66,9 @@ class Saving:
         while self.alive:
             generation = checkpoint.next_generation(stem)
             data = checkpoint.generation_stem(stem, generation)
-            files = self._ranks_save(data, self._callback_rank())
-            if checkpoint.paths(data)["model"].name in files:
+            writer = self._callback_rank()
+            files = self._ranks_save(data, writer)
+            if writer in self.alive:
                 return generation, files
         raise RunAborted("failed", f"every rank was lost while saving {stem}")
 

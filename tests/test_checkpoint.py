@@ -94,7 +94,8 @@ def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path):
 
 def test_unusable_bundles_exit_2_naming_the_problem(tmp_path, lockstep_bundle):
     """Pins clear errors instead of a traceback or a silent fresh start: corrupt meta, wrong
-    world size, wrong seed, newer schema."""
+    world size, wrong seed, newer schema, and a mixed bundle (weights that are not the ones its
+    meta records)."""
     saved = Path(lockstep_bundle)
     (tmp_path / "copy").mkdir()
     for part in saved.parent.glob(saved.name + ".*"):  # damaged below: a copy of the shared bundle
@@ -105,6 +106,13 @@ def test_unusable_bundles_exit_2_naming_the_problem(tmp_path, lockstep_bundle):
         proc, _ = _run(tmp_path / override.replace("=", "_"), *LOCKSTEP, override, f"resume_from={stem}")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    model = bundle_files(stem, read_meta(stem))["model"]
+    pristine = model.read_bytes()
+    model.write_bytes(pristine[:-1] + bytes([pristine[-1] ^ 1]))  # one bit of another save
+    proc, _ = _run(tmp_path / "mixed", *LOCKSTEP, f"resume_from={stem}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "checksum" in out and "Traceback" not in out, out
+    model.write_bytes(pristine)
     meta_file = paths(stem)["meta"]
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps(dict(meta, schema_version=99)))
