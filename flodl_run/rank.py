@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -503,18 +504,45 @@ def _fill_ms(step_ms: List[float]) -> float:
 
 
 def main() -> int:
+    """Run one rank; an exception (the recipe's, or ours) is reported to the coordinator and
+    printed once, as the traces of the code that raised it, and the rank exits 1."""
     env = RankEnv.from_environ(dict(os.environ))
     config = experiment_from_yaml(env.run_file.read_text())
+    worker: Optional[RankWorker] = None
     try:
         worker = RankWorker(env, config)
-    except Exception as exc:
-        print(f"rank {env.rank}: failed to start: {type(exc).__name__}: {exc}", file=sys.stderr)
-        raise
-    try:
         return worker.run()
     except Exception as exc:
-        worker.channel.send(RankFailed(env.rank, f"{type(exc).__name__}: {exc}"))
-        raise
+        error = f"{type(exc).__name__}: {exc}"
+        when = "failed" if worker is not None else "failed to start"
+        print(f"rank {env.rank}: {when}: {error}\n{_their_traceback(exc)}", file=sys.stderr, end="")
+        _report_failure(env, worker, RankFailed(env.rank, error))
+        return 1
+
+
+def _their_traceback(exc: BaseException) -> str:
+    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = str(Path(__file__).resolve().parent)
+    theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
+    if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
+        theirs = frames
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
+                    *traceback.format_exception_only(type(exc), exc)])
+
+
+def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFailed) -> None:
+    """Tell the coordinator (a worker that failed to start has no channel yet: open one)."""
+    if worker is not None and hasattr(worker, "channel"):
+        worker.channel.send(failed)
+        return
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)  # delivered before the process exits
+    sock.connect(env.coord)
+    Channel(sock, env.secret).send(failed)
+    sock.close()
 
 
 if __name__ == "__main__":
