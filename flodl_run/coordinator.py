@@ -8,6 +8,7 @@ runs the eval callback. It never touches a device; ranks do the training and the
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -98,6 +99,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._failure: Optional[RunAborted] = None
         self._saving = False  # a bundle is being written: a stop deadline waits for it
         self._raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
+        self._nonfinite: Dict[int, str] = {}  # rank -> "loss" | "parameters", since the last reduce
+        self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
         self._window = 0
         self._round = 0
         self._global_step = 0
@@ -325,6 +328,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self.last_seen[rank] = time.monotonic()
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
+                if not math.isfinite(message.loss_sum):
+                    self._nonfinite.setdefault(message.rank, "loss")
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity
                 self.joined[message.rank] = message

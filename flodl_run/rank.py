@@ -28,7 +28,7 @@ import zmq
 
 from flodl_run import checkpoint, scalars
 from flodl_run.averaging.central import blend_
-from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
+from flodl_run.averaging.collective import CollectiveError, all_finite, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
 from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab
@@ -148,6 +148,7 @@ class RankWorker:
         self._batches_total = 0
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
+        self._reset_optimizer = False  # the last snapshot was non-finite (coordinator backend)
         self._staging: Optional[HostStaging] = None  # frames path (no shared memory)
         self._shm_prefix = os.environ.get(PREFIX_ENV)  # set by a launcher on this host
         self._slab: Optional[Slab] = None
@@ -327,7 +328,10 @@ class RankWorker:
             self._after_outer_step()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
-        self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight))
+        if not outcome.finite:
+            self.replica.optimizer.state.clear()  # its moments are NaN too: restart them
+        self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight,
+                                  outcome.finite))
 
     def _undo_reduce(self) -> None:
         """Back to the pre-reduce replica (parameters, step count, outer state)."""
@@ -348,17 +352,20 @@ class RankWorker:
         host) or staged on the host as frames; float buffers always as a frame."""
         buffers = as_frame(self.flat.flat_float_buffers())
         steps = self._steps_since_reduce if steps is None else steps
+        finite = bool(all_finite(self.flat))  # one device-side check, read once per reduce
+        self._reset_optimizer = not finite
         slab = self._snapshot_slab()
         if slab is not None:
             slab.write(self.flat.buffers)
             params = slab.tensors
             taken = SnapshotTaken(self.env.rank, round_, steps, dtype_names(params), slab.paths,
-                                  [p.numel() for p in params])
+                                  [p.numel() for p in params], finite)
             self.channel.send(taken, [buffers])
         else:
             self._staging = self._staging or HostStaging(self.flat.buffers)
             params = self._staging.stage(self.flat.buffers)
-            self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params)),
+            self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params),
+                                            finite=finite),
                               [as_frame(p) for p in params] + [buffers])
         self._steps_since_reduce = 0
         if self.mode is Mode.cpu_async:
@@ -386,6 +393,9 @@ class RankWorker:
                 self.flat.load_float_buffers_(from_frames(payloads[count:], ["torch.float32"])[0])
         if update.outer_stepped:
             self._after_outer_step()
+        if self._reset_optimizer:  # our snapshot was non-finite: so are the optimizer's moments
+            self.replica.optimizer.state.clear()
+            self._reset_optimizer = False
         self.replica.seek_schedule(update.global_step)
         self._awaiting_update = False
         if update.train is not None:

@@ -96,6 +96,9 @@ class Summary:
     (shared memory, ranks on the launcher's host) or `frames` (over the socket)."""
     nodes: List[Dict[str, Any]] = field(default_factory=list)
     """Per node the ranks ran on: host, cpu_count, ram_bytes, gpus (static facts)."""
+    nonfinite: List[Dict[str, Any]] = field(default_factory=list)
+    """Each time a rank's loss or parameters were NaN/inf at a reduce (it gave weight 0):
+    round, rank, what ("loss" or "parameters")."""
     checkpoint: Optional[str] = None
     mlflow_run_id: Optional[str] = None
     message: Optional[str] = None

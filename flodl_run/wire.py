@@ -93,6 +93,8 @@ class Reduced(Message):
     divergence: float
     """||theta_before - consensus|| / ||consensus|| of this rank."""
     weight: float
+    finite: bool = True
+    """False: this rank's parameters were NaN/inf; it gave weight 0 and adopted the others'."""
 
 
 class SnapshotTaken(Message):
@@ -108,6 +110,8 @@ class SnapshotTaken(Message):
     dtypes: List[str]
     shm: List[str] = []
     numels: List[int] = []
+    finite: bool = True
+    """False: the parameters hold NaN/inf (the coordinator gives them weight 0)."""
 
 
 class CheckpointSaved(Message):

@@ -82,6 +82,7 @@ RULES = [
     ("max_grad_norm", dict(max_grad_norm=0.0), "max_grad_norm", "0.0"),
     ("lr_scale_ratio", dict(lr_scale_ratio=-1.0), "lr_scale_ratio", "-1.0"),
     ("heartbeat", dict(heartbeat_timeout_secs=0.0), "heartbeat_timeout_secs", "0.0"),
+    ("max_nonfinite", dict(max_nonfinite=0), "max_nonfinite", "0"),
     ("eval_every", dict(eval_every_epochs=0), "eval_every_epochs", "0"),
     ("reports_per_epoch", dict(reports_per_epoch=0), "reports_per_epoch", "0"),
     ("max_log_size", dict(max_log_size=100), "max_log_size", "100"),

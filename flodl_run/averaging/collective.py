@@ -35,27 +35,32 @@ class ReduceOutcome:
     """This rank's ||theta_before - consensus|| / ||consensus||."""
     scratch: Optional[List[torch.Tensor]]
     """Pre-reduce parameters (for a retry after a rank death)."""
+    finite: bool = True
+    """False: this rank's parameters held NaN/inf, so it contributed weight 0 (and adopted the
+    consensus of the others, when any)."""
 
 
 def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
                      group: Optional[dist.ProcessGroup] = None) -> ReduceOutcome:
     """Replace this rank's parameters and float buffers by the cohort's consensus, in place."""
     device = flat.buffers[0].device
-    weight = consensus_weight(steps, gamma)
-    moved = 1.0 if steps > 0 else 0.0
-    meta = torch.tensor([weight, moved], dtype=torch.float64, device=device)
+    finite = all_finite(flat)  # stays on the device: read once, with the all-reduced meta
+    meta = torch.tensor([consensus_weight(steps, gamma), 1.0 if steps > 0 else 0.0],
+                        dtype=torch.float64, device=device).mul_(finite)
+    mine = meta.clone()
     try:
         dist.all_reduce(meta, group=group)
     except Exception as exc:  # a peer died before anything moved: the replica is untouched
         raise CollectiveError(str(exc)) from exc
-    total_weight, movers = float(meta[0]), float(meta[1])
+    total_weight, movers, weight, moved, ok = torch.cat([meta, mine, finite.reshape(1)]).tolist()
+    ok = bool(ok)
     if total_weight <= 0.0:
-        return ReduceOutcome(False, weight, 0.0, 0.0, None)
+        return ReduceOutcome(False, weight, 0.0, 0.0, None, ok)
     scratch = flat.clone()
     stats = flat.flat_float_buffers().clone() if flat.float_buffers else None
     try:
-        for buf in flat.buffers:
-            buf.mul_(weight / total_weight)
+        for buf in flat.buffers:  # weight 0 contributes zeros (0 x NaN would be NaN)
+            buf.zero_() if weight == 0.0 else buf.mul_(weight / total_weight)
             dist.all_reduce(buf, group=group)
         _reduce_float_buffers_(flat, moved / movers, group)
     except Exception as exc:  # a peer died mid-reduce: leave this replica as it was
@@ -63,7 +68,8 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
         if stats is not None:
             flat.load_float_buffers_(stats)
         raise CollectiveError(str(exc)) from exc
-    return ReduceOutcome(True, weight, total_weight, relative_distance(scratch, flat.buffers), scratch)
+    return ReduceOutcome(True, weight, total_weight, relative_distance(scratch, flat.buffers), scratch,
+                         ok)
 
 
 def _reduce_float_buffers_(flat: FlatParams, share: float, group: Optional[dist.ProcessGroup]) -> None:
@@ -71,6 +77,14 @@ def _reduce_float_buffers_(flat: FlatParams, share: float, group: Optional[dist.
     if not flat.float_buffers:
         return
     device = flat.buffers[0].device
-    stats = flat.flat_float_buffers().to(device).mul_(share)
+    stats = flat.flat_float_buffers().to(device)
+    stats.zero_() if share == 0.0 else stats.mul_(share)
     dist.all_reduce(stats, group=group)
     flat.load_float_buffers_(stats)
+
+
+def all_finite(flat: FlatParams) -> torch.Tensor:
+    """One device-side check that no parameter or float buffer holds NaN/inf (a 0-dim bool
+    tensor: reading it is the caller's one host sync)."""
+    tensors = list(flat.buffers) + [b for b in flat.float_buffers if b.numel()]
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
