@@ -117,8 +117,17 @@ def _clean(value: Any) -> Any:
 
 
 def write_summary(path: str | Path, summary: Summary) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a file."""
+    """Write atomically and durably (temp file, fsync, rename, directory fsync) so a reader
+    never sees half a file, even after a crash."""
     path = Path(path)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_clean(dataclasses.asdict(summary)), indent=2) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(_clean(dataclasses.asdict(summary)), indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -52,6 +52,24 @@ def test_a_non_finite_rank_gives_weight_0_to_the_collective_and_adopts_the_conse
             assert torch.equal(result["state"][name], own[name]), name
 
 
+def test_the_finiteness_check_sees_every_chunk_and_float_buffer(monkeypatch):
+    """Rule: the one device-side check covers every element, past any chunk boundary, and the
+    float buffers (BatchNorm statistics) too."""
+    from flodl_run.averaging import collective
+
+    monkeypatch.setattr(collective, "_FINITE_CHUNK", 7)
+    model = _model(seed=1)
+    flat = FlatParams(model)
+    assert bool(collective.all_finite(flat))
+    with torch.no_grad():
+        flat.buffers[0][-1] = float("inf")
+    assert not bool(collective.all_finite(flat))
+    with torch.no_grad():
+        flat.buffers[0][-1] = 0.0
+        model[1].running_var[-1] = float("nan")
+    assert not bool(collective.all_finite(flat))
+
+
 def _snap(rank: int, steps: int, value: float, finite: bool = True) -> Snapshot:
     return Snapshot(rank, steps, [torch.full((4,), value)], torch.full((2,), value), finite)
 

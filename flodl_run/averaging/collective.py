@@ -83,8 +83,12 @@ def _reduce_float_buffers_(flat: FlatParams, share: float, group: Optional[dist.
     flat.load_float_buffers_(stats)
 
 
+_FINITE_CHUNK = 1 << 24  # the check's scratch stays at 16 MB however large the model
+
+
 def all_finite(flat: FlatParams) -> torch.Tensor:
     """One device-side check that no parameter or float buffer holds NaN/inf (a 0-dim bool
     tensor: reading it is the caller's one host sync)."""
     tensors = list(flat.buffers) + [b for b in flat.float_buffers if b.numel()]
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    return torch.stack([torch.isfinite(c).all() for t in tensors
+                        for c in t.reshape(-1).split(_FINITE_CHUNK)]).all()
