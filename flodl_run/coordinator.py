@@ -101,6 +101,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
         self._nonfinite: Dict[int, str] = {}  # rank -> "loss" | "parameters", since the last reduce
         self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
+        self._reset_next: Set[int] = set()  # non-finite ranks the next update replaces
+        self._resetting: Set[int] = set()  # ... until their next snapshot (NaN windows in flight)
         self._window = 0
         self._round = 0
         self._global_step = 0
@@ -328,7 +330,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self.last_seen[rank] = time.monotonic()
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
-                if not math.isfinite(message.loss_sum):
+                if not math.isfinite(message.loss_sum) and message.rank not in self._resetting:
                     self._nonfinite.setdefault(message.rank, "loss")
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity

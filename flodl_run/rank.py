@@ -148,7 +148,6 @@ class RankWorker:
         self._batches_total = 0
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
-        self._reset_optimizer = False  # the last snapshot was non-finite (coordinator backend)
         self._staging: Optional[HostStaging] = None  # frames path (no shared memory)
         self._shm_prefix = os.environ.get(PREFIX_ENV)  # set by a launcher on this host
         self._slab: Optional[Slab] = None
@@ -353,7 +352,6 @@ class RankWorker:
         buffers = as_frame(self.flat.flat_float_buffers())
         steps = self._steps_since_reduce if steps is None else steps
         finite = bool(all_finite(self.flat))  # one device-side check, read once per reduce
-        self._reset_optimizer = not finite
         slab = self._snapshot_slab()
         if slab is not None:
             slab.write(self.flat.buffers)
@@ -393,9 +391,8 @@ class RankWorker:
                 self.flat.load_float_buffers_(from_frames(payloads[count:], ["torch.float32"])[0])
         if update.outer_stepped:
             self._after_outer_step()
-        if self._reset_optimizer:  # our snapshot was non-finite: so are the optimizer's moments
+        if update.reset:  # we were non-finite: so are the optimizer's moments
             self.replica.optimizer.state.clear()
-            self._reset_optimizer = False
         self.replica.seek_schedule(update.global_step)
         self._awaiting_update = False
         if update.train is not None:

@@ -176,6 +176,7 @@ class Reduces:
             count = len(taken.dtypes)
             params = from_frames(self._payloads[:count], taken.dtypes)
         buffers = from_frames(self._payloads[count:], ["torch.float32"])[0]
+        self._resetting.discard(taken.rank)  # it applied its reset update before this snapshot
         if not taken.finite:
             self._nonfinite.setdefault(taken.rank, "parameters")
         return Snapshot(taken.rank, taken.steps, params, buffers, taken.rank not in self._nonfinite)
@@ -199,12 +200,13 @@ class Reduces:
             if self._shm_ranks & self.alive:
                 slab = self._slab_for_updates(result.params)
         shared = {} if slab is None else {"shm": slab.paths, "numels": [t.numel() for t in slab.tensors]}
-        reset = set(result.nonfinite) if result is not None else set()
+        reset = self._reset_next & self.alive if result is not None else set()
+        self._resetting |= reset
         for rank in sorted(self.alive):
             via_shm = bool(shared) and rank in self._shm_ranks
             mix = 1.0 if rank in reset else blend  # a NaN replica is replaced, never blended
             self._send(rank, Update(self._round, self._global_step, mix, buffers, dtypes, stepped,
-                                    trains.get(rank), **(shared if via_shm else {})),
+                                    trains.get(rank), reset=rank in reset, **(shared if via_shm else {})),
                        extra if via_shm else params + extra)
 
     def _slab_for_updates(self, params: List) -> Optional[Slab]:
@@ -231,10 +233,11 @@ class Reduces:
 
     def tally_nonfinite(self) -> bool:
         """Log the ranks found non-finite since the last reduce (`rank_nonfinite`; they gave
-        weight 0) and count reduces in a row that had one: True when that reaches
+        weight 0, and the coordinator backend's next update replaces their replica and resets
+        their optimizer) and count reduces in a row that had one: True when that reaches
         max_nonfinite and the run must stop."""
         found = {r: what for r, what in self._nonfinite.items() if r in self.alive}
-        self._nonfinite = {}
+        self._nonfinite, self._reset_next = {}, set(found)
         if not found:
             self._nonfinite_streak = 0
             return False

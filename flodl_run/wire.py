@@ -186,6 +186,8 @@ class Update(Message):
     train: Optional[Train] = None
     shm: List[str] = []
     numels: List[int] = []
+    reset: bool = False
+    """This rank was non-finite: `blend` is 1.0 and its optimizer state restarts (NaN too)."""
 
 
 class Evaluate(Message):

@@ -92,10 +92,14 @@ class CentralAverager:
 
 
 def blend_(local: Sequence[torch.Tensor], remote: Sequence[torch.Tensor], alpha: float) -> None:
-    """Rank side: local <- (1 - alpha) * local + alpha * remote (alpha 1.0 = overwrite)."""
+    """Rank side: local <- (1 - alpha) * local + alpha * remote (alpha 1.0 = overwrite: a copy,
+    since lerp keeps a NaN of `local` even at weight 1)."""
     with torch.no_grad():
         for mine, theirs in zip(local, remote):
-            mine.lerp_(theirs.to(mine.device, non_blocking=True), alpha)
+            if alpha == 1.0:
+                mine.copy_(theirs, non_blocking=True)
+            else:
+                mine.lerp_(theirs.to(mine.device, non_blocking=True), alpha)
 
 
 def _mean_buffers(snapshots: Sequence[Snapshot]) -> Optional[torch.Tensor]:
