@@ -178,7 +178,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
             message = self._next(expect=(RankJoined, SnapshotTaken))
             if message is None:
-                raise RunAborted("failed", f"a rank died before all {self.world_size} joined")
+                raise RunAborted("failed", self._failed_ranks(f"a rank died before all {self.world_size} "
+                                                              f"joined"))
             if isinstance(message, SnapshotTaken):  # cpu_async: rank 0's initial weights
                 self.averager.seed_center(self._snapshot(message).params)
                 seeded = True
