@@ -53,21 +53,21 @@ def test_a_non_finite_rank_gives_weight_0_to_the_collective_and_adopts_the_conse
             assert torch.equal(result["state"][name], own[name]), name
 
 
-def test_the_finiteness_check_sees_every_chunk_and_float_buffer(monkeypatch):
-    """Rule: the one device-side check covers every element, past any chunk boundary, and the
-    float buffers (BatchNorm statistics) too."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finiteness_check_sees_every_element_and_float_buffer(bad):
+    """Rule: the one device-side check catches NaN, inf and -inf anywhere in the parameters
+    (here the last element) and in the float buffers (BatchNorm statistics)."""
     from flodl_run.averaging import collective
 
-    monkeypatch.setattr(collective, "_FINITE_CHUNK", 7)
     model = _model(seed=1)
     flat = FlatParams(model)
     assert bool(collective.all_finite(flat))
     with torch.no_grad():
-        flat.buffers[0][-1] = float("inf")
+        flat.buffers[0][-1] = bad
     assert not bool(collective.all_finite(flat))
     with torch.no_grad():
         flat.buffers[0][-1] = 0.0
-        model[1].running_var[-1] = float("nan")
+        model[1].running_var[-1] = bad
     assert not bool(collective.all_finite(flat))
 
 
