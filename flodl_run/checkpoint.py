@@ -158,7 +158,8 @@ def save_tensors(path: Path, state: Any) -> str:
 def require_finite(state: Any, what: str) -> None:
     """Refuse to save non-finite weights: a bundle never holds NaN or inf (ValueError)."""
     if isinstance(state, torch.Tensor):
-        if state.is_floating_point() and not bool(torch.isfinite(state).all()):
+        if state.is_floating_point() and state.numel() and \
+                not bool(torch.isfinite(torch.stack(torch.aminmax(state.reshape(-1)))).all()):
             raise ValueError(f"{what} holds non-finite values (NaN or inf); not saved")
     elif isinstance(state, dict):
         for key, value in state.items():
