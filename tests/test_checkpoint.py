@@ -145,3 +145,24 @@ def test_sigint_saves_a_graceful_bundle(tmp_path):
     meta = read_meta(str(run_dir / "checkpoint"))
     assert meta.save_reason == "graceful_shutdown" and meta.epoch >= 2
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_a_bundle_of_the_unsuffixed_layout_still_resumes(tmp_path, lockstep_bundle):
+    """Pins the schema 1 decision end to end: a bundle written before generations (checkpoint.pt,
+    checkpoint.optim.rank<k>.pt ..., meta without generation or checksums) resumes, and the
+    new run's own bundle uses the generation layout."""
+    saved = Path(lockstep_bundle)
+    meta = read_meta(lockstep_bundle)
+    old = tmp_path / "old"
+    old.mkdir()
+    prefix = f"{saved.name}.g{meta.generation}."
+    for name in meta.files:
+        shutil.copy(saved.parent / name, old / name.replace(prefix, f"{saved.name}."))
+    raw = json.loads(paths(lockstep_bundle)["meta"].read_text())
+    del raw["generation"], raw["files"]
+    paths(old / saved.name)["meta"].write_text(json.dumps(dict(raw, schema_version=1)))
+    assert paths(old / saved.name)["model"].is_file()
+    proc, summary = _run(tmp_path / "b", *LOCKSTEP, "num_epochs=2", f"resume_from={old / saved.name}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [e["epoch"] for e in summary["epochs"]] == [1]
+    assert read_meta(summary["checkpoint"]).generation >= 1
