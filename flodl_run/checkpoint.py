@@ -1,23 +1,31 @@
-"""Checkpoint bundles (DESIGN §10): `S.pt`, `S.optim.pt`, `S.outer.pt`, `S.meta.json`.
+"""Checkpoint bundles (DESIGN §10): one generation of files plus the meta that makes it current.
 
-Owns the bundle layout, atomic writes (temp file + rename), the meta schema, and the checks a
-resume makes before anything trains (schema version, world size, seed, readable files).
-Who decides when to save, and which rank writes the tensors, is the coordinator's business.
+A save writes `S.g<n>.pt`, `S.g<n>.optim.pt`, `S.g<n>.optim.rank<k>.pt`, `S.g<n>.outer.pt`
+(each to a temp file, fsynced, renamed, directory fsynced), then `S.meta.json` last: it names
+generation n and the SHA-256 of every file, and its atomic rename is the one step that makes
+the new generation current. Only then are older generations removed, so an interrupted save
+leaves the previous bundle whole. Bundles of schema 1 (unsuffixed files, no checksums) still
+load, unverified. Owns the layout, the writes, the meta schema and the checks a resume makes
+before anything trains; who saves when, and which rank writes what, is the coordinator's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SAVE_REASONS = ("checkpoint", "graceful_shutdown", "max_failure_exceeded", "single_survivor",
-                "all_ranks_lost", "reduce_stall")
+                "all_ranks_lost", "reduce_stall", "nonfinite")
+_HASH_CHUNK = 1 << 20
+_WHAT_TO_DO = "resume from an intact copy of the bundle, or drop resume_from to start afresh"
 
 
 class BundleError(Exception):
@@ -49,9 +57,16 @@ class BundleMeta:
     coverage: Coverage
     config: Dict[str, Any]
     mlflow_run_id: Optional[str] = None
+    generation: int = 0
+    """Which files are this bundle's: `S.g<generation>.*` (0: schema 1, unsuffixed `S.*`)."""
+    files: Dict[str, str] = field(default_factory=dict)
+    """File name (in the stem's directory) -> SHA-256 of its bytes, for every file of the
+    generation (empty for schema 1 bundles: nothing to verify)."""
 
 
 def paths(stem: str | Path) -> Dict[str, Path]:
+    """The files named after `stem`. The meta lives at the bundle's stem; the tensors under its
+    generation's stem (`generation_stem`)."""
     stem = str(stem)
     return {"model": Path(stem + ".pt"), "optim": Path(stem + ".optim.pt"),
             "outer": Path(stem + ".outer.pt"), "meta": Path(stem + ".meta.json")}
@@ -63,25 +78,114 @@ def rank_optim_path(stem: str | Path, rank: int) -> Path:
     return Path(f"{stem}.optim.rank{rank}.pt")
 
 
-def _atomic(path: Path, write) -> None:
+def generation_stem(stem: str | Path, generation: int) -> str:
+    """Where generation n's tensors live: `S.g<n>` (generation 0: `S` itself, schema 1)."""
+    return f"{stem}.g{generation}" if generation else str(stem)
+
+
+def bundle_files(stem: str | Path, meta: "BundleMeta") -> Dict[str, Path]:
+    """The current generation's model, optim and outer files (the meta read from `stem`)."""
+    files = paths(generation_stem(stem, meta.generation))
+    del files["meta"]
+    return files
+
+
+def rank_optim_file(stem: str | Path, meta: "BundleMeta", rank: int) -> Path:
+    """The optimizer state rank `rank` resumes from: its own when saved, else the callback
+    rank's."""
+    own = rank_optim_path(generation_stem(stem, meta.generation), rank)
+    return own if own.is_file() else bundle_files(stem, meta)["optim"]
+
+
+def load_model(stem: str | Path) -> Dict[str, torch.Tensor]:
+    """The consensus model's state dict of the bundle at `stem` (whichever generation is current)."""
+    return load_tensors(bundle_files(stem, read_meta(stem))["model"])
+
+
+def _generations(stem: str | Path) -> Dict[int, List[Path]]:
+    """Generation -> the files of that generation found beside `stem` (temp files included)."""
+    stem = Path(stem)
+    pattern = re.compile(r"\.?" + re.escape(stem.name) + r"\.g(\d+)\.")
+    found: Dict[int, List[Path]] = {}
+    if stem.parent.is_dir():
+        for entry in stem.parent.iterdir():
+            match = pattern.match(entry.name)
+            if match:
+                found.setdefault(int(match.group(1)), []).append(entry)
+    return found
+
+
+def next_generation(stem: str | Path) -> int:
+    """A generation no file beside `stem` uses yet (never the current one, nor a half-written
+    one left by an interrupted save)."""
+    return max(_generations(stem), default=0) + 1
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (POSIX: the entry lives in the directory)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: Path, write: Callable[[Path], None]) -> str:
+    """Write through a temp file: fsync it, rename it over `path`, fsync the directory. Returns
+    the SHA-256 of what was written (read back from the page cache while syncing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        digest = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+                digest.update(chunk)
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+    return digest.hexdigest()
 
 
-def save_tensors(path: Path, state: Any) -> None:
-    """torch.save, atomically."""
-    _atomic(path, lambda tmp: torch.save(state, tmp))
+def save_tensors(path: Path, state: Any) -> str:
+    """torch.save, atomically and durably; returns the file's SHA-256."""
+    return _atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def require_finite(state: Any, what: str) -> None:
+    """Refuse to save non-finite weights: a bundle never holds NaN or inf (ValueError)."""
+    if isinstance(state, torch.Tensor):
+        if state.is_floating_point() and state.numel() and \
+                not bool(torch.isfinite(torch.stack(torch.aminmax(state.reshape(-1)))).all()):
+            raise ValueError(f"{what} holds non-finite values (NaN or inf); not saved")
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            require_finite(value, f"{what}[{key}]")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            require_finite(value, f"{what}[{i}]")
 
 
 def save_meta(stem: str | Path, meta: BundleMeta) -> None:
+    """The commit point of a save: after this rename, `meta.generation` is the bundle."""
     text = json.dumps(asdict(meta), indent=2, default=str) + "\n"
     _atomic(paths(stem)["meta"], lambda tmp: tmp.write_text(text))
+
+
+def prune(stem: str | Path, keep: int) -> None:
+    """Remove every generation but `keep` (older ones, and half-written ones of interrupted
+    saves), and schema 1 files, once the meta names `keep`."""
+    legacy = [p for k, p in paths(stem).items() if k != "meta"]
+    legacy += Path(stem).parent.glob(Path(stem).name + ".optim.rank*.pt")
+    doomed = legacy + [f for g, files in _generations(stem).items() if g != keep for f in files]
+    for path in doomed:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def load_tensors(path: Path) -> Any:
@@ -102,7 +206,7 @@ def read_meta(stem: str | Path) -> BundleMeta:
         raise BundleError(f"{path}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BundleError(f"{path}: corrupt ({exc})") from None
-    version = raw.get("schema_version")
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise BundleError(f"{path}: schema_version {version!r} is newer than this flodl_run "
                           f"reads ({SCHEMA_VERSION})")
@@ -113,6 +217,33 @@ def read_meta(stem: str | Path) -> BundleMeta:
         raise BundleError(f"{path}: corrupt ({exc})") from None
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(stem: str | Path, meta: BundleMeta) -> List[str]:
+    """Every file the meta names exists with the recorded checksum, and model and optimizer
+    are among them: a mixed or damaged bundle is refused, never half-loaded."""
+    if meta.generation == 0:  # schema 1: nothing recorded to check against
+        return []
+    directory = Path(stem).parent
+    files = bundle_files(stem, meta)
+    problems = [f"{files[k]} is not part of the bundle its meta names"
+                for k in ("model", "optim") if files[k].name not in meta.files]
+    for name, expected in sorted(meta.files.items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing ({_WHAT_TO_DO})")
+        elif sha256_of(path) != expected:
+            problems.append(f"{path} does not match the checksum its meta records: a damaged or "
+                            f"mixed bundle ({_WHAT_TO_DO})")
+    return problems
+
+
 def check_resume(meta: BundleMeta, world_size: Optional[int], seed: int, stem: str) -> List[str]:
     """Reasons this run cannot continue the bundle (empty when it can)."""
     problems = []
@@ -121,7 +252,10 @@ def check_resume(meta: BundleMeta, world_size: Optional[int], seed: int, stem: s
                         f"{world_size}")
     if seed != meta.coverage.seed:
         problems.append(f"the bundle was trained with seed {meta.coverage.seed}, this run has {seed}")
-    for name in ("model", "optim"):
-        if not paths(stem)[name].is_file():
-            problems.append(f"{paths(stem)[name]} is missing")
+    if meta.generation == 0:
+        files = bundle_files(stem, meta)
+        problems += [f"{files[name]} is missing" for name in ("model", "optim")
+                     if not files[name].is_file()]
+    else:
+        problems += verify(stem, meta)
     return problems

@@ -8,6 +8,7 @@ runs the eval callback. It never touches a device; ranks do the training and the
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -99,6 +100,12 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._stop_reason = ""
         self._stop_deadline = float("inf")
         self._failure: Optional[RunAborted] = None
+        self._saving = False  # a bundle is being written: a stop deadline waits for it
+        self._raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
+        self._nonfinite: Dict[int, str] = {}  # rank -> "loss" | "parameters", since the last reduce
+        self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
+        self._reset_next: Set[int] = set()  # non-finite ranks the next update replaces
+        self._resetting: Set[int] = set()  # ... until their next snapshot (NaN windows in flight)
         self._window = 0
         self._round = 0
         self._global_step = 0
@@ -155,7 +162,13 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self._train_all_epochs()
             self.summary.status = "completed"
         except ShutdownWithSave as exc:
-            self._shutdown_with_save(exc.reason, exc.detail)
+            if self.elche is None:  # lost before training began: nothing to save
+                self.summary.status, self.summary.message = "failed", self._failed_ranks(exc.detail)
+            else:
+                self._shutdown_with_save(exc.reason, exc.detail)
+                if self._raised:  # the cohort shrank because ranks raised: a failure
+                    self.summary.status = "failed"
+                    self.summary.message = f"{self._failed_ranks('')}; {self.summary.message}"
         except RunAborted as exc:
             self.summary.status, self.summary.message = exc.status, exc.reason
         except Exception as exc:  # a bug of ours: fail the run loudly, never report success
@@ -174,7 +187,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
             message = self._next(expect=(RankJoined, SnapshotTaken))
             if message is None:
-                raise RunAborted("failed", f"a rank died before all {self.world_size} joined")
+                raise RunAborted("failed", self._failed_ranks(f"a rank died before all {self.world_size} "
+                                                              f"joined"))
             if isinstance(message, SnapshotTaken):  # cpu_async: rank 0's initial weights
                 self.averager.seed_center(self._snapshot(message).params)
                 seeded = True
@@ -272,7 +286,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         policy = self.config.epoch_callback_policy
         if policy.startswith("rank:") and int(policy.split(":", 1)[1]) in self.alive:
             return int(policy.split(":", 1)[1])
-        known = [(ms, rank) for rank, ms in enumerate(self.elche.smoothed_ms())
+        known = [(ms, rank) for rank, ms in enumerate(self.elche.smoothed_ms() if self.elche else [])
                  if ms is not None and rank in self.alive]
         return min(known)[1] if known else min(self.alive)
 
@@ -317,7 +331,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         while True:
             if self._failure is not None:
                 raise self._failure
-            if self._stop.is_set() and time.monotonic() > self._stop_deadline:
+            if self._stop.is_set() and not self._saving and time.monotonic() > self._stop_deadline:
                 raise RunAborted("interrupted", f"{self._stop_reason or 'stopped'} (no reduce "
                                                 f"boundary within {STOP_GRACE_S:.0f}s: not saved)")
             received = self.channel.recv(timeout_ms=POLL_MS)
@@ -331,17 +345,22 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             message = received.message
             rank = getattr(message, "rank", None)
             if rank is not None and rank not in self.alive:
+                if isinstance(message, RankFailed):  # why it died (its exit may be seen first)
+                    self._raised.setdefault(rank, message.error)
                 continue  # a rank declared dead does not speak for the run any more
             if rank is not None:
                 self.last_seen[rank] = time.monotonic()
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
+                if not math.isfinite(message.loss_sum) and message.rank not in self._resetting:
+                    self._nonfinite.setdefault(message.rank, "loss")
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity
                 self.joined[message.rank] = message
             elif isinstance(message, Listening):
                 self.listeners[message.rank] = received.identity
             elif isinstance(message, RankFailed):
+                self._raised.setdefault(message.rank, message.error)
                 self.report_death(message.rank, f"failed: {message.error}")
                 self._absorb_deaths()
                 return None
@@ -353,6 +372,22 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._deferred.append(received)
             elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
+
+    def _failed_ranks(self, fallback: str) -> str:
+        """`rank k failed: <its exception>` for the ranks that raised (their RankFailed may
+        trail their exit: wait for it briefly), else `fallback`."""
+        deadline = time.monotonic() + 1.0
+        while len(self._raised) < self.world_size - len(self.alive) and time.monotonic() < deadline:
+            received = self.channel.recv(timeout_ms=100)
+            if received is not None and isinstance(received.message, RankFailed):
+                self._raised.setdefault(received.message.rank, received.message.error)
+        if not self._raised:
+            return fallback
+        first = min(self._raised)
+        others = sorted(r for r, e in self._raised.items() if r != first and e == self._raised[first])
+        also = f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" \
+            if others else ""
+        return f"rank {first} failed: {self._raised[first]}{also}"
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()

@@ -8,6 +8,8 @@ tracker's lifetime and the run dir's summary.json. Training itself lives in `sol
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
@@ -127,10 +129,22 @@ def _train_in_process(config: ExperimentConfig, observer: Observers) -> Summary:
 
     recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
     trainer = SoloTrainer(config, recipe, observer)
+    terms: List[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:  # stop like Ctrl-C, named as itself
+        terms.append(signum)
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     try:
         trainer.run()
     except KeyboardInterrupt:
-        pass  # the trainer marked its summary interrupted; the caller writes it
+        if terms:  # the trainer marked its summary interrupted; the caller writes it
+            trainer.summary.message = "stopped by SIGTERM"
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return trainer.summary
 
 

@@ -184,8 +184,11 @@ class AsyncLoop:
         self.c._global_step += sum(s.steps for s in snapshots)
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
         self.c._after_reduce(self.window, epoch, sync_ms, result.divergence if result else 0.0)
+        stop = self.c.tally_nonfinite()
         self.c._send_updates(result, {})
         self.c._late = set()
+        if stop:
+            self.c.fail_nonfinite(self.closed, self._uncovered(self.closed))
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
         if self.c._stop.is_set():

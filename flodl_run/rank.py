@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,13 @@ import zmq
 
 from flodl_run import checkpoint, scalars
 from flodl_run.averaging.central import blend_
-from flodl_run.averaging.collective import CollectiveError, ReduceOutcome, consensus_weight, weighted_reduce_
+from flodl_run.averaging.collective import (
+    CollectiveError,
+    ReduceOutcome,
+    all_finite,
+    consensus_weight,
+    weighted_reduce_,
+)
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
 from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab
@@ -439,15 +446,19 @@ class RankWorker:
             self._after_outer_step()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
+        if not outcome.finite:
+            self.replica.optimizer.state.clear()  # its moments are NaN too: restart them
         self.waits.sent("Reduced")
-        self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight))
+        self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight,
+                                  outcome.finite))
 
     def _weighted_reduce(self) -> ReduceOutcome:
         """The cohort's consensus; alone, the identity (this replica is the consensus)."""
         steps, gamma = self._steps_since_reduce, self.config.elche.gamma
-        if self._alone:
-            weight = consensus_weight(steps, gamma)
-            return ReduceOutcome(weight > 0.0, weight, weight, 0.0, None)
+        if self._alone:  # a non-finite lone replica has nobody to adopt: the coordinator decides
+            finite = bool(all_finite(self.flat))
+            weight = consensus_weight(steps, gamma) if finite else 0.0
+            return ReduceOutcome(weight > 0.0, weight, weight, 0.0, None, finite)
         self._collective_began = time.monotonic()
         try:
             return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken)
@@ -473,17 +484,19 @@ class RankWorker:
         host) or staged on the host as frames; float buffers always as a frame."""
         buffers = as_frame(self.flat.flat_float_buffers())
         steps = self._steps_since_reduce if steps is None else steps
+        finite = bool(all_finite(self.flat))  # one device-side check, read once per reduce
         slab = self._snapshot_slab()
         if slab is not None:
             slab.write(self.flat.buffers)
             params = slab.tensors
             taken = SnapshotTaken(self.env.rank, round_, steps, dtype_names(params), slab.paths,
-                                  [p.numel() for p in params])
+                                  [p.numel() for p in params], finite)
             self.channel.send(taken, [buffers])
         else:
             self._staging = self._staging or HostStaging(self.flat.buffers)
             params = self._staging.stage(self.flat.buffers)
-            self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params)),
+            self.channel.send(SnapshotTaken(self.env.rank, round_, steps, dtype_names(params),
+                                            finite=finite),
                               [as_frame(p) for p in params] + [buffers])
         self._steps_since_reduce = 0
         if self.mode is Mode.cpu_async:
@@ -511,6 +524,8 @@ class RankWorker:
                 self.flat.load_float_buffers_(from_frames(payloads[count:], ["torch.float32"])[0])
         if update.outer_stepped:
             self._after_outer_step()
+        if update.reset:  # we were non-finite: so are the optimizer's moments
+            self.replica.optimizer.state.clear()
         self.replica.seek_schedule(update.global_step)
         self._awaiting_update = False
         if update.train is not None:
@@ -548,28 +563,38 @@ class RankWorker:
             self.flat.copy_(saved)
 
     def _save(self, order: SaveCheckpoint, payloads: List[memoryview]) -> None:
-        """Model (or the center sent along) and optimizer; the outer state in collective modes."""
+        """Model (or the center sent along) and optimizer; the outer state in collective modes.
+        `order.stem` is the new generation's: the files become the bundle only when the
+        coordinator's meta names them. Non-finite weights are refused, never written."""
         files = checkpoint.paths(order.stem)
+        written: Dict[str, str] = {}
         error = ""
+
+        def save(path: Path, state: Any) -> None:
+            written[path.name] = checkpoint.save_tensors(path, state)
+
         try:
             optim = _cpu(self.replica.optimizer.state_dict())
-            checkpoint.save_tensors(checkpoint.rank_optim_path(order.stem, self.env.rank), optim)
+            save(checkpoint.rank_optim_path(order.stem, self.env.rank), optim)
             if order.write_model:
-                with self._parameters(payloads, order.dtypes):
-                    checkpoint.save_tensors(files["model"], _cpu(self.replica.model.state_dict()))
-                checkpoint.save_tensors(files["optim"], optim)
+                with self._parameters(payloads, order.dtypes):  # on CPU the state shares storage
+                    model = _cpu(self.replica.model.state_dict())
+                    checkpoint.require_finite(model, "the model")
+                    save(files["model"], model)
+                save(files["optim"], optim)
                 if self.mode.is_collective and self.outer.active and self.outer.prev is not None:
-                    checkpoint.save_tensors(files["outer"], _cpu(self.outer.state_dict()))
+                    save(files["outer"], _cpu(self.outer.state_dict()))
         except Exception as exc:  # a full disk must not kill the rank: the coordinator decides
             error = f"{type(exc).__name__}: {exc}"
-        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error))
+        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error, written))
 
     def _resume(self, stem: str) -> None:
-        """Load a bundle's model, optimizer and (collective) outer state before training."""
-        files = checkpoint.paths(stem)
+        """Load a bundle's model, optimizer and (collective) outer state before training (the
+        launcher verified the files against the meta's checksums)."""
+        meta = checkpoint.read_meta(stem)
+        files = checkpoint.bundle_files(stem, meta)
         self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
-        own = checkpoint.rank_optim_path(stem, self.env.rank)
-        optim = own if own.is_file() else files["optim"]
+        optim = checkpoint.rank_optim_file(stem, meta, self.env.rank)
         self.replica.optimizer.load_state_dict(checkpoint.load_tensors(optim))
         if self.mode.is_collective and self.outer.active and files["outer"].is_file():
             state = checkpoint.load_tensors(files["outer"])
@@ -681,18 +706,45 @@ def _fill_ms(step_ms: List[float]) -> float:
 
 
 def main() -> int:
+    """Run one rank; an exception (the recipe's, or ours) is reported to the coordinator and
+    printed once, as the traces of the code that raised it, and the rank exits 1."""
     env = RankEnv.from_environ(dict(os.environ))
     config = experiment_from_yaml(env.run_file.read_text())
+    worker: Optional[RankWorker] = None
     try:
         worker = RankWorker(env, config)
-    except Exception as exc:
-        print(f"rank {env.rank}: failed to start: {type(exc).__name__}: {exc}", file=sys.stderr)
-        raise
-    try:
         return worker.run()
     except Exception as exc:
-        worker.channel.send(RankFailed(env.rank, f"{type(exc).__name__}: {exc}"))
-        raise
+        error = f"{type(exc).__name__}: {exc}"
+        when = "failed" if worker is not None else "failed to start"
+        print(f"rank {env.rank}: {when}: {error}\n{_their_traceback(exc)}", file=sys.stderr, end="")
+        _report_failure(env, worker, RankFailed(env.rank, error))
+        return 1
+
+
+def _their_traceback(exc: BaseException) -> str:
+    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = str(Path(__file__).resolve().parent)
+    theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
+    if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
+        theirs = frames
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
+                    *traceback.format_exception_only(type(exc), exc)])
+
+
+def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFailed) -> None:
+    """Tell the coordinator (a worker that failed to start has no channel yet: open one)."""
+    if worker is not None and hasattr(worker, "channel"):
+        worker.channel.send(failed)
+        return
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)  # delivered before the process exits
+    sock.connect(env.coord)
+    Channel(sock, env.secret).send(failed)
+    sock.close()
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ class Reduces:
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
         self._after_reduce(window, epoch, sync_ms, divergence, observe=False)
-        trains = plan_next() if plan_next is not None else {}
+        stop = self.tally_nonfinite()
+        trains = plan_next() if plan_next is not None and not stop else {}
         if result is not None or not self.mode.is_collective:
             self._send_updates(result, trains)
         else:
@@ -72,6 +73,8 @@ class Reduces:
         # the ranks train again before the observers (tracking, records, progress) take their time
         self._observe_reduce(epoch, sync_ms, divergence)
         self._maybe_report(epoch, epoch_tally)
+        if stop:  # every rank has adopted the consensus by now: that is what gets saved
+            self.fail_nonfinite(epoch, self._uncovered_now())
         return trains
 
     def _collective_round(self, sync_sent: bool = False) -> float:
@@ -109,6 +112,8 @@ class Reduces:
             answered.add(msg.rank)
             if isinstance(msg, ReduceFailed):
                 failed = True
+            elif not msg.finite:  # it gave weight 0; its distance to the consensus means nothing
+                self._nonfinite.setdefault(msg.rank, "parameters")
             else:
                 divergences.append(msg.divergence)
         return divergences, failed
@@ -216,7 +221,10 @@ class Reduces:
             count = len(taken.dtypes)
             params = from_frames(self._payloads[:count], taken.dtypes)
         buffers = from_frames(self._payloads[count:], ["torch.float32"])[0]
-        return Snapshot(taken.rank, taken.steps, params, buffers)
+        self._resetting.discard(taken.rank)  # it applied its reset update before this snapshot
+        if not taken.finite:
+            self._nonfinite.setdefault(taken.rank, "parameters")
+        return Snapshot(taken.rank, taken.steps, params, buffers, taken.rank not in self._nonfinite)
 
     def _send_updates(self, result: Optional[CentralResult], trains: Dict[int, Train]) -> None:
         """Every rank gets the result (blend 1.0 = overwrite; EASGD alpha in cpu_async): through
@@ -237,14 +245,17 @@ class Reduces:
             if self._shm_ranks & self.alive:
                 slab = self._slab_for_updates(result.params)
         shared = {} if slab is None else {"shm": slab.paths, "numels": [t.numel() for t in slab.tensors]}
+        reset = self._reset_next & self.alive if result is not None else set()
+        self._resetting |= reset
         for rank in sorted(self.alive):
             if rank in self._late:  # left out: keep its own parameters, just move on
                 self._send(rank, Update(self._round, self._global_step, 0.0, False, [], False,
                                         trains.get(rank)))
                 continue
             via_shm = bool(shared) and rank in self._shm_ranks
-            self._send(rank, Update(self._round, self._global_step, blend, buffers, dtypes, stepped,
-                                    trains.get(rank), **(shared if via_shm else {})),
+            mix = 1.0 if rank in reset else blend  # a NaN replica is replaced, never blended
+            self._send(rank, Update(self._round, self._global_step, mix, buffers, dtypes, stepped,
+                                    trains.get(rank), reset=rank in reset, **(shared if via_shm else {})),
                        extra if via_shm else params + extra)
 
     def _slab_for_updates(self, params: List) -> Optional[Slab]:
@@ -266,6 +277,37 @@ class Reduces:
             if slab is None:
                 self._shm_ranks.clear()  # no room: frames for everyone
         return slab
+
+    # ---- non-finite values -------------------------------------------------------------------
+
+    def tally_nonfinite(self) -> bool:
+        """Log the ranks found non-finite since the last reduce (`rank_nonfinite`; they gave
+        weight 0, and the coordinator backend's next update replaces their replica and resets
+        their optimizer) and count reduces in a row that had one: True when that reaches
+        max_nonfinite and the run must stop."""
+        found = {r: what for r, what in self._nonfinite.items() if r in self.alive}
+        self._nonfinite, self._reset_next = {}, set(found)
+        if not found:
+            self._nonfinite_streak = 0
+            return False
+        self._nonfinite_streak += 1
+        for rank, what in sorted(found.items()):
+            self.summary.nonfinite.append({"round": self._round, "rank": rank, "what": what})
+            self.observer.on_event("rank_nonfinite", f"round {self._round}: rank {rank}'s {what} "
+                                                     f"non-finite (NaN/inf): weight 0")
+        return self._nonfinite_streak >= self.config.max_nonfinite
+
+    def fail_nonfinite(self, epoch: int, uncovered: List[List[int]]) -> None:
+        """Stop as failed, saving the consensus the ranks hold when it is finite (ranks refuse
+        to write NaN, so an earlier bundle is never replaced by one)."""
+        detail = (f"non-finite values in {self._nonfinite_streak} reduces in a row "
+                  f"(max_nonfinite={self.config.max_nonfinite})")
+        try:
+            stem = self.save_bundle("nonfinite", epoch, uncovered)
+            saved = f"saved the last finite consensus: {stem}" if stem else "not saved (no save_path)"
+        except RunAborted as exc:
+            saved = f"no finite consensus to save ({exc.reason}); an earlier bundle stays as it was"
+        raise RunAborted("failed", f"{detail}; {saved}")
 
     def _maybe_report(self, epoch: int, tally: EpochTally) -> None:
         """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from flodl_run import checkpoint
 from flodl_run.averaging.frames import as_frame, dtype_names
@@ -37,44 +37,72 @@ class Saving:
     """Coordinator mixin: bundles out (save) and in (restore)."""
 
     def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
-        """The callback rank writes model and optimizer, the coordinator the rest (DESIGN §10).
+        """Write a new generation (the callback rank the model and optimizer, every rank its
+        own optimizer, the coordinator the outer state), then the meta naming it and its
+        checksums; older generations go only after that. A stop deadline waits for the save.
         `epoch` is where a resume starts; `uncovered` what of it the weights do not include."""
         stem = self.config.save_path
         if not stem:
             return None
-        writer = self._callback_rank()
-        center = self.averager.center if self.mode is Mode.cpu_async else None
-        for rank in sorted(self.alive):
-            if rank != writer:  # the others keep their own optimizer state (momentum differs)
-                self._send(rank, SaveCheckpoint(stem, write_model=False))
-        if center is not None:  # under EASGD the model of record is the center
-            self._send(writer, SaveCheckpoint(stem, dtype_names(center)), [as_frame(p) for p in center])
-        else:
-            self._send(writer, SaveCheckpoint(stem))
-        answered: Set[int] = set()
-        while not self.alive <= answered:
-            saved = self._next(expect=CheckpointSaved)
-            if saved is None:
-                continue
-            answered.add(saved.rank)
-            if saved.error:
-                raise RunAborted("failed", f"rank {saved.rank} could not save {stem}: {saved.error}")
-        if not self.mode.is_collective and self.averager.outer.active or center is not None:
-            state = dict(self.averager.outer.state_dict(), center=center)
-            save_tensors(checkpoint.paths(stem)["outer"], state)
-        save_meta(stem, self._bundle_meta(reason, epoch, uncovered))
+        self._saving = True
+        try:
+            generation, files = self._write_generation(stem)
+            center = self.averager.center if self.mode is Mode.cpu_async else None
+            if not self.mode.is_collective and self.averager.outer.active or center is not None:
+                state = dict(self.averager.outer.state_dict(), center=center)
+                outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
+                files[outer.name] = save_tensors(outer, state)
+            save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
+        finally:
+            self._saving = False
+        checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
         return stem
 
-    def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]]) -> BundleMeta:
+    def _write_generation(self, stem: str) -> Tuple[int, Dict[str, str]]:
+        """Ranks write a fresh generation's files; a writer lost meanwhile is replaced by
+        another survivor writing yet another generation (half-written ones are pruned later)."""
+        while self.alive:
+            generation = checkpoint.next_generation(stem)
+            data = checkpoint.generation_stem(stem, generation)
+            writer = self._callback_rank()
+            files = self._ranks_save(data, writer)
+            if writer in self.alive:
+                return generation, files
+        raise RunAborted("failed", f"every rank was lost while saving {stem}")
+
+    def _ranks_save(self, data: str, writer: int) -> Dict[str, str]:
+        """Order the save of generation stem `data`; the files the survivors wrote, by name."""
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        for rank in sorted(self.alive):
+            if rank != writer:  # the others keep their own optimizer state (momentum differs)
+                self._send(rank, SaveCheckpoint(data, write_model=False))
+        if center is not None:  # under EASGD the model of record is the center
+            self._send(writer, SaveCheckpoint(data, dtype_names(center)), [as_frame(p) for p in center])
+        else:
+            self._send(writer, SaveCheckpoint(data))
+        files: Dict[str, str] = {}
+        answered: Set[int] = set()
+        while not self.alive <= answered:
+            saved = self._next(expect=CheckpointSaved)
+            if saved is None or saved.stem != data:
+                continue
+            answered.add(saved.rank)
+            if saved.error:
+                raise RunAborted("failed", f"rank {saved.rank} could not save {data}: {saved.error}")
+            files.update(saved.files)
+        return files
+
+    def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]], generation: int,
+                     files: Dict[str, str]) -> BundleMeta:
         data = self.config.data
         coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
                             [list(u) for u in uncovered])
         return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, self._global_step, self._round,
                           self.world_size, reason, self.elche.export_state(), coverage,
                           json.loads(json.dumps(dotted_items(self.config), default=str)),
-                          self.mlflow_run_id)
+                          self.mlflow_run_id, generation, files)
 
     def _restore(self, stem: str) -> None:
         """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
@@ -83,7 +111,7 @@ class Saving:
                                       epoch_batches=self._epoch_batches(0))
         self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         self._global_step, self._round = meta.global_step, meta.sync_round
-        outer_file = checkpoint.paths(stem)["outer"]
+        outer_file = checkpoint.bundle_files(stem, meta)["outer"]
         if not self.mode.is_collective and outer_file.is_file():
             state = load_tensors(outer_file)
             self.averager.outer.load_state_dict(state)

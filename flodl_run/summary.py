@@ -96,6 +96,9 @@ class Summary:
     (shared memory, ranks on the launcher's host) or `frames` (over the socket)."""
     nodes: List[Dict[str, Any]] = field(default_factory=list)
     """Per node the ranks ran on: host, cpu_count, ram_bytes, gpus (static facts)."""
+    nonfinite: List[Dict[str, Any]] = field(default_factory=list)
+    """Each time a rank's loss or parameters were NaN/inf at a reduce (it gave weight 0):
+    round, rank, what ("loss" or "parameters")."""
     checkpoint: Optional[str] = None
     mlflow_run_id: Optional[str] = None
     message: Optional[str] = None
@@ -114,8 +117,17 @@ def _clean(value: Any) -> Any:
 
 
 def write_summary(path: str | Path, summary: Summary) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a file."""
+    """Write atomically and durably (temp file, fsync, rename, directory fsync) so a reader
+    never sees half a file, even after a crash."""
     path = Path(path)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_clean(dataclasses.asdict(summary)), indent=2) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(_clean(dataclasses.asdict(summary)), indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -157,7 +157,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
                     reported.add(p.rank)  # exiting before it was told to stop is a death
                     coordinator.report_death(p.rank, _exit_reason(p, code, procs))
         except KeyboardInterrupt:
-            coordinator.request_stop("interrupted by SIGINT")
+            coordinator.request_stop(f"interrupted by {_signal_names.pop(0) if _signal_names else 'SIGINT'}")
 
 
 def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
@@ -217,6 +217,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
                               name="coordinator", daemon=True)
+    _signal_names.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     procs: List[RankProcess] = []
     try:
@@ -250,7 +251,13 @@ def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:
     return "127.0.0.1", 0
 
 
+_signal_names: List[str] = []
+"""Signals other than SIGINT that were turned into a KeyboardInterrupt, oldest first."""
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops the run like Ctrl-C does, and is named as itself."""
+    _signal_names.append(signal.Signals(signum).name)
     raise KeyboardInterrupt
 
 

@@ -95,6 +95,8 @@ class Reduced(Message):
     divergence: float
     """||theta_before - consensus|| / ||consensus|| of this rank."""
     weight: float
+    finite: bool = True
+    """False: this rank's parameters were NaN/inf; it gave weight 0 and adopted the others'."""
 
 
 class SnapshotTaken(Message):
@@ -110,6 +112,8 @@ class SnapshotTaken(Message):
     dtypes: List[str]
     shm: List[str] = []
     numels: List[int] = []
+    finite: bool = True
+    """False: the parameters hold NaN/inf (the coordinator gives them weight 0)."""
 
 
 class CheckpointSaved(Message):
@@ -117,6 +121,8 @@ class CheckpointSaved(Message):
     stem: str
     error: str = ""
     """Empty when the model and optimizer files were written."""
+    files: Dict[str, str] = {}
+    """File name -> SHA-256 of each file this rank wrote (the meta records them)."""
 
 
 class ReduceFailed(Message):
@@ -189,6 +195,8 @@ class Update(Message):
     train: Optional[Train] = None
     shm: List[str] = []
     numels: List[int] = []
+    reset: bool = False
+    """This rank was non-finite: `blend` is 1.0 and its optimizer state restarts (NaN too)."""
 
 
 class Evaluate(Message):

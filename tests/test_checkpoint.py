@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_run.checkpoint import BundleError, paths, read_meta
+from flodl_run.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
 from tests.test_distributed_cli import REPO, _flodl_children, _run
 
 PAIR = ("cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1")
@@ -36,10 +36,16 @@ def test_clean_end_writes_a_complete_bundle(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stem = summary["checkpoint"]
     assert stem == str(tmp_path / "run" / "checkpoint")
-    files = paths(stem)
-    assert all(files[k].is_file() for k in ("model", "optim", "outer", "meta"))
     meta = read_meta(stem)
-    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (1, 2, 2)
+    files = bundle_files(stem, meta)
+    assert all(files[k].is_file() for k in ("model", "optim", "outer"))
+    assert files["model"].name == f"checkpoint.g{meta.generation}.pt"
+    assert set(meta.files) == {f"checkpoint.g{meta.generation}.{part}.pt"
+                               for part in ("optim", "outer", "optim.rank0", "optim.rank1")} | \
+        {files["model"].name}
+    assert sorted(p.name for p in Path(stem).parent.glob("checkpoint.*")) == \
+        sorted([*meta.files, "checkpoint.meta.json"])  # older generations removed
+    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (2, 2, 2)
     assert meta.save_reason == "checkpoint" and meta.coverage.uncovered == []
     assert meta.global_step > 0 and meta.sync_round == summary["syncs"]
     assert meta.elche_state["phase"] == summary["phase"]
@@ -56,8 +62,8 @@ def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_pa
     assert [e["epoch"] for e in resumed["epochs"]] == [1]
     straight, full = _run(tmp_path / "c", *LOCKSTEP, "num_epochs=2")
     assert straight.returncode == 0
-    a = torch.load(tmp_path / "b" / "run" / "checkpoint.pt", weights_only=True)
-    b = torch.load(tmp_path / "c" / "run" / "checkpoint.pt", weights_only=True)
+    a = load_model(tmp_path / "b" / "run" / "checkpoint")
+    b = load_model(tmp_path / "c" / "run" / "checkpoint")
     for name in a:
         assert torch.allclose(a[name].float(), b[name].float(), atol=1e-5), name
     assert resumed["syncs"] + read_meta(stem).sync_round == full["syncs"]
@@ -88,7 +94,8 @@ def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path):
 
 def test_unusable_bundles_exit_2_naming_the_problem(tmp_path, lockstep_bundle):
     """Pins clear errors instead of a traceback or a silent fresh start: corrupt meta, wrong
-    world size, wrong seed, newer schema."""
+    world size, wrong seed, newer schema, and a mixed bundle (weights that are not the ones its
+    meta records)."""
     saved = Path(lockstep_bundle)
     (tmp_path / "copy").mkdir()
     for part in saved.parent.glob(saved.name + ".*"):  # damaged below: a copy of the shared bundle
@@ -99,6 +106,13 @@ def test_unusable_bundles_exit_2_naming_the_problem(tmp_path, lockstep_bundle):
         proc, _ = _run(tmp_path / override.replace("=", "_"), *LOCKSTEP, override, f"resume_from={stem}")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert expected in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    model = bundle_files(stem, read_meta(stem))["model"]
+    pristine = model.read_bytes()
+    model.write_bytes(pristine[:-1] + bytes([pristine[-1] ^ 1]))  # one bit of another save
+    proc, _ = _run(tmp_path / "mixed", *LOCKSTEP, f"resume_from={stem}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "checksum" in out and "Traceback" not in out, out
+    model.write_bytes(pristine)
     meta_file = paths(stem)["meta"]
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps(dict(meta, schema_version=99)))
@@ -131,3 +145,24 @@ def test_sigint_saves_a_graceful_bundle(tmp_path):
     meta = read_meta(str(run_dir / "checkpoint"))
     assert meta.save_reason == "graceful_shutdown" and meta.epoch >= 2
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_a_bundle_of_the_unsuffixed_layout_still_resumes(tmp_path, lockstep_bundle):
+    """Pins the schema 1 decision end to end: a bundle written before generations (checkpoint.pt,
+    checkpoint.optim.rank<k>.pt ..., meta without generation or checksums) resumes, and the
+    new run's own bundle uses the generation layout."""
+    saved = Path(lockstep_bundle)
+    meta = read_meta(lockstep_bundle)
+    old = tmp_path / "old"
+    old.mkdir()
+    prefix = f"{saved.name}.g{meta.generation}."
+    for name in meta.files:
+        shutil.copy(saved.parent / name, old / name.replace(prefix, f"{saved.name}."))
+    raw = json.loads(paths(lockstep_bundle)["meta"].read_text())
+    del raw["generation"], raw["files"]
+    paths(old / saved.name)["meta"].write_text(json.dumps(dict(raw, schema_version=1)))
+    assert paths(old / saved.name)["model"].is_file()
+    proc, summary = _run(tmp_path / "b", *LOCKSTEP, "num_epochs=2", f"resume_from={old / saved.name}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [e["epoch"] for e in summary["epochs"]] == [1]
+    assert read_meta(summary["checkpoint"]).generation >= 1

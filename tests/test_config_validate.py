@@ -84,6 +84,7 @@ RULES = [
     ("max_grad_norm", dict(max_grad_norm=0.0), "max_grad_norm", "0.0"),
     ("lr_scale_ratio", dict(lr_scale_ratio=-1.0), "lr_scale_ratio", "-1.0"),
     ("heartbeat", dict(heartbeat_timeout_secs=0.0), "heartbeat_timeout_secs", "0.0"),
+    ("max_nonfinite", dict(max_nonfinite=0), "max_nonfinite", "0"),
     ("eval_every", dict(eval_every_epochs=0), "eval_every_epochs", "0"),
     ("reports_per_epoch", dict(reports_per_epoch=0), "reports_per_epoch", "0"),
     ("max_log_size", dict(max_log_size=100), "max_log_size", "100"),
@@ -143,10 +144,11 @@ def test_rule_names_dotted_key_and_value(changes, key, shown):
 
 
 def test_resume_from_existing_bundle_is_valid(tmp_path):
-    """Pins: resume_from rejecting a bundle that does exist (stem + .pt + .meta.json)."""
+    """Pins: resume_from rejecting a bundle that does exist (its stem + .meta.json, which names
+    the generation's other files), and accepting a stem without one."""
     stem = tmp_path / "ckpt"
-    for suffix in (".pt", ".meta.json"):
-        stem.with_name(stem.name + suffix).write_text("x")
+    assert not validate(make(resume_from=str(stem))).ok
+    stem.with_name(stem.name + ".meta.json").write_text("x")
     assert validate(make(resume_from=str(stem))).ok
 
 

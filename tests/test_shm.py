@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flodl_run.averaging.shm import Mapper, Slab, remove_run, run_prefix
+from flodl_run.checkpoint import load_model
 from tests.test_distributed_cli import _run
 
 
@@ -73,7 +74,7 @@ def test_shared_memory_trains_exactly_as_frames_and_cleans_up(tmp_path):
         proc, summary = _run(tmp_path / name, *common, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert summary["param_transport"] == [name, name]
-        runs[name] = torch.load(tmp_path / name / "run" / "checkpoint.pt", weights_only=True)
+        runs[name] = load_model(tmp_path / name / "run" / "checkpoint")
     for key, value in runs["shm"].items():
         assert torch.equal(value, runs["frames"][key]), key
     assert set(glob.glob("/dev/shm/flodl_run-*")) == before

@@ -8,7 +8,7 @@ on CPU tensors; receiving snapshots and sending updates are the coordinator's jo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
@@ -26,6 +26,8 @@ class Snapshot:
     steps: int
     params: List[torch.Tensor]
     float_buffers: torch.Tensor
+    finite: bool = True
+    """False: the rank's parameters or loss were NaN/inf (it said so): weight 0 this round."""
 
 
 @dataclass
@@ -39,6 +41,8 @@ class CentralResult:
     weights: List[float]
     outer_stepped: bool = False
     """The outer optimizer moved the parameters (DiLoCo then resets inner optimizer state)."""
+    nonfinite: List[int] = field(default_factory=list)
+    """Ranks whose snapshot was non-finite: they contributed nothing and adopt the result."""
 
 
 class CentralAverager:
@@ -58,21 +62,24 @@ class CentralAverager:
                out: Optional[Sequence[torch.Tensor]] = None) -> Optional[CentralResult]:
         """One round; None when every weight is 0 (nobody trained). `out`: where to build the
         consensus (the coordinator's shared-memory slab, saving a copy), else new tensors."""
-        weights = [consensus_weight(s.steps, self.gamma) for s in snapshots]
+        weights = [consensus_weight(s.steps, self.gamma) if s.finite else 0.0 for s in snapshots]
         total = sum(weights)
         if total <= 0:
             return None
-        first = snapshots[0].params
-        consensus = [torch.mul(p, weights[0] / total, out=o) for p, o in zip(first, out)] if out \
-            else [torch.mul(p, weights[0] / total) for p in first]
-        for snap, w in zip(snapshots[1:], weights[1:]):
-            for acc, p in zip(consensus, snap.params):
+        # Only ranks with weight > 0 are summed: 0 x NaN would be NaN.
+        (first, w0), *rest = [(s.params, w) for s, w in zip(snapshots, weights) if w > 0]
+        consensus = [torch.mul(p, w0 / total, out=o) for p, o in zip(first, out)] if out \
+            else [torch.mul(p, w0 / total) for p in first]
+        for params, w in rest:
+            for acc, p in zip(consensus, params):
                 acc.add_(p, alpha=w / total)
+        finite = [s for s in snapshots if s.finite]
         norm_sq = squared_norm(consensus)
-        divergence = max(relative_distance(s.params, consensus, norm_sq) for s in snapshots)
+        divergence = max(relative_distance(s.params, consensus, norm_sq) for s in finite)
         stepped = self.outer.step_(consensus)
         params = self._easgd(consensus) if self.alpha is not None else consensus
-        return CentralResult(params, _mean_buffers(snapshots), divergence, weights, stepped)
+        return CentralResult(params, _mean_buffers(finite), divergence, weights, stepped,
+                             [s.rank for s in snapshots if not s.finite])
 
     def _easgd(self, consensus: List[torch.Tensor]) -> List[torch.Tensor]:
         """center <- (1 - a) * center + a * m_t; replicas then blend toward the new center."""
@@ -85,10 +92,14 @@ class CentralAverager:
 
 
 def blend_(local: Sequence[torch.Tensor], remote: Sequence[torch.Tensor], alpha: float) -> None:
-    """Rank side: local <- (1 - alpha) * local + alpha * remote (alpha 1.0 = overwrite)."""
+    """Rank side: local <- (1 - alpha) * local + alpha * remote (alpha 1.0 = overwrite: a copy,
+    since lerp keeps a NaN of `local` even at weight 1)."""
     with torch.no_grad():
         for mine, theirs in zip(local, remote):
-            mine.lerp_(theirs.to(mine.device, non_blocking=True), alpha)
+            if alpha == 1.0:
+                mine.copy_(theirs, non_blocking=True)
+            else:
+                mine.lerp_(theirs.to(mine.device, non_blocking=True), alpha)
 
 
 def _mean_buffers(snapshots: Sequence[Snapshot]) -> Optional[torch.Tensor]:

@@ -332,6 +332,9 @@ class DdpRunConfig:
     max_failure: MaxFailureConfig = field(default_factory=MaxFailureConfig)
     heartbeat_timeout_secs: float = 30.0
     """A rank silent for this long, in seconds, is dead; > 0."""
+    max_nonfinite: int = 3
+    """Reduces in a row with a non-finite rank (NaN/inf loss or parameters, given weight 0)
+    before the run stops as failed, saving the last finite consensus; >= 1."""
     epoch_callback_policy: str = "fastest"
     """Rank that runs eval/checkpoint hooks: "fastest" or "rank:<n>"."""
     eval_every_epochs: Optional[int] = 1

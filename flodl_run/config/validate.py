@@ -226,6 +226,7 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
     yield from _above("max_grad_norm", cfg.max_grad_norm, 0)
     yield from _at_least("lr_scale_ratio", cfg.lr_scale_ratio, 0)
     yield from _above("heartbeat_timeout_secs", cfg.heartbeat_timeout_secs, 0)
+    yield from _at_least("max_nonfinite", cfg.max_nonfinite, 1)
     yield from _at_least("eval_every_epochs", cfg.eval_every_epochs, 1)
     yield from _at_least("reports_per_epoch", cfg.reports_per_epoch, 1)
     yield from _at_least("max_log_size", cfg.max_log_size, 4096)
@@ -237,10 +238,9 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
                           "is a core metric key whose reduction is fixed")
     yield from _checkpoint_at_epoch(cfg)
     if cfg.resume_from is not None:
-        missing = [s for s in (".meta.json", ".pt") if not Path(cfg.resume_from + s).is_file()]
-        if missing:
+        if not Path(cfg.resume_from + ".meta.json").is_file():  # the meta names the other files
             yield Problem("resume_from", cfg.resume_from,
-                          f"must name an existing checkpoint bundle (missing {', '.join(missing)})")
+                          "must name an existing checkpoint bundle (missing .meta.json)")
 
 
 def _max_failure(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:

@@ -1,0 +1,155 @@
+"""Checkpoint bundles as one unit: generations, checksums, durable renames, and a stop that
+waits for a save. Real files and real sockets; no ranks (the end-to-end runs live in
+test_checkpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+import time
+
+import pytest
+import torch
+import zmq
+
+from flodl_run import checkpoint
+from flodl_run.checkpoint import (
+    BundleMeta,
+    Coverage,
+    bundle_files,
+    check_resume,
+    generation_stem,
+    load_model,
+    next_generation,
+    paths,
+    prune,
+    read_meta,
+    save_meta,
+    save_tensors,
+)
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.coordinator import Coordinator
+from flodl_run.membership import RunAborted
+from flodl_run.wire import Channel, CheckpointSaved, new_secret
+
+
+def _meta(generation: int, files: dict) -> BundleMeta:
+    return BundleMeta(checkpoint.SCHEMA_VERSION, 1, 10, 2, 2, "checkpoint", {"phase": "probe"},
+                      Coverage(0, 8, 1, 1), {}, None, generation, files)
+
+
+def _save(stem: str, value: float) -> int:
+    """One complete save the way the coordinator makes it: a fresh generation, then the meta."""
+    generation = next_generation(stem)
+    data = generation_stem(stem, generation)
+    files = {}
+    for name, state in (("model", {"w": torch.full((3,), value)}), ("optim", {"state": {}})):
+        path = paths(data)[name]
+        files[path.name] = save_tensors(path, state)
+    save_meta(stem, _meta(generation, files))
+    prune(stem, generation)
+    return generation
+
+
+def test_an_interrupted_save_leaves_the_previous_bundle_current_and_whole(tmp_path):
+    """Rule: a save cut short (new weights written, meta not yet) changes nothing a resume
+    sees: the meta still names the previous generation, whose files are intact and verify;
+    the next save skips the half-written generation, and completing it removes the rest."""
+    stem = str(tmp_path / "checkpoint")
+    first = _save(stem, 1.0)
+    half = paths(generation_stem(stem, first + 1))
+    save_tensors(half["model"], {"w": torch.full((3,), 2.0)})  # the cut: no optim, no meta
+    meta = read_meta(stem)
+    assert meta.generation == first and check_resume(meta, 2, 0, stem) == []
+    assert torch.equal(load_model(stem)["w"], torch.full((3,), 1.0))
+    second = _save(stem, 3.0)
+    assert second == first + 2  # never rewrites the half-written generation's names
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*read_meta(stem).files, "checkpoint.meta.json"])
+    assert torch.equal(load_model(stem)["w"], torch.full((3,), 3.0))
+
+
+def test_a_mixed_or_damaged_bundle_is_refused_naming_the_file_and_what_to_do(tmp_path):
+    """Rule: resume checks every file against the checksum its meta records; a file swapped
+    for another save's (new weights beside old meta) or truncated is refused, with advice."""
+    stem = str(tmp_path / "checkpoint")
+    _save(stem, 1.0)
+    meta = read_meta(stem)
+    model = bundle_files(stem, meta)["model"]
+    torch.save({"w": torch.full((3,), 9.0)}, model)  # another save's weights under this name
+    problems = check_resume(meta, 2, 0, stem)
+    assert len(problems) == 1 and str(model) in problems[0] and "checksum" in problems[0]
+    assert "drop resume_from" in problems[0]
+    model.unlink()
+    assert "missing" in check_resume(meta, 2, 0, stem)[0]
+
+
+def test_a_schema_1_bundle_still_loads_unverified(tmp_path):
+    """Rule (docs/decisions.md): bundles from before generations (unsuffixed files, meta without
+    generation or checksums) still resume; their model and optimizer must exist."""
+    stem = str(tmp_path / "old")
+    torch.save({"w": torch.ones(2)}, paths(stem)["model"])
+    raw = json.loads(json.dumps(dataclasses.asdict(_meta(0, {}))))
+    del raw["generation"], raw["files"]
+    paths(stem)["meta"].write_text(json.dumps(dict(raw, schema_version=1)))
+    meta = read_meta(stem)
+    assert meta.generation == 0 and bundle_files(stem, meta)["model"] == paths(stem)["model"]
+    assert check_resume(meta, 2, 0, stem) == [f"{paths(stem)['optim']} is missing"]
+    torch.save({"state": {}}, paths(stem)["optim"])
+    assert check_resume(meta, 2, 0, stem) == []
+    assert torch.equal(load_model(stem)["w"], torch.ones(2))
+    _save(stem, 5.0)  # the first new save replaces the old layout
+    assert not paths(stem)["model"].exists() and not paths(stem)["optim"].exists()
+
+
+def test_every_bundle_file_is_fsynced_before_and_after_its_rename(tmp_path, monkeypatch):
+    """Rule: a rename is durable only when the file was fsynced before it and its directory
+    after it; both happen for tensors and for the meta."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    save_tensors(tmp_path / "a.pt", {"w": torch.ones(1)})
+    save_meta(str(tmp_path / "a"), _meta(1, {}))
+    assert events == ["file", "rename", "dir"] * 2
+
+
+def test_non_finite_weights_are_never_written():
+    """Rule: a model holding NaN or inf is refused before any file is touched."""
+    with pytest.raises(ValueError, match=r"model\[layer.weight\].*non-finite"):
+        checkpoint.require_finite({"layer.weight": torch.tensor([1.0, float("nan")])}, "the model")
+    checkpoint.require_finite({"steps": torch.tensor([3]), "w": torch.ones(2)}, "the model")
+
+
+def test_a_stop_deadline_never_cuts_a_save_in_half():
+    """Rule: SIGTERM/SIGINT past the stop deadline aborts a wait at once, except while a bundle
+    is being written: the save's answers are still taken (then the run stops)."""
+    secret = new_secret()
+    coord = Coordinator(ExperimentConfig(), 2, secret)
+    rank = zmq.Context.instance().socket(zmq.DEALER)
+    rank.setsockopt(zmq.LINGER, 0)
+    rank.connect(coord.address)
+    try:
+        coord.request_stop("interrupted by SIGTERM")
+        coord._stop_deadline = time.monotonic() - 1.0
+        Channel(rank, secret).send(CheckpointSaved(0, "stem"))
+        coord._saving = True
+        saved = coord._next(expect=CheckpointSaved)
+        assert isinstance(saved, CheckpointSaved) and saved.rank == 0
+        coord._saving = False
+        with pytest.raises(RunAborted, match="SIGTERM"):
+            coord._next(expect=CheckpointSaved)
+    finally:
+        rank.close()
+        coord.channel.socket.close()

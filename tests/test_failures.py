@@ -1,0 +1,68 @@
+"""Failures read as failures: a recipe that raises, and a stop by SIGTERM, end to end with real
+rank processes over Gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_distributed_cli import REPO, _flodl_children, _run
+
+RAISES_IN_BUILD_MODEL = (
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def build_model(device, **_):\n"
+    "    raise ValueError('the recipe cannot build its model')\n"
+)
+
+
+def test_a_recipe_that_raises_fails_the_run_with_its_own_error_and_nothing_else(tmp_path):
+    """Rule: a recipe error in the ranks gives status failed and exit 1; each rank prints the
+    user's exception once (rank, then the traceback of the recipe's code only), and no internal
+    error follows (it used to end with an AttributeError and status shutdown_with_save)."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "raising_recipe.py").write_text(RAISES_IN_BUILD_MODEL)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=raising_recipe",
+                         "cluster=cpu_pair", "num_epochs=1", env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert summary["status"] == "failed"
+    assert "ValueError: the recipe cannot build its model" in summary["message"]
+    assert summary["checkpoint"] is None
+    for rank in (0, 1):
+        printed = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]")]
+        assert sum("Traceback" in line for line in printed) <= 1, out
+        assert sum("ValueError: the recipe cannot" in line for line in printed) in (0, 2), out
+    frames = [line for line in out.splitlines() if line.startswith("[rank") and 'File "' in line]
+    assert frames and all('raising_recipe.py", line 3, in build_model' in f for f in frames), out
+    assert "AttributeError" not in out and "Exception in thread" not in out, out
+
+
+@pytest.mark.parametrize("cluster", ["cpu_pair", "solo"])
+def test_sigterm_is_named_sigterm(tmp_path, cluster):
+    """Rule: a run stopped by SIGTERM says so (distributed runs said SIGINT; in-process runs died
+    without a summary), ends interrupted with exit 130 and leaves no rank behind; a distributed
+    run saves at the next reduce boundary."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
+         f"cluster={cluster}", "num_epochs=500"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # wait until training is under way
+        if line.startswith("epoch 1/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert _flodl_children(proc.pid) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert "SIGTERM" in summary["message"] and "SIGINT" not in summary["message"]
+    if cluster == "cpu_pair":
+        assert summary["checkpoint"] == str(run_dir / "checkpoint")
