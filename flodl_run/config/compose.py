@@ -85,10 +85,16 @@ def _without_recipe_module(node: Any) -> Any:
 def compose(overrides: Sequence[str] = (), config_dir: Optional[Path] = None,
             config_name: str = "config") -> DictConfig:
     """Compose the tree with command-line style overrides; raises ComposeError on bad input."""
+    from flodl_run.config.overrides import app_groups, override_problems
+
     register_schemas()
+    config_dir = config_dir or conf_dir()
+    problems = override_problems(overrides, ExperimentConfig, app_groups(config_dir, config_name))
+    if problems:
+        raise ComposeError("\n".join(str(p) for p in problems))
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir or conf_dir())):
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
             return hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # Hydra raises several unrelated types for user errors
         raise ComposeError(_first_lines(exc)) from None

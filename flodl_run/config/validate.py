@@ -235,8 +235,18 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
     if cfg.resume_from is not None:
         missing = [s for s in (".meta.json", ".pt") if not Path(cfg.resume_from + s).is_file()]
         if missing:
-            yield Problem("resume_from", cfg.resume_from,
-                          f"must name an existing checkpoint bundle (missing {', '.join(missing)})")
+            yield Problem("resume_from", cfg.resume_from, _resume_hint(cfg.resume_from, missing))
+
+
+def _resume_hint(given: str, missing: List[str]) -> str:
+    """A bundle is named by its stem, `<run dir>/checkpoint`, not by its folder or a file."""
+    path = Path(given)
+    for stem in (path / "checkpoint", path.with_suffix("") if path.suffix == ".pt" else None,
+                 Path(given.removesuffix(".meta.json"))):
+        if stem is not None and str(stem) != given and Path(f"{stem}.meta.json").is_file():
+            return f"must be the bundle's stem, the files' common prefix: type resume_from={stem}"
+    return (f"must name a checkpoint bundle by its stem, e.g. resume_from=outputs/<date>/<time>/"
+            f"checkpoint for the files checkpoint.pt, checkpoint.meta.json (missing {', '.join(missing)})")
 
 
 def _max_failure(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
