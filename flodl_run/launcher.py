@@ -82,6 +82,14 @@ def one_device_notice(config: ExperimentConfig, plan: Plan) -> Optional[str]:
     return None
 
 
+def one_device_warning(config: ExperimentConfig) -> Optional[str]:
+    """The one-device notice for a config not yet launched (review): only `cluster=auto` falls
+    back to in-process, and only this host's GPU count decides it."""
+    if config.cluster.topology is not Topology.auto:
+        return None
+    return one_device_notice(config, plan_topology(config))
+
+
 @dataclass
 class RunResult:
     """What a run hands back: its summary and where it wrote things; `model` only in-process

@@ -179,7 +179,7 @@ def run_job(cfg: Any) -> None:
         lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
         fail_config("\n".join(lines + [f"  {p}" for p in problems]), err, PROG)
     for warning in warnings:
-        err.print(labelled("warning", warning, "yellow"), highlight=False)
+        err.print(labelled("warning", warning, "yellow"), highlight=False, soft_wrap=True)
     result = simulate(typed.sim, typed.elche)
     out = Console()
     if not out.is_terminal:

@@ -113,6 +113,9 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
         proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"), store=store)
+        proc.log.write(f"# rank {rank} of {world_size}: pid {process.pid} on this host, started "
+                       f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+        proc.log.flush()  # a rank that prints nothing still leaves who it was and when it ran
         proc.forwarder = threading.Thread(target=forward, args=(proc, console, f"rank {rank}"),
                                           daemon=True)
         proc.forwarder.start()
@@ -135,6 +138,7 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
     for p in procs:
         if p.forwarder is not None:
             p.forwarder.join(timeout=2.0)
+        p.log.write(f"# rank {p.rank} exited with code {p.process.poll()}\n")
         p.log.close()
 
 

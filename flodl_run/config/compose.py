@@ -58,7 +58,11 @@ def conf_dir() -> Path:
 
 
 def register_schemas(extra: Sequence[tuple] = ()) -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent; call before composing)."""
+    """Store the schemas in Hydra's ConfigStore and the help page's resolver (idempotent; call
+    before composing)."""
+    from flodl_run.config import helppage
+
+    helppage.register()
     store = ConfigStore.instance()
     for group, name, node in (*SCHEMAS, *extra):
         store.store(group=group, name=name, node=_without_recipe_module(node))
