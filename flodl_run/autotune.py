@@ -1,4 +1,4 @@
-"""Anchor auto-tune (DESIGN §6.5): an overhead-driven proposal, then the verdict's ruling.
+"""Anchor auto-tune: an overhead-driven proposal, then the verdict's ruling.
 
 Owns the overhead ratio, the proposal rule (phase gates, 2x growth cap, shrink by 1, 5% dead
 zone, clamps), the growth latch, the discard-then-nudge order and relax_up. It does not compute

@@ -1,6 +1,6 @@
 """The benchmark's figures and outputs: one entry per run from its summary.json, the ratios to
 the ideal and to torch DDP, time-to-target, bench.json, bench.md, the terminal table and the
-plot of eval against training time (DESIGN §13).
+plot of eval against training time.
 
 Owns arithmetic and layout only. Which runs exist, how they are started and where the files go
 is `bench`'s business; MLflow is `benchtrack`'s.

@@ -1,4 +1,4 @@
-"""Checkpoint bundles (DESIGN §10): `S.pt`, `S.optim.pt`, `S.outer.pt`, `S.meta.json`.
+"""Checkpoint bundles: `S.pt`, `S.optim.pt`, `S.outer.pt`, `S.meta.json`.
 
 Owns the bundle layout, atomic writes (temp file + rename), the meta schema, and the checks a
 resume makes before anything trains (schema version, world size, seed, readable files).

@@ -1,9 +1,9 @@
-"""Plain torch DDP as users write it: the benchmark's reference peer (DESIGN §13).
+"""Plain torch DDP as users write it: the benchmark's reference peer.
 
 `python -m flodl_run.ddp_baseline --run RUN_YAML --out DIR` trains the run's recipe with
 DistributedDataParallel, a DistributedSampler and per-step gradient all-reduce (Gloo on CPU,
 NCCL on GPU), with the rig's `emulate_slowdown` applied per rank, and writes summary.json
-(DESIGN §11.3, mode `torch_ddp`) into DIR. Without RANK in the environment it spawns one
+(mode `torch_ddp`) into DIR. Without RANK in the environment it spawns one
 process per rank with the torchrun contract; under `torchrun -m flodl_run.ddp_baseline` each
 process is a rank. None of flodl_run's runtime (coordinator, ElChe) is involved.
 """
@@ -122,7 +122,7 @@ class DdpBaseline:
             self.tally.sync_ms.append((self.clock.last_done - self.clock.first_launch) * 1000.0)
             waited = max(0.0, backward_done - self.clock.last_launch)
         compute = time.perf_counter() - began - waited
-        if self.slowdown > 1.0:  # DESIGN §13 on compute only: a slower GPU has the same network
+        if self.slowdown > 1.0:  # emulated slowdown on compute only: a slower GPU has the same network
             time.sleep((self.slowdown - 1.0) * compute)
         self.tally.compute_ms += (compute * self.slowdown) * 1000.0
         return value

@@ -197,7 +197,7 @@ class RankWorker:
         return self._tcp_store
 
     def _join_group(self, generation: int, members: List[int]) -> None:
-        """(Re)build the process group of one membership generation (DESIGN §9). Collectives
+        """(Re)build the process group of one membership generation. Collectives
         time out after 2 x heartbeat_timeout_secs, so a hung peer cannot hold survivors long."""
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -298,7 +298,7 @@ class RankWorker:
             self._reduce(order.then_sync)
 
     def _emulate_slowdown(self, began: float) -> None:
-        """DESIGN §13: sleep (f - 1) x the measured step time so this rank acts f times slower."""
+        """Emulated slowdown: sleep (f - 1) x the measured step time so this rank acts f times slower."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.slowdown > 1.0:

@@ -1,4 +1,4 @@
-"""Checkpoint orchestration on the coordinator (DESIGN §10): which rank writes what and when,
+"""Checkpoint orchestration on the coordinator: which rank writes what and when,
 the meta it records, and the trajectory a resume restores. The bundle format itself lives in
 `flodl_run.checkpoint`. A mixin of the Coordinator.
 """
@@ -37,7 +37,7 @@ class Saving:
     """Coordinator mixin: bundles out (save) and in (restore)."""
 
     def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
-        """The callback rank writes model and optimizer, the coordinator the rest (DESIGN §10).
+        """The callback rank writes model and optimizer, the coordinator the rest.
         `epoch` is where a resume starts; `uncovered` what of it the weights do not include."""
         stem = self.config.save_path
         if not stem:

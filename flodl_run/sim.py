@@ -102,7 +102,7 @@ def _skew_problems(s: SimConfig) -> Iterator[Problem]:
 
 
 def sim_json(result: SimResult) -> dict:
-    """The sim.json document: {"windows": [...], "summary": {...}} (issue 3's schema)."""
+    """The sim.json document: {"windows": [...], "summary": {...}}."""
     keys = [f.name for f in fields(WindowRecord)]
     # A plain comprehension, not asdict(): asdict deep-copies every 1024-rank counts list.
     rows = [{key: getattr(w, key) for key in keys} for w in result.windows]

@@ -1,5 +1,5 @@
 """Local rank processes: spawn them with the torchrun environment, forward their output,
-watch them, and stop them all (DESIGN §3.1).
+watch them, and stop them all.
 
 Owns process lifetimes on this host. The coordinator (a thread here) decides what the run
 does; this module only tells it when a child died or the user pressed Ctrl-C. Never touches CUDA.
@@ -53,7 +53,7 @@ class RankProcess:
 
 def host_store(addr: str, port: int) -> Any:
     """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
-    rebuild their process group on it after a death (DESIGN §9)."""
+    rebuild their process group on it after a death."""
     import torch.distributed as dist
 
     return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
@@ -247,7 +247,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
 
 
 def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:
-    """Loopback for ranks on this host (DESIGN §14); cluster.controller when ranks come from
+    """Loopback for ranks on this host; cluster.controller when ranks come from
     other hosts (hosts topology, or controller-only for torchrun/srun)."""
     if plan.hosts is not None or not config.cluster.launch_ranks:
         return config.cluster.controller.host, config.cluster.controller.port

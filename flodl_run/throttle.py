@@ -1,4 +1,4 @@
-"""Pacing decisions between reduces (DESIGN §6.8): the cpu_async overshoot budget and the
+"""Pacing decisions between reduces: the cpu_async overshoot budget and the
 max_batch_diff throttle of the coordinator backend.
 
 Owns the overshoot auto-tune (start 3, +1 per Stable verdict up to 15, back to 3 on a nudge)

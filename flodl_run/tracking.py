@@ -1,4 +1,4 @@
-"""MLflow tracking from the launcher/coordinator process only (DESIGN §11.4).
+"""MLflow tracking from the launcher/coordinator process only.
 
 Owns the MLflow run of one job: params (batched, short values), tags (mode, outer, devices, git
 commit of the recipe's repo, the sweep parent), system figures once per node, per-epoch and

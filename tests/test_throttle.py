@@ -1,4 +1,4 @@
-"""Overshoot auto-tune and the max_batch_diff throttle (DESIGN §6.8)."""
+"""Overshoot auto-tune and the max_batch_diff throttle."""
 
 from __future__ import annotations
 

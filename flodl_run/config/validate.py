@@ -23,7 +23,7 @@ from flodl_run.config.schema import (
     TrackingKind,
 )
 
-# Keys whose cross-rank roll-up the runtime fixes (DESIGN §11.2): users may not redeclare them.
+# Keys whose cross-rank roll-up the runtime fixes: users may not redeclare them.
 CORE_METRIC_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
 
 # torchrun contract and our own control-plane variables: a worker env block may not set them.
