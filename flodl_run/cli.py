@@ -87,7 +87,7 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
     if os.environ.get("FLODL_RUN_TRACEBACK"):
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     register_schemas(extra=list(extra_schemas))
-    check_overrides(config_name, extra_schemas)
+    check_overrides(config_name)
     status: list = []
 
     @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=config_name)
@@ -104,20 +104,19 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
     return status[-1] if status else 0
 
 
-def check_overrides(config_name: str, extra_schemas: Sequence[Any] = ()) -> None:
+def check_overrides(config_name: str) -> None:
     """Exit 2 before Hydra composes when an override names a key or group this command does not
-    have, whatever its prefix (`+` and `++` included), suggesting the nearest real names."""
+    have, whatever its prefix (`+` and `++` included), suggesting the nearest real names. Call
+    after the schemas are registered."""
     from hydra._internal.utils import get_args_parser
 
-    from flodl_run.config.overrides import app_groups, override_problems
-    from flodl_run.config.schema import ExperimentConfig
+    from flodl_run.config import overrides
 
     try:
         args = get_args_parser().parse_args(sys.argv[1:])
     except SystemExit:  # a malformed flag: Hydra's own parser says so when the app runs
         return
-    schema = next((node for group, _, node in extra_schemas if group is None), ExperimentConfig)
-    problems = override_problems(args.overrides, schema, app_groups(conf_dir(), config_name))
+    problems = overrides.check(args.overrides, conf_dir(), config_name)
     if problems:
         fail_config(str(ConfigError(problems)), Console(stderr=True))
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from flodl_run.config.compose import register_schemas
 from flodl_run.config.helppage import choose_when
-from flodl_run.config.overrides import app_groups, override_problems
+from flodl_run.config.overrides import check
 from flodl_run.config.schema import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +52,11 @@ def test_mistyped_key_exits_2_whatever_the_prefix(tmp_path, prefix):
 def test_free_form_keys_pass_and_foreign_groups_fail():
     """Pins: the key check refusing the user's own recipe params or Hydra's keys, or letting
     the bench's group through on the runner."""
-    groups = app_groups(REPO / "conf", "config")
+    register_schemas()
     ok = ["+recipe.params.hidden=128", "elche=cpu_async", "hydra.run.dir=x", "max_failure.percent=5",
-          "cluster.workers=[]", "seed=3"]
-    assert override_problems(ok, ExperimentConfig, groups) == []
-    [problem] = override_problems(["bench=quick"], ExperimentConfig, groups)
+          "cluster.workers=[]", "seed=3", "recipe=custom", "recipe.module=my.mod"]
+    assert check(ok, REPO / "conf", "config") == []
+    [problem] = check(["bench=quick"], REPO / "conf", "config")
     assert problem.key == "bench" and "groups: elche, outer, cluster, data, recipe, tracking" in problem.rule
 
 

@@ -89,11 +89,11 @@ def _without_recipe_module(node: Any) -> Any:
 def compose(overrides: Sequence[str] = (), config_dir: Optional[Path] = None,
             config_name: str = "config") -> DictConfig:
     """Compose the tree with command-line style overrides; raises ComposeError on bad input."""
-    from flodl_run.config.overrides import app_groups, override_problems
+    from flodl_run.config import overrides as checked
 
     register_schemas()
     config_dir = config_dir or conf_dir()
-    problems = override_problems(overrides, ExperimentConfig, app_groups(config_dir, config_name))
+    problems = checked.check(overrides, config_dir, config_name)
     if problems:
         raise ComposeError("\n".join(str(p) for p in problems))
     GlobalHydra.instance().clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -31,11 +31,33 @@ def app_groups(config_dir: Path, config_name: str) -> List[str]:
     return groups
 
 
+def root_schema(config_dir: Path, config_name: str) -> Optional[Any]:
+    """The schema node the root YAML extends (its first defaults entry, e.g. `base_sim`), as
+    stored in Hydra's ConfigStore; None when it has none or it is not stored."""
+    from hydra.core.config_store import ConfigStore
+
+    root = OmegaConf.load(config_dir / f"{config_name}.yaml")
+    first = next((e for e in root.get("defaults", []) if isinstance(e, str) and e != "_self_"), None)
+    try:
+        return ConfigStore.instance().load(f"{first}.yaml").node if first else None
+    except Exception:  # not registered: Hydra will say so when it composes
+        return None
+
+
+def check(overrides: Sequence[str], config_dir: Path, config_name: str) -> List[Problem]:
+    """The problems of `overrides` for the command whose root YAML is `config_name` (schemas
+    registered first)."""
+    schema = root_schema(config_dir, config_name)
+    if schema is None:
+        return []
+    return override_problems(overrides, schema, app_groups(config_dir, config_name))
+
+
 def override_problems(overrides: Sequence[str], schema: Any, groups: Sequence[str]) -> List[Problem]:
     """Problems of keys the schema does not have and groups the app does not use.
 
-    `schema` is the app's root dataclass; overrides Hydra cannot parse are left to Hydra, which
-    reports them itself."""
+    `schema` is the app's root dataclass (or its stored node); overrides Hydra cannot parse are
+    left to Hydra, which reports them itself."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -60,7 +82,7 @@ def _has_key(node: Any, parts: List[str]) -> bool:
     for part in parts:
         if isinstance(node, ListConfig) or _is_free_dict(node):
             return True
-        if not isinstance(node, DictConfig) or part not in node:
+        if not isinstance(node, DictConfig) or part not in node.keys():  # `in` skips ??? values
             return False
         node = node._get_node(part)
     return True
