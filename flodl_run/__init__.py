@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import ExperimentConfig
+    from flodl_run.launcher import RunResult
     from flodl_run.observe import Observer
     from flodl_run.recipe import Recipe
-    from flodl_run.launcher import RunResult
 
 __version__ = "0.1.0"
 

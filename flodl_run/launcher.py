@@ -116,33 +116,20 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     every hook besides the launcher's own. Raises ConfigError for what only the hardware can
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
-    _check_resume(config, plan)
+    _check_run(config, plan, recipe)
     _say_plan(config, plan, console)
     tracker = make_tracker(config)
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
-    progress = TerminalProgress(console) if show_progress else Observer()
+    progress = TerminalProgress(console) if show_progress else None
     # Teardown outputs (events, record log, dashboard) finish before the tracker, which uploads them.
     outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir),
                            Dashboard.for_run(config, run_dir)) if o is not None]
-    observers = Observers(progress, *outputs, *([observer] if observer else []), tracker)
-    error: Optional[Exception] = None
-    model = None
+    observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
     try:
-        if plan.in_process:
-            summary, model = _train_in_process(config, observers, recipe, tracker.run_id)
-        else:
-            from flodl_run.supervisor import launch_ranks
-
-            _leave_cores_to_ranks(config, plan)
-            summary = launch_ranks(config, plan, run_dir, console, observers, tracker.run_id)
-    except Exception as exc:  # the recipe raised in this process: still close the run's records
-        error = exc
-        summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",
-                          mode=mode or config.elche.mode.value, outer=outer or config.outer.kind.value,
-                          world_size=plan.world_size)
+        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id)
     finally:
-        if isinstance(progress, TerminalProgress):
+        if progress is not None:
             progress.close()
     summary.mlflow_run_id = tracker.run_id
     write_summary(run_dir / "summary.json", summary)
@@ -155,6 +142,26 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
     return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
                      tracker.run_id, model)
+
+
+def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
+           recipe: Optional["Recipe"], mlflow_run_id: Optional[str]) -> tuple:
+    """(summary, model or None, the exception the recipe raised or None)."""
+    try:
+        if plan.in_process:
+            summary, model = _train_in_process(config, observers, recipe, mlflow_run_id)
+            return summary, model, None
+        from flodl_run.supervisor import launch_ranks
+
+        _leave_cores_to_ranks(config, plan)
+        return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id), None, None
+    except Exception as exc:  # the recipe raised in this process: still close the run's records
+        in_process = plan.in_process
+        summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",
+                          mode="solo" if in_process else config.elche.mode.value,
+                          outer="none" if in_process else config.outer.kind.value,
+                          world_size=plan.world_size)
+        return summary, None, exc
 
 
 def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
@@ -170,9 +177,14 @@ def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
         say_labelled(console, "note", notice, "cyan")
 
 
-def _check_resume(config: ExperimentConfig, plan: Plan) -> None:
-    """A bundle saved by another world size is a config error; before a probe only a fixed
-    cluster could be checked, here `cluster=auto` is too."""
+def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
+    """What only the plan can tell: a Recipe object cannot reach rank processes, and a bundle
+    saved by another world size cannot be resumed (before a probe only a fixed cluster could
+    be checked; here `cluster=auto` is too)."""
+    if recipe is not None and not plan.in_process:
+        raise ConfigError([Problem("cluster.topology", config.cluster.topology.value,
+                                   "must train in-process (one device) when the recipe is a Recipe "
+                                   "object; ranks import recipe.module instead")])
     if not config.resume_from:
         return
     from flodl_run.checkpoint import BundleError, check_resume, read_meta

