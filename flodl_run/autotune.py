@@ -1,4 +1,4 @@
-"""Anchor auto-tune (DESIGN §6.5): an overhead-driven proposal, then the verdict's ruling.
+"""Anchor auto-tune: an overhead-driven proposal, then the verdict's ruling.
 
 Owns the overhead ratio, the proposal rule (phase gates, 2x growth cap, shrink by 1, 5% dead
 zone, clamps), the cold-start steps past the 2x cap (a first anchor sized from a reduce timed

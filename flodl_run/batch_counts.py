@@ -1,4 +1,4 @@
-"""Per-rank batch counts of the next window (DESIGN §6.4).
+"""Per-rank batch counts of the next window.
 
 Owns the speed-proportional target (64x cap), the 5% dead zone, the max_batch_diff step clamp
 and the one-epoch window cap. It does not pick the anchor or the anchor rank (ElChe does) and

@@ -1,5 +1,5 @@
 """`python -m flodl_run.bench [overrides]`: every mode against bare solo loops, torch DDP and
-torch local SGD on one rig, with the same recipe, data, per-rank batch size, epochs and seed (DESIGN §13).
+torch local SGD on one rig, with the same recipe, data, per-rank batch size, epochs and seed.
 
 Owns the bench's Hydra app (conf/bench.yaml over the registered BenchRunConfig, the `bench`
 group), its config checks (exit 2 naming the dotted key), the plan of runs and running them as

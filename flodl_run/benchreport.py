@@ -1,6 +1,6 @@
 """The benchmark's figures and outputs: one entry per run from its summary.json, the ratios to
-the ideal and to the torch peers (DDP, local SGD), time-to-target, bench.json, bench.md, the terminal table and the
-plot of eval against training time (DESIGN §13).
+the ideal and to the torch peers (DDP, local SGD), time-to-target, bench.json, bench.md, the
+terminal table and the plot of eval against training time.
 
 Owns arithmetic and layout only. Which runs exist, how they are started and where the files go
 is `bench`'s business; MLflow is `benchtrack`'s.
@@ -253,8 +253,8 @@ DEFINITIONS = (
     "ideal is its ratio to solo@f. x ideal: samples/s over the sum of the solo samples/s at "
     "each rank's speed (the physical limit of the rig). x torch DDP, x local SGD: samples/s "
     "over torch DDP's and torch local SGD's (PeriodicModelAverager), both written as a careful "
-    "user would (data on the device, no per-step host sync). time to target: training seconds (same clock) until the first per-epoch eval "
-    "reaches the recipe's target. wall s: the whole process, start-up and teardown included. "
+    "user would (data on the device, no per-step host sync). time to target: training seconds "
+    "(same clock) until the first per-epoch eval reaches the recipe's target. wall s: the whole process, start-up and teardown included. "
     "loss drop / s: (first epoch's mean loss - final epoch's) / training seconds. avg sync ms: "
     "mean reduce time (not measured for the peers: timing their collectives would add host "
     "syncs). idle per rank: share of the run's training wall time a rank was not computing "

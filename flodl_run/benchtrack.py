@@ -1,4 +1,4 @@
-"""MLflow for the benchmark: one parent run per bench, one child per entry (DESIGN §13).
+"""MLflow for the benchmark: one parent run per bench, one child per entry.
 
 Owns what the bench logs: the parent's params (the bench config), tags and artifacts
 (bench.json, bench.md, the plot); each child's per-epoch metrics from its summary.json and its

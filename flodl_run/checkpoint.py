@@ -1,4 +1,4 @@
-"""Checkpoint bundles (DESIGN §10): one generation of files plus the meta that makes it current.
+"""Checkpoint bundles: one generation of files plus the meta that makes it current.
 
 A save writes `S.g<n>.pt`, `S.g<n>.optim.pt`, `S.g<n>.optim.rank<k>.pt`, `S.g<n>.outer.pt`
 (each to a temp file, fsynced, renamed, directory fsynced), then `S.meta.json` last: it names

@@ -15,15 +15,17 @@ from rich.console import Console
 
 from flodl_run.config.compose import conf_dir, experiment_to_yaml, register_schemas
 from flodl_run.config.materialize import ConfigError, materialize
-from flodl_run.say import labelled
+from flodl_run.rundir import remove_startup_files
+from flodl_run.say import labelled, say_labelled
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
 
 def fail_config(message: str, console: Console, prog: str = "flodl_run") -> NoReturn:
-    """Print a user error without a traceback and exit 2."""
-    console.print(labelled(prog, message, "bold red"), highlight=False)
+    """Print a user error without a traceback and exit 2; long lines fold between words (a
+    value or key is never cut in two, whatever the terminal width)."""
+    console.print(labelled(prog, message, "bold red"), highlight=False, soft_wrap=True)
     sys.exit(EXIT_CONFIG)
 
 
@@ -55,16 +57,15 @@ def run_job(cfg: Any) -> None:
 
     err = Console(stderr=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    outputs = Path.cwd() / "outputs"
     try:
-        materialized = materialize(cfg, run_dir=str(run_dir), outputs_dir=str(Path.cwd() / "outputs"))
-    except ConfigError as exc:
-        fail_config(str(exc), err)
-    for warning in materialized.warnings:
-        err.print(labelled("warning", warning, "yellow"), highlight=False)
-    (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
-    try:
+        materialized = materialize(cfg, run_dir=str(run_dir), outputs_dir=str(outputs))
+        for warning in materialized.warnings:
+            say_labelled(err, "warning", warning, "yellow")
+        (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
         status = launch(materialized.config, run_dir, Console())
-    except ConfigError as exc:  # what only the hardware or the hosts can tell: exit 2 as well
+    except ConfigError as exc:  # also what only the hardware or the hosts can tell: exit 2
+        remove_startup_files(run_dir, outputs)  # a run that never started leaves no folder
         fail_config(str(exc), err)
     if status == "interrupted":
         sys.exit(EXIT_INTERRUPTED)
@@ -86,6 +87,7 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
     if os.environ.get("FLODL_RUN_TRACEBACK"):
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     register_schemas(extra=list(extra_schemas))
+    check_overrides(config_name)
     status: list = []
 
     @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=config_name)
@@ -100,6 +102,23 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
             sys.exit(EXIT_CONFIG)
         raise
     return status[-1] if status else 0
+
+
+def check_overrides(config_name: str) -> None:
+    """Exit 2 before Hydra composes when an override names a key or group this command does not
+    have, whatever its prefix (`+` and `++` included), suggesting the nearest real names. Call
+    after the schemas are registered."""
+    from hydra._internal.utils import get_args_parser
+
+    from flodl_run.config import overrides
+
+    try:
+        args = get_args_parser().parse_args(sys.argv[1:])
+    except SystemExit:  # a malformed flag: Hydra's own parser says so when the app runs
+        return
+    problems = overrides.check(args.overrides, conf_dir(), config_name)
+    if problems:
+        fail_config(str(ConfigError(problems)), Console(stderr=True))
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The comparison of a sweep's jobs: one row per job from its summary.json, as a markdown and a
-CSV table, and a PNG of loss and eval against wall time (DESIGN §11.4).
+CSV table, and a PNG of loss and eval against wall time.
 
 Owns the figures and their layout only; which jobs belong to a sweep and where the files go
 (MLflow parent run, multirun directory) is `sweep`'s business.

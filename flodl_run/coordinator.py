@@ -1,4 +1,4 @@
-"""The coordinator: the control plane of a distributed run (DESIGN §2, §5, §8).
+"""The coordinator: the control plane of a distributed run.
 
 Owns the window loop: hands out data (equal split for sync, throughput-sized chunks for
 cadence), opens the reduce gate, orders reduces, feeds ElChe, aggregates epochs in order and

@@ -1,4 +1,4 @@
-"""The dashboard (`dashboard_html`, DESIGN §11.5): one self-contained HTML file at teardown.
+"""The dashboard (`dashboard_html`): one self-contained HTML file at teardown.
 
 Owns collecting what the Observer hooks report and laying it out: the run's outcome, loss and
 eval curves, per-rank throughput and batch share, anchor, phase and sync time over reduces, and

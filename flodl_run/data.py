@@ -1,6 +1,6 @@
 """Data delivery on one rank: the reproducible per-pass permutation and batch gathering.
 
-Every rank reproduces the same permutation of a pass (DESIGN §8), so a plan is just an
+Every rank reproduces the same permutation of a pass, so a plan is just an
 (offset, size) slice of it. This module does not decide who trains which slice (dispatch does).
 """
 

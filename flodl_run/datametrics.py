@@ -2,7 +2,7 @@
 
 Owns the counters (data-starve ms, rows by cache tier, the delivery mode), the WindowDone
 fields they travel in and the coordinator-side tally that turns them into per-rank EpochRecord
-fields (DESIGN §11.2). Plain values: no clock, no torch; the data plane does the measuring.
+fields. Plain values: no clock, no torch; the data plane does the measuring.
 """
 
 from __future__ import annotations

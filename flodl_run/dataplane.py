@@ -50,7 +50,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 class DataPlane:
-    """Delivers batches of one data set to one device (DESIGN §8).
+    """Delivers batches of one data set to one device.
 
     `gather(indices, jobs)` (ranks) and `batches(indices, batch_size, epoch)` (solo) return
     batches on the device, transformed when a transform is set. The first batches stream

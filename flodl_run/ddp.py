@@ -1,4 +1,4 @@
-"""The manual per-rank API (DESIGN §7.5) for loops that need per-step control (GANs, RL).
+"""The manual per-rank API for loops that need per-step control (GANs, RL).
 
 Wrap a model on each rank of an initialised torch.distributed process group, then call the
 sync primitives where the loop needs them. Gradients and buffers travel as flattened buckets

@@ -1,7 +1,7 @@
 """What accelerators this host exposes, read through NVML without creating a CUDA context.
 
 Owns GPU discovery (count, names, memory, UUIDs) and the CUDA_VISIBLE_DEVICES rules; the
-launcher uses it to decide the topology (DESIGN §3.2). Never imports torch.cuda.
+launcher uses it to decide the topology. Never imports torch.cuda.
 """
 
 from __future__ import annotations

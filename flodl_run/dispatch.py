@@ -1,4 +1,4 @@
-"""Data dispatch planning: which samples of an epoch each rank trains next (DESIGN §8).
+"""Data dispatch planning: which samples of an epoch each rank trains next.
 
 Pure: sizes and (pass, offset, size) slices in, slices out. The coordinator owns the cursor
 state and sends the orders; ranks turn slices into batches with the shared permutation.

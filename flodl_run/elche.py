@@ -1,8 +1,8 @@
-"""ElChe, the cadence balancer (DESIGN §6): one call per reduce, timing in, a plan out.
+"""ElChe, the cadence balancer: one call per reduce, timing in, a plan out.
 
 Owns the per-reduce sequence (timing intake, phase, anchor-rank election, guard and
 meta-controller verdicts, anchor auto-tune, overshoot, batch counts) and its checkpointable
-state (`elche_state`, DESIGN §10). It does not measure, send or log anything: the coordinator
+state (`elche_state`). It does not measure, send or log anything: the coordinator
 builds a ReduceReport from what ranks sent and acts on the Plan.
 """
 
@@ -251,7 +251,7 @@ class ElChe:
         return combine(verdict, nudge)
 
     def _tune_anchor(self, cycle: _Cycle) -> None:
-        """Proposal, then the verdict's ruling, then relax_up (DESIGN §6.5)."""
+        """Proposal, then the verdict's ruling, then relax_up."""
         before = self.anchor
         c = self.config
         proposal = max(autotune.propose(before, cycle.overhead, self.phase, c.overhead_target,
@@ -347,7 +347,7 @@ class ElChe:
         return election.elect(self.timing.all_smoothed_ms(), None)
 
     def export_state(self) -> Dict[str, Any]:
-        """JSON-ready `elche_state` for the checkpoint (DESIGN §10); knobs are not included."""
+        """JSON-ready `elche_state` for the checkpoint; knobs are not included."""
         return {
             "version": STATE_VERSION,
             "world_size": self.world_size,

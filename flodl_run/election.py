@@ -1,4 +1,4 @@
-"""Anchor-rank election (DESIGN §6.3): which rank sets the pace of a window.
+"""Anchor-rank election: which rank sets the pace of a window.
 
 Owns the slow-cohort rule, the dominance margin that keeps a sitting anchor rank, the initial
 pin (partition ratios or a spec prior) and the conditions that open an election. It does not

@@ -1,4 +1,4 @@
-"""Convergence guards (DESIGN §6.6): the divergence signal D in, a verdict out.
+"""Convergence guards: the divergence signal D in, a verdict out.
 
 Owns the verdict types (Stable, SuppressGrowth, NudgeDown), the three guards (none, trend,
 rate) with their thresholds and streaks, and the relative-divergence formula over norms. It

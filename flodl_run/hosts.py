@@ -1,4 +1,4 @@
-"""Multi-host fan-out (DESIGN §12): global ranks over `cluster.workers`, started over OpenSSH.
+"""Multi-host fan-out: global ranks over `cluster.workers`, started over OpenSSH.
 
 Owns the layout (ranks in worker order; `local_devices: all` and every other list checked
 against the host's inventory), each remote rank's torchrun environment, starting one `ssh`

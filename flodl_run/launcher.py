@@ -1,8 +1,9 @@
 """The launcher: decides the topology of a materialized run and carries it out.
 
-Owns the choice in-process vs one process per rank (DESIGN §3.2), the hardware line, the
-tracker's lifetime and the run dir's summary.json. Training itself lives in `solo`
-(in-process) and in the rank runtime (`supervisor`, `coordinator`, `rank`). Never touches CUDA.
+Owns the choice in-process vs one process per rank, the hardware line and the one-device
+notice, the tracker's lifetime, the run dir's summary.json and the final line naming what the
+run wrote. Training itself lives in `solo` (in-process) and in the rank runtime (`supervisor`,
+`coordinator`, `rank`). Never touches CUDA.
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ from flodl_run.config.schema import ExperimentConfig, Topology
 from flodl_run.config.validate import Problem
 from flodl_run.dashboard import Dashboard
 from flodl_run.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
-from flodl_run.observe import Observers
+from flodl_run.observe import Observer, Observers
 from flodl_run.progress import TerminalProgress
 from flodl_run.records import RecordLog
-from flodl_run.say import labelled
+from flodl_run.rundir import EventFile, link_latest, written
+from flodl_run.say import say, say_labelled
 from flodl_run.summary import Summary, write_summary
 from flodl_run.tracking import make_tracker
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from flodl_run.hosts import HostLayout
+    from flodl_run.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,11 @@ class Plan:
     in_process: bool
     gpus: List[GpuInfo]
     hosts: Optional["HostLayout"] = None
-    """Ranks per worker host for topology hosts (DESIGN §12)."""
+    """Ranks per worker host for topology hosts."""
 
 
 def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None) -> Plan:
-    """auto: 2+ visible GPUs -> one rank per GPU; 0-1 -> in-process (DESIGN §3.2)."""
+    """auto: 2+ visible GPUs -> one rank per GPU; 0-1 -> in-process."""
     cluster = config.cluster
     if cluster.topology is Topology.solo:
         return Plan(1, True, [])
@@ -67,54 +72,140 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     return Plan(1, True, gpus)
 
 
+ONE_DEVICE_NOTICE = ("one device: solo in-process run; elche/outer apply with 2+ ranks, "
+                     "e.g. cluster=cpu_pair")
+
+
+def one_device_notice(config: ExperimentConfig, plan: Plan) -> Optional[str]:
+    """The line that says a `cluster=auto` run fell back to one in-process replica, where the
+    mode and outer optimizer have nothing to act on; None otherwise (`cluster=solo` asked)."""
+    if plan.in_process and config.cluster.topology is Topology.auto:
+        return ONE_DEVICE_NOTICE
+    return None
+
+
+def one_device_warning(config: ExperimentConfig) -> Optional[str]:
+    """The one-device notice for a config not yet launched (review): only `cluster=auto` falls
+    back to in-process, and only this host's GPU count decides it."""
+    if config.cluster.topology is not Topology.auto:
+        return None
+    return one_device_notice(config, plan_topology(config))
+
+
+@dataclass
+class RunResult:
+    """What a run hands back: its summary and where it wrote things; `model` only in-process
+    (a run of several ranks leaves its model in the bundle)."""
+
+    summary: Summary
+    run_dir: Path
+    summary_path: Path
+    checkpoint: Optional[str]
+    mlflow_run_id: Optional[str]
+    model: Optional["torch.nn.Module"] = None
+
+
 def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
     """Run the job; returns the summary status (completed, interrupted, failed, ...)."""
+    return run(config, run_dir, console).summary.status
+
+
+def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optional["Recipe"] = None,
+        observer: Optional[Observer] = None, show_progress: bool = True) -> RunResult:
+    """Plan, train, and write summary.json, events.jsonl, the bundle and the tracked run.
+
+    `recipe` replaces loading `config.recipe.module` (in-process runs only); `observer` sees
+    every hook besides the launcher's own. Raises ConfigError for what only the hardware can
+    tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
-    if plan.hosts is not None:
-        from flodl_run.hosts import hosts_line
-
-        console.print(hosts_line(plan.hosts), markup=False, highlight=False)
-    else:
-        console.print(hardware_line(plan.gpus, plan.world_size), markup=False, highlight=False)
+    _check_run(config, plan, recipe)
+    _say_plan(config, plan, console)
     tracker = make_tracker(config)
-    tracker.start(config, run_dir)
-    progress = TerminalProgress(console)
-    # Teardown outputs (record log, dashboard) finish before the tracker, which uploads them.
-    outputs = [o for o in (RecordLog.for_run(config, run_dir), Dashboard.for_run(config, run_dir))
-               if o is not None]
-    observer = Observers(progress, *outputs, tracker)
-    error: Optional[Exception] = None
+    mode, outer = ("solo", "none") if plan.in_process else (None, None)
+    tracker.start(config, run_dir, mode=mode, outer=outer)
+    progress = TerminalProgress(console) if show_progress else None
+    # Teardown outputs (events, record log, dashboard) finish before the tracker, which uploads them.
+    outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir),
+                           Dashboard.for_run(config, run_dir)) if o is not None]
+    observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
     try:
-        if plan.in_process:
-            summary = _train_in_process(config, observer)
-        else:
-            from flodl_run.supervisor import launch_ranks
-
-            _leave_cores_to_ranks(config, plan)
-            summary = launch_ranks(config, plan, run_dir, console, observer, tracker.run_id)
-    except Exception as exc:  # the recipe raised in this process: still close the run's records
-        error = exc
-        summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",
-                          mode="solo" if plan.in_process else config.elche.mode.value,
-                          outer=config.outer.kind.value, world_size=plan.world_size)
+        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id)
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
     summary.mlflow_run_id = tracker.run_id
     write_summary(run_dir / "summary.json", summary)
     for output in outputs:
         output.finish(summary, run_dir)
     tracker.finish(summary, run_dir)
+    latest = link_latest(run_dir, Path.cwd() / "outputs")
     if error is not None:
         raise error
-    _report(summary, run_dir, console)
-    return summary.status
+    _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+    return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
+                     tracker.run_id, model)
+
+
+def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
+           recipe: Optional["Recipe"], mlflow_run_id: Optional[str]) -> tuple:
+    """(summary, model or None, the exception the recipe raised or None)."""
+    try:
+        if plan.in_process:
+            summary, model = _train_in_process(config, observers, recipe, mlflow_run_id)
+            return summary, model, None
+        from flodl_run.supervisor import launch_ranks
+
+        _leave_cores_to_ranks(config, plan)
+        return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id), None, None
+    except Exception as exc:  # the recipe raised in this process: still close the run's records
+        in_process = plan.in_process
+        summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",
+                          mode="solo" if in_process else config.elche.mode.value,
+                          outer="none" if in_process else config.outer.kind.value,
+                          world_size=plan.world_size)
+        return summary, None, exc
+
+
+def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
+    """The hardware (or hosts) line, and the one-device notice when it applies."""
+    if plan.hosts is not None:
+        from flodl_run.hosts import hosts_line
+
+        say(console, hosts_line(plan.hosts))
+    else:
+        say(console, hardware_line(plan.gpus, plan.world_size))
+    notice = one_device_notice(config, plan)
+    if notice:
+        say_labelled(console, "note", notice, "cyan")
+
+
+def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
+    """What only the plan can tell: a Recipe object cannot reach rank processes, and a bundle
+    saved by another world size cannot be resumed (before a probe only a fixed cluster could
+    be checked; here `cluster=auto` is too)."""
+    if recipe is not None and not plan.in_process:
+        raise ConfigError([Problem("cluster.topology", config.cluster.topology.value,
+                                   "must train in-process (one device) when the recipe is a Recipe "
+                                   "object; ranks import recipe.module instead")])
+    if not config.resume_from:
+        return
+    from flodl_run.checkpoint import BundleError, check_resume, read_meta
+
+    try:
+        reasons = check_resume(read_meta(config.resume_from), plan.world_size, config.seed,
+                               config.resume_from)
+    except BundleError as exc:
+        reasons = [str(exc)]
+    if reasons:
+        raise ConfigError([Problem("resume_from", config.resume_from, f"cannot be resumed here: {r}")
+                           for r in reasons])
 
 
 def _leave_cores_to_ranks(config: ExperimentConfig, plan: Plan) -> None:
     """CPU ranks on this host own its cores: the coordinator's CPU averaging (cpu_* modes) gets
     what they leave, at least one thread. With torch's default of one thread per core its
     intra-op threads queue behind busy ranks: on 2 cores a 2.25 MB consensus took ~80 ms instead
-    of ~6 while cpu_async ranks kept training (issue 8)."""
+    of ~6 while cpu_async ranks kept training."""
     if plan.gpus or plan.hosts is not None or not config.cluster.launch_ranks:
         return
     import torch
@@ -123,11 +214,14 @@ def _leave_cores_to_ranks(config: ExperimentConfig, plan: Plan) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - busy))
 
 
-def _train_in_process(config: ExperimentConfig, observer: Observers) -> Summary:
+def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Optional["Recipe"],
+                      mlflow_run_id: Optional[str]) -> tuple:
+    """(summary, model) of the in-process replica; Ctrl-C leaves the summary interrupted."""
     from flodl_run.recipe import load_recipe
     from flodl_run.solo import SoloTrainer
 
-    recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+    if recipe is None:
+        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
     trainer = SoloTrainer(config, recipe, observer)
     terms: List[int] = []
 
@@ -137,6 +231,7 @@ def _train_in_process(config: ExperimentConfig, observer: Observers) -> Summary:
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    trainer.mlflow_run_id = mlflow_run_id
     try:
         trainer.run()
     except KeyboardInterrupt:
@@ -145,18 +240,18 @@ def _train_in_process(config: ExperimentConfig, observer: Observers) -> Summary:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    return trainer.summary
+    return trainer.summary, trainer.replica.model
 
 
-def _report(summary: Summary, run_dir: Path, console: Console) -> None:
+def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
+    """The outcome line, then one line naming everything the run wrote."""
     if summary.status == "completed":
         final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
         syncs = ""
         if summary.world_size > 1:
             syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)"
-        console.print(f"done: final eval {final} | {summary.wall_s:.1f}s | "
-                      f"{summary.samples_per_s:,.0f} samples/s{syncs} | {run_dir}",
-                      markup=False, highlight=False, soft_wrap=True)
+        say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
+                     f"{summary.samples_per_s:,.0f} samples/s{syncs}")
     else:
-        console.print(labelled(summary.status, f"{summary.message} | {run_dir}", "bold red"),
-                      highlight=False, soft_wrap=True)
+        say_labelled(console, summary.status, summary.message or summary.status, "bold red")
+    say(console, "wrote: " + " | ".join(artifacts))

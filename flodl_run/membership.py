@@ -1,4 +1,4 @@
-"""Membership of a distributed run (DESIGN §9): deaths shrink the cohort, a dead rank's work
+"""Membership of a distributed run: deaths shrink the cohort, a dead rank's work
 returns to the pool, collective survivors regroup, and the failure policy may end the run with
 a save. A mixin of the Coordinator: it acts on the coordinator's state and messaging.
 """
@@ -31,7 +31,7 @@ class RunAborted(Exception):
 
 
 class ShutdownWithSave(Exception):
-    """Membership broke the failure policy: a survivor saves, then the run stops (DESIGN §9)."""
+    """Membership broke the failure policy: a survivor saves, then the run stops."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")

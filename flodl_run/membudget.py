@@ -1,4 +1,4 @@
-"""Memory budgets of one rank's data plane: pure arithmetic over measured sizes (DESIGN §4.3).
+"""Memory budgets of one rank's data plane: pure arithmetic over measured sizes.
 
 Owns the rules: how many bytes of device memory the data may take once the model exists,
 whether the train set goes resident, how deep the streaming prefetch runs, how many samples the

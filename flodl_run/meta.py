@@ -1,4 +1,4 @@
-"""The LR-aware meta-controller above ElChe (DESIGN §6.7): nudges the anchor down on an LR
+"""The LR-aware meta-controller above ElChe: nudges the anchor down on an LR
 cliff or on sustained divergence, softened or sharpened by the anchor's recent trend.
 
 Owns the rolling windows (last 3 LRs, 5 anchors, 5 verdicts), the per-phase base factors and

@@ -1,4 +1,4 @@
-"""Outer optimizers on the consensus: none, SlowMo and DiLoCo (DESIGN §7.4).
+"""Outer optimizers on the consensus: none, SlowMo and DiLoCo.
 
 Pseudo-gradient g = prev_global - consensus. SlowMo: v = mu*v + g, new = prev - lr*v.
 DiLoCo (Nesterov): v = mu*v + g, new = prev - lr*(mu*v + g). First window: prev := consensus.

@@ -1,4 +1,4 @@
-"""cpu_async: training overlapped with the reduce round trip (DESIGN §5, §6.8, §7.3).
+"""cpu_async: training overlapped with the reduce round trip.
 
 Owns the event loop of the async mode: each rank gets its next chunk the moment it finishes
 a window (so it may run up to `max_overshoot` batches ahead, across epoch boundaries), a
@@ -177,7 +177,7 @@ class AsyncLoop:
         # The reduce's cost is the averaging: ranks keep training while SyncNow and their
         # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
         # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
-        # the fast rank idle at the round gate (issue 8).
+        # the fast rank idle at the round gate.
         began = time.perf_counter()
         result = self.c.averager.reduce(snapshots)
         sync_ms = (time.perf_counter() - began) * 1000.0

@@ -1,4 +1,4 @@
-"""ElChe's trust level: the monotonic phase machine of DESIGN §6.2.
+"""ElChe's trust level: a monotonic phase machine.
 
 Owns the four phases and the calibration counts that open them. It does not decide what a
 phase allows: ElChe, the anchor auto-tune and the meta-controller read the phase and gate

@@ -1,6 +1,6 @@
 """Picks: positions of a data pass, the keys of the delivery transform, and the transform call.
 
-A pass is a permutation of the pick space `N * augment` (DESIGN §8): the pick at a position
+A pass is a permutation of the pick space `N * augment`: the pick at a position
 trains sample `pick % N` as its repeat `pick // N`, in the epoch whose slice of the pass holds
 the position. A `PickKey` names one pick for `transform(rows, pick_keys)`, so a re-run or a
 resumed epoch sees the same augmentation. Who trains which positions is dispatch's business.

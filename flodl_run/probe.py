@@ -312,15 +312,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(problems)
         config = materialize(typed, check_recipe=False).config
     except (ComposeError, ConfigError) as exc:
-        err.print(f"[bold red]flodl_run.probe:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]flodl_run.probe:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     reports, problems, flags = probe(config.cluster)
     out.print(_table(reports, problems))
     for report, issues in zip(reports, problems):
         for issue in issues:
-            out.print(f"[red]not ready[/] {escape(report.host)}: {escape(issue)}", highlight=False)
+            out.print(f"[red]not ready[/] {escape(report.host)}: {escape(issue)}", highlight=False,
+                      soft_wrap=True)
     for flag in flags:
-        out.print(f"[yellow]warning:[/] {escape(flag)}", highlight=False)
+        out.print(f"[yellow]warning:[/] {escape(flag)}", highlight=False, soft_wrap=True)
     ready = not any(problems)
     out.print(f"{len(reports)} host{'s' if len(reports) != 1 else ''}: "
               + ("[green]ready[/]" if ready else "[red]not ready[/]"), highlight=False)

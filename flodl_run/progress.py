@@ -21,7 +21,7 @@ from rich.progress import (
 )
 
 from flodl_run.observe import Observer
-from flodl_run.say import labelled
+from flodl_run.say import say, say_labelled
 from flodl_run.summary import EpochRecord, ReportRecord
 
 
@@ -73,23 +73,21 @@ class TerminalProgress(Observer):
         line = (f"epoch {done}/{self._total_epochs}  loss {_fmt(record.avg_loss)}  "
                 f"eval {_fmt(record.eval)}  {record.epoch_ms:,.0f} ms  samples/s [{rates}]  "
                 f"share [{shares}]  ETA {eta:,.0f}s")
-        self.console.print(line, highlight=False, soft_wrap=True)
+        say(self.console, line)
         if self._progress is not None:  # the bar shows the last epoch's per-rank rates
             label = "rank samples/s" if len(record.per_rank_throughput) > 1 else "samples/s"
             self._progress.update(self._task, rates=f"{label} {rates.replace(' ', ' | ')}")
 
     def on_report(self, record: ReportRecord) -> None:
         """Sub-epoch reports get a line of their own (long epochs in CI logs)."""
-        self.console.print(
-            f"epoch {record.epoch + 1}/{self._total_epochs}  report {record.index}  "
-            f"{record.fraction:.0%}  loss {_fmt(record.avg_loss)}  step {record.global_step}",
-            highlight=False, soft_wrap=True)
+        say(self.console, f"epoch {record.epoch + 1}/{self._total_epochs}  report {record.index}  "
+                          f"{record.fraction:.0%}  loss {_fmt(record.avg_loss)}  step {record.global_step}")
 
     def on_event(self, kind: str, message: str) -> None:
         """Events that change who trains (rank lost, shutdown) are worth a line; the rest go to
         the record log, the dashboard and MLflow."""
         if kind.startswith(("rank_", "shutdown")) or kind in ("failed", "interrupted"):
-            self.console.print(labelled(kind, message, "yellow"), highlight=False, soft_wrap=True)
+            say_labelled(self.console, kind, message, "yellow")
 
     def close(self) -> None:
         if self._progress is not None:

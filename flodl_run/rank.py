@@ -251,7 +251,7 @@ class RankWorker:
         return self._tcp_store
 
     def _join_group(self, generation: int, members: List[int]) -> None:
-        """(Re)build the process group of one membership generation (DESIGN §9). A rank left
+        """(Re)build the process group of one membership generation. A rank left
         alone builds none: its reduce is the identity. Collectives time out after
         2 x heartbeat_timeout_secs, a backstop only: the coordinator's AbortGroup comes first."""
         self._leave_group()

@@ -60,6 +60,14 @@ def _accepted(fn: Callable[..., Any], params: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in params.items() if k in sig.parameters}
 
 
+def _not_found(name: str, cwd: str) -> str:
+    """Where the module was looked for, and what makes it importable."""
+    hint = ("the built-in recipes come with the installed project: `.venv/bin/pip install -e <project>`"
+            if name == "recipes" else "put its folder on PYTHONPATH or run from the folder holding it")
+    return (f"must be an importable module (no module named {name!r}; looked up in the current "
+            f"directory {cwd}, then PYTHONPATH and installed packages; {hint})")
+
+
 def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
                 transform: Optional[str] = None) -> Recipe:
     """Import `module` (current directory first, then the environment) and check the contract."""
@@ -70,8 +78,7 @@ def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and module.startswith(exc.name):
-            raise RecipeError("recipe.module", module,
-                              f"must be an importable module (no module named {exc.name!r})") from None
+            raise RecipeError("recipe.module", module, _not_found(exc.name, cwd)) from None
         raise RecipeError("recipe.module", module,
                           f"failed to import: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # a user module can raise anything at import

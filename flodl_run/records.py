@@ -1,4 +1,4 @@
-"""The record log (`record_log_dir`, DESIGN §11.5): JSONL files in a tree per node.
+"""The record log (`record_log_dir`): JSONL files in a tree per node.
 
 `root.log` holds the run's records (start, epochs, reduces, reports, events, end),
 `root/<host>.log` each host's share of them and its system figures, and

@@ -1,4 +1,4 @@
-"""Reduces (DESIGN §6.5, §7): the collective round with regroup-and-retry, the coordinator
+"""Reduces: the collective round with regroup-and-retry, the coordinator
 backend's central round, ElChe's report, updates folded with the next chunk, and sub-epoch
 reports. A mixin of the Coordinator.
 """
@@ -119,11 +119,11 @@ class Reduces:
         return divergences, failed
 
     def _lr_factor(self) -> float:
-        """DESIGN §7.6 for the ranks alive now: a smaller cohort averages fewer steps."""
+        """Linear LR scaling for the ranks alive now: a smaller cohort averages fewer steps."""
         return lr_factor(len(self.alive), self.config.lr_scale_ratio)
 
     def _stall_ceiling_s(self) -> float:
-        """DESIGN §9: a reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""
+        """A reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""
         return max(10 * self.config.heartbeat_timeout_secs, 300.0)
 
     def _after_reduce(self, window: WindowTally, epoch: int, sync_ms: float, divergence: float,

@@ -20,7 +20,7 @@ EVAL_BATCH_SIZE = 512  # eval has no backward pass: larger batches cost nothing 
 
 
 def lr_factor(world_size: int, lr_scale_ratio: float) -> float:
-    """DESIGN §7.6: 1 + (world_size - 1) * ratio (linear scaling at ratio 1)."""
+    """Linear LR scaling: 1 + (world_size - 1) * ratio (linear scaling at ratio 1)."""
     return 1.0 + (world_size - 1) * lr_scale_ratio
 
 
@@ -85,7 +85,7 @@ class Replica:
         self.lr_scale = lr_scale
 
     def seek_schedule(self, global_step: int) -> None:
-        """Put the LR schedule at the cohort's step count (DESIGN §7.6); no-op without one."""
+        """Put the LR schedule at the cohort's step count; no-op without one."""
         if self.scheduler is None:
             return
         self.scheduler.last_epoch = global_step

@@ -66,8 +66,12 @@ def section_of(key: str) -> str:
 def materialized(overrides: Sequence[str], config_dir: Optional[Path] = None
                  ) -> Tuple[Dict[str, str], List[str]]:
     """{dotted key: shown value} of the run config, plus its warnings; raises on invalid input."""
+    from flodl_run.launcher import one_device_warning
+
     result = materialize(compose(overrides, config_dir=config_dir))
-    return {k: show(v) for k, v in dotted_items(result.config).items()}, result.warnings
+    notice = one_device_warning(result.config)
+    warnings = result.warnings + ([notice] if notice else [])
+    return {k: show(v) for k, v in dotted_items(result.config).items()}, warnings
 
 
 def preset(overrides: Sequence[str], config_dir: Optional[Path] = None) -> Dict[str, str]:
@@ -169,7 +173,7 @@ def render(tables: List[Tuple[str, Sequence[str], List[Row], bool]], warnings: L
     for spec in tables:
         console.print(rich_table(*spec))
     for warning in warnings:
-        console.print(labelled("warning", warning, "yellow"), highlight=False)
+        console.print(labelled("warning", warning, "yellow"), highlight=False, soft_wrap=True)
 
 
 def review(args: argparse.Namespace, console: Console) -> None:
@@ -207,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         review(args, Console())
     except (ComposeError, ConfigError, ReviewError) as exc:
-        Console(stderr=True).print(labelled("flodl_run", str(exc), "bold red"), highlight=False)
+        Console(stderr=True).print(labelled("flodl_run", str(exc), "bold red"), highlight=False,
+                                     soft_wrap=True)
         return EXIT_INVALID
     return 0
 

@@ -1,4 +1,4 @@
-"""Checkpoint orchestration on the coordinator (DESIGN §10): which rank writes what and when,
+"""Checkpoint orchestration on the coordinator: which rank writes what and when,
 the meta it records, and the trajectory a resume restores. The bundle format itself lives in
 `flodl_run.checkpoint`. A mixin of the Coordinator.
 """

@@ -1,7 +1,7 @@
 """User scalars: `record_scalar(name, value)` from inside train_step, rolled up per epoch.
 
 Owns the per-process buffer a rank drains once per window and the cross-rank roll-up of
-DESIGN §11.2 (`scalar_reductions`: mean by default, or sum, min, max, last). Core metric keys
+Per-key reductions (`scalar_reductions`: mean by default, or sum, min, max, last). Core metric keys
 (loss, throughput, ...) are the runtime's own and are refused at config time.
 """
 

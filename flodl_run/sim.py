@@ -102,7 +102,7 @@ def _skew_problems(s: SimConfig) -> Iterator[Problem]:
 
 
 def sim_json(result: SimResult) -> dict:
-    """The sim.json document: {"windows": [...], "summary": {...}} (issue 3's schema)."""
+    """The sim.json document: {"windows": [...], "summary": {...}}."""
     keys = [f.name for f in fields(WindowRecord)]
     # A plain comprehension, not asdict(): asdict deep-copies every 1024-rank counts list.
     rows = [{key: getattr(w, key) for key in keys} for w in result.windows]
@@ -181,7 +181,7 @@ def run_job(cfg: Any) -> None:
         lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
         fail_config("\n".join(lines + [f"  {p}" for p in problems]), err, PROG)
     for warning in warnings:
-        err.print(labelled("warning", warning, "yellow"), highlight=False)
+        err.print(labelled("warning", warning, "yellow"), highlight=False, soft_wrap=True)
     result = simulate(typed.sim, typed.elche)
     out = Console()
     if not out.is_terminal:

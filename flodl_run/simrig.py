@@ -52,7 +52,7 @@ class RankGroup:
 
 @dataclass
 class SimConfig:
-    """The simulated rig and its training signal (DESIGN §6; issue 3)."""
+    """The simulated rig and its training signal."""
 
     rank_ms: List[float] = field(default_factory=lambda: [10.0, 25.0])
     """Nominal ms per batch of each rank; each > 0. Replaced by sim.groups when that is set."""

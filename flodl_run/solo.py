@@ -1,17 +1,21 @@
 """In-process training on one device: the path of `cluster=solo` and of hosts with 0-1 GPU.
 
 Owns the epoch loop of a single replica (permutation per pass, batches, eval cadence, epoch
-records). It reports through an Observer and never prints; writing files is the caller's.
+records), and its bundle: written when the run completes and every `checkpoint_every` epochs,
+read back by `resume_from`. It reports through an Observer and never prints.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from flodl_run import checkpoint
+from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.data import num_batches, permutation
 from flodl_run.dataplane import DataPlane
@@ -62,6 +66,8 @@ class SoloTrainer:
         self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
         self.summary = Summary(mode="solo", outer="none", world_size=1,
                                devices=[device_name(self.device)])
+        self.mlflow_run_id: Optional[str] = None
+        """The tracked run, recorded in the bundle so a resume can link to it."""
         self._compute_s = 0.0
         self._samples = 0
 
@@ -72,11 +78,13 @@ class SoloTrainer:
     def run(self) -> TrainResult:
         """Train every epoch, then the final eval. Ctrl-C marks the summary interrupted and re-raises."""
         start = time.perf_counter()
+        first = self._restore() if self.config.resume_from else 0
         self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
         try:
-            for epoch in range(self.total_epochs):
+            for epoch in range(first, self.total_epochs):
                 self.summary.epochs.append(self._train_epoch(epoch))
                 self.observer.on_epoch(self.summary.epochs[-1])
+                self._maybe_checkpoint(epoch + 1)
             self.summary.final_eval = self._final_eval()
             self.summary.status = "completed"
         except KeyboardInterrupt:
@@ -85,6 +93,7 @@ class SoloTrainer:
             raise
         finally:
             self._finish(time.perf_counter() - start)
+        self._save_bundle("checkpoint", self.total_epochs)  # outside wall_s, as before bundles
         return TrainResult(self.replica.model, self.summary)
 
     def _epoch_indices(self, epoch: int) -> torch.Tensor:
@@ -145,6 +154,48 @@ class SoloTrainer:
     def _finish(self, wall_s: float) -> None:
         self.summary.wall_s = wall_s
         self.summary.samples_per_s = self._samples / self._compute_s if self._compute_s else 0.0
+
+    def _maybe_checkpoint(self, epochs_done: int) -> None:
+        """`checkpoint_every`: a bundle every n epochs (the last one is saved by run())."""
+        every = self.config.checkpoint_every
+        if every and epochs_done % every == 0 and epochs_done < self.total_epochs:
+            self._save_bundle("checkpoint", epochs_done)
+
+    def _save_bundle(self, reason: str, epoch: int) -> None:
+        """The bundle a multi-rank run writes, for a world of one: model, optimizer (also as
+        rank 0's own), meta. `epoch` is where a resume starts."""
+        stem = self.config.save_path
+        if not stem:
+            return
+        generation = checkpoint.next_generation(stem)
+        data_stem = checkpoint.generation_stem(stem, generation)
+        files = checkpoint.paths(data_stem)
+        model = self.replica.model.state_dict()
+        checkpoint.require_finite(model, "model")  # a NaN replica never replaces a finite bundle
+        optim = self.replica.optimizer.state_dict()  # device tensors load anywhere: map_location
+        own = checkpoint.rank_optim_path(data_stem, 0)
+        hashes = {path.name: checkpoint.save_tensors(path, state)
+                  for path, state in ((files["model"], model), (files["optim"], optim), (own, optim))}
+        data = self.config.data
+        coverage = checkpoint.Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch)
+        steps = sum(self._batches_in_epoch(e) for e in range(epoch))
+        meta = checkpoint.BundleMeta(checkpoint.SCHEMA_VERSION, epoch, steps, 0, 1, reason, {}, coverage,
+                                     json.loads(json.dumps(dotted_items(self.config), default=str)),
+                                     self.mlflow_run_id, generation=generation, files=hashes)
+        checkpoint.save_meta(stem, meta)  # the atomic step: this generation is now the bundle
+        checkpoint.prune(stem, generation)
+        self.summary.checkpoint = stem
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+
+    def _restore(self) -> int:
+        """Load `resume_from`'s model and optimizer; returns the epoch to start at."""
+        stem = self.config.resume_from
+        meta = checkpoint.read_meta(stem)
+        files = checkpoint.bundle_files(stem, meta)
+        self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
+        self.replica.optimizer.load_state_dict(checkpoint.load_tensors(files["optim"]))
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch}")
+        return meta.epoch
 
 
 class _LossReader:

@@ -1,4 +1,4 @@
-"""Both ends of a rank started over OpenSSH (DESIGN §12, §14).
+"""Both ends of a rank started over OpenSSH.
 
 Launcher side: the `ssh` command line for a worker (BatchMode, its user/port/key/options) and
 the one-line handshake written to the session's stdin. Remote side: `python -m flodl_run.ssh`

@@ -1,4 +1,4 @@
-"""summary.json: the machine-readable outcome of a run (DESIGN §11.3).
+"""summary.json: the machine-readable outcome of a run.
 
 Owns the record types and the atomic write; it does not compute any figure itself.
 """

@@ -1,5 +1,5 @@
 """Local rank processes: spawn them with the torchrun environment, forward their output,
-watch them, and stop them all (DESIGN §3.1).
+watch them, and stop them all.
 
 Owns process lifetimes on this host. The coordinator (a thread here) decides what the run
 does; this module only tells it when a child died or the user pressed Ctrl-C. Never touches CUDA.
@@ -53,7 +53,7 @@ class RankProcess:
 
 def host_store(addr: str, port: int) -> Any:
     """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
-    rebuild their process group on it after a death (DESIGN §9)."""
+    rebuild their process group on it after a death."""
     import torch.distributed as dist
 
     return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
@@ -113,6 +113,9 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
         proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"), store=store)
+        proc.log.write(f"# rank {rank} of {world_size}: pid {process.pid} on this host, started "
+                       f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+        proc.log.flush()  # a rank that prints nothing still leaves who it was and when it ran
         proc.forwarder = threading.Thread(target=forward, args=(proc, console, f"rank {rank}"),
                                           daemon=True)
         proc.forwarder.start()
@@ -135,6 +138,7 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
     for p in procs:
         if p.forwarder is not None:
             p.forwarder.join(timeout=2.0)
+        p.log.write(f"# rank {p.rank} exited with code {p.process.poll()}\n")
         p.log.close()
 
 
@@ -244,7 +248,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
 
 
 def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:
-    """Loopback for ranks on this host (DESIGN §14); cluster.controller when ranks come from
+    """Loopback for ranks on this host; cluster.controller when ranks come from
     other hosts (hosts topology, or controller-only for torchrun/srun)."""
     if plan.hosts is not None or not config.cluster.launch_ranks:
         return config.cluster.controller.host, config.cluster.controller.port

@@ -1,4 +1,4 @@
-"""The cpu_async overshoot budget (DESIGN §6.8): how far past its window a rank may train
+"""The cpu_async overshoot budget: how far past its window a rank may train
 while a reduce is in flight.
 
 Owns the overshoot auto-tune (start 3, +1 per Stable verdict up to 15, back to 3 on a nudge).

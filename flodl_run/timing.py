@@ -1,4 +1,4 @@
-"""Per-rank timing intake of ElChe (DESIGN §6.1): raw window timings -> smoothed ms per batch.
+"""Per-rank timing intake of ElChe: raw window timings -> smoothed ms per batch.
 
 Owns the reading rules (divide by batches actually done, callback time excluded, first-batch
 fill cost split off for cadence/async) and the trust window (mean of the last 5 valid readings,

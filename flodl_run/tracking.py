@@ -1,4 +1,4 @@
-"""MLflow tracking from the launcher/coordinator process only (DESIGN §11.4).
+"""MLflow tracking from the launcher/coordinator process only.
 
 Owns the MLflow run of one job: params (batched, short values), tags (mode, outer, devices, git
 commit of the recipe's repo, the sweep parent), system figures once per node, per-epoch and
@@ -132,7 +132,8 @@ class NullTracker(Observer):
 
     run_id: Optional[str] = None
 
-    def start(self, config: ExperimentConfig, run_dir: Path) -> None:
+    def start(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str] = None,
+              outer: Optional[str] = None) -> None:
         pass
 
     def finish(self, summary: Summary, run_dir: Path) -> None:
@@ -171,20 +172,24 @@ class MlflowTracker(NullTracker):
             location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
         return self.client.create_experiment(name, artifact_location=location)
 
-    def _start_tags(self, config: ExperimentConfig, run_dir: Path) -> Dict[str, str]:
-        tags = {"mode": config.elche.mode.value, "outer": config.outer.kind.value,
+    def _start_tags(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str],
+                    outer: Optional[str]) -> Dict[str, str]:
+        tags = {"mode": mode or config.elche.mode.value, "outer": outer or config.outer.kind.value,
                 "emulate_slowdown": str(config.cluster.emulate_slowdown),
                 "run_dir": str(run_dir)}
         tags.update(recipe_git(config.recipe.module))
         return tags
 
-    def start(self, config: ExperimentConfig, run_dir: Path) -> None:
+    def start(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str] = None,
+              outer: Optional[str] = None) -> None:
+        """Create the run; `mode`/`outer` are what actually trains when that is not the config's
+        (an in-process run is `solo`/`none`, as summary.json says)."""
         from mlflow.entities import Param
 
         from flodl_run import sweep
 
         experiment_id = self._experiment_id()
-        tags = self._start_tags(config, run_dir)
+        tags = self._start_tags(config, run_dir, mode, outer)
         parent = sweep.parent_run_id(self.client, experiment_id)
         if parent is not None:
             tags["mlflow.parentRunId"] = parent

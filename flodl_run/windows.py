@@ -1,4 +1,4 @@
-"""Windows of the sync and cadence modes (DESIGN §5, §8): per-window and per-epoch tallies,
+"""Windows of the sync and cadence modes: per-window and per-epoch tallies,
 equal-split sync epochs (fast ranks keep stepping until the gate opens) and progressive cadence
 epochs (throughput-sized chunks). A mixin of the Coordinator.
 """

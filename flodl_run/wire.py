@@ -164,7 +164,7 @@ class SyncNow(Message):
     round: int
     global_step: int
     lr_factor: float = 0.0
-    """LR scaling for the live cohort (DESIGN §7.6: 1 + (alive - 1) x ratio); 0 = unchanged."""
+    """LR scaling for the live cohort (1 + (alive - 1) x ratio); 0 = unchanged."""
 
 
 class Train(Message):

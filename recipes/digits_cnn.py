@@ -1,4 +1,4 @@
-"""A small CNN with BatchNorm on the bundled 8x8 digits: exercises the buffer rule (DESIGN §7.2)."""
+"""A small CNN with BatchNorm on the bundled 8x8 digits: exercises the buffer rule."""
 
 from __future__ import annotations
 

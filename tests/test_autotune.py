@@ -1,4 +1,4 @@
-"""Anchor auto-tune: proposal, verdict ruling, growth latch, relax_up (DESIGN §6.5)."""
+"""Anchor auto-tune: proposal, verdict ruling, growth latch, relax_up."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ W, S, M = Phase.WARMUP, Phase.STABLE, Phase.MATURE
     ],
 )
 def test_proposal_rule(anchor, ratio, phase, first, min_a, max_a, expected) -> None:
-    """Pins §6.5's proposal: fire at target (Stable+) or 2x target (Warmup, not the first report),
+    """Pins the proposal rule: fire at target (Stable+) or 2x target (Warmup, not the first report),
     growth min(overhead/target, 2)x, shrink by 1 below target/2 from Stable, 5% dead zone,
     clamps to [min_anchor, max_anchor], never more than 2x."""
     assert propose(anchor, ratio, phase, 0.05, min_a, max_a, first) == expected

@@ -1,4 +1,4 @@
-"""Collective consensus on real processes: 2 CPU ranks over Gloo, one thread each (DESIGN §7.1-§7.2)."""
+"""Collective consensus on real processes: 2 CPU ranks over Gloo, one thread each."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-rank batch counts (DESIGN §6.4)."""
+"""Per-rank batch counts."""
 
 from __future__ import annotations
 

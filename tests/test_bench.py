@@ -1,5 +1,5 @@
-"""`python -m flodl_run.bench`: the plan of runs, the figures, and the smallest bench end to end
-(issue 8). Timings are never asserted: speed targets live in the benchmark (DESIGN §15)."""
+"""`python -m flodl_run.bench`: the plan of runs, the figures, and the smallest bench end to
+end. Timings are never asserted: speed targets live in the benchmark."""
 
 from __future__ import annotations
 

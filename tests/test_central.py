@@ -1,4 +1,4 @@
-"""The coordinator backend's math (DESIGN §7.1-§7.4) against float64 references, and against
+"""The coordinator backend's math against float64 references, and against
 the collective backend on the same inputs (2 real Gloo ranks)."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_nobody_trained_means_no_update():
 
 
 def test_easgd_center_and_replica_blend_step_by_step():
-    """Pins DESIGN §7.3: center_{t+1} = (1-a) center_t + a m_t (the updated center is sent),
+    """Pins EASGD: center_{t+1} = (1-a) center_t + a m_t (the updated center is sent),
     and each replica blends local <- (1-a) local + a center_{t+1}; a = 1 is plain overwrite."""
     a = 0.5
     avg = CentralAverager(OuterOptimizer(OuterConfig()), 1.0, a)

@@ -1,4 +1,4 @@
-"""Checkpoint bundles and resume (DESIGN §10), end to end with real ranks over Gloo."""
+"""Checkpoint bundles and resume, end to end with real ranks over Gloo."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def lockstep_bundle(tmp_path_factory) -> str:
 
 
 def test_clean_end_writes_a_complete_bundle(tmp_path):
-    """Pins the bundle layout and meta fields of a clean end (DESIGN §10), and that the saved
+    """Pins the bundle layout and meta fields of a clean end, and that the saved
     model is the consensus the run evaluated."""
     proc, summary = _run(tmp_path, *PAIR, "elche=nccl_cadence", "outer=slowmo", "num_epochs=2")
     assert proc.returncode == 0, proc.stdout + proc.stderr

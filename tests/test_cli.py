@@ -144,7 +144,7 @@ def test_hydra_cfg_job_resolve_still_works(tmp_path):
 
 
 def test_review_shows_the_materialized_preset():
-    """Pins: the review of `elche=cpu_async` (DESIGN §4.4, issue 2's done-means) losing a resolved
+    """Pins: the review of `elche=cpu_async` losing a resolved
     value, or marking values as changed when only a preset was picked."""
     proc = run("flodl_run.review", "elche=cpu_async")
     assert proc.returncode == 0, proc.stderr

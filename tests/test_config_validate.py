@@ -196,13 +196,13 @@ def test_knobs_in_their_own_mode_do_not_warn():
 @pytest.mark.parametrize("easgd_alpha,explicit,expected", [
     (None, None, 0.05), (0.5, None, 0.3), (0.5, 0.1, 0.1), (None, 0.2, 0.2)])
 def test_resolve_divergence_threshold(easgd_alpha, explicit, expected):
-    """Pins: the guard threshold default (0.05; 0.3 with EASGD's elastic spread; DESIGN §7.3)."""
+    """Pins: the guard threshold default (0.05; 0.3 with EASGD's elastic spread)."""
     cfg = make(elche__easgd_alpha=easgd_alpha, elche__divergence_threshold=explicit)
     assert resolve(cfg).elche.divergence_threshold == expected
 
 
 def test_resolve_min_anchor_follows_anchor_unless_set():
-    """Pins: min_anchor null meaning `anchor` (DESIGN §4.2), and an explicit floor being kept."""
+    """Pins: min_anchor null meaning `anchor`, and an explicit floor being kept."""
     assert resolve(make(elche__anchor=7)).elche.min_anchor == 7
     assert resolve(make(elche__anchor=7, elche__min_anchor=3)).elche.min_anchor == 3
 
@@ -211,7 +211,7 @@ def test_resolve_min_anchor_follows_anchor_unless_set():
     (Mode.nccl_sync, None, False), (Mode.cpu_sync, None, False), (Mode.nccl_cadence, None, True),
     (Mode.cpu_cadence, None, True), (Mode.cpu_async, None, True), (Mode.nccl_cadence, False, False)])
 def test_resolve_progressive_dispatch_by_mode(mode, explicit, expected):
-    """Pins: progressive dispatch auto (on for cadence/async, off for sync; DESIGN §4.3)."""
+    """Pins: progressive dispatch auto (on for cadence/async, off for sync)."""
     assert resolve(make(elche__mode=mode, progressive_dispatch=explicit)).progressive_dispatch is expected
 
 

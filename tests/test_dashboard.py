@@ -48,7 +48,7 @@ def _chromium(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_dashboard_is_one_offline_file_with_every_chart(tmp_path):
     """Pins the content contract: one HTML file, no external resource (no src/href, no script),
-    the charts of DESIGN §11.5 and escaped event text."""
+    the dashboard's charts and escaped event text."""
     html = _dashboard(tmp_path / "dash.html", "auto").read_text()
     assert list(tmp_path.iterdir()) == [tmp_path / "dash.html"]
     assert not re.search(r"\b(src|href)=", html) and "<script" not in html

@@ -1,4 +1,4 @@
-"""The data plane of one rank on CPU, with simulated device sizes (issue 9)."""
+"""The data plane of one rank on CPU, with simulated device sizes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-rank delivery modes in a real two-rank run (issue 9's done-criterion), CPU only."""
+"""Per-rank delivery modes in a real two-rank run, CPU only."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The manual per-rank API (DESIGN §7.5), run by torchrun on 2 Gloo ranks through the GAN recipe."""
+"""The manual per-rank API, run by torchrun on 2 Gloo ranks through the GAN recipe."""
 
 from __future__ import annotations
 

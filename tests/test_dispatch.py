@@ -1,4 +1,4 @@
-"""Data dispatch planning (DESIGN §8): spans, equal split, progressive windows and the tail."""
+"""Data dispatch planning: spans, equal split, progressive windows and the tail."""
 
 from __future__ import annotations
 

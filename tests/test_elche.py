@@ -1,4 +1,4 @@
-"""ElChe end to end over its pure API (DESIGN §6): phases, election, counts, verdicts, state."""
+"""ElChe end to end over its pure API: phases, election, counts, verdicts, state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Anchor-rank election (DESIGN §6.3)."""
+"""Anchor-rank election."""
 
 from __future__ import annotations
 

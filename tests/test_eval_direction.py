@@ -19,7 +19,8 @@ from flodl_run.benchreport import (
     time_to_target,
     to_markdown,
 )
-from flodl_run.compare import JobOutcome, rows, to_markdown as comparison_markdown
+from flodl_run.compare import JobOutcome, rows
+from flodl_run.compare import to_markdown as comparison_markdown
 from flodl_run.config.schema import EvalDirection, ExperimentConfig, RecipeConfig
 from flodl_run.config.validate import validate
 

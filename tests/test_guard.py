@@ -1,4 +1,4 @@
-"""Convergence guards and verdicts (DESIGN §6.6)."""
+"""Convergence guards and verdicts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Elastic membership and failure handling (DESIGN §9), with real ranks over Gloo and faults
+"""Elastic membership and failure handling, with real ranks over Gloo and faults
 declared as data (FLODL_RUN_FAULT="<rank>:<after batches>:<SIGNAL>")."""
 
 from __future__ import annotations

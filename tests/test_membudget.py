@@ -1,4 +1,4 @@
-"""Budget arithmetic of the data plane against simulated device and host sizes (issue 9)."""
+"""Budget arithmetic of the data plane against simulated device and host sizes."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_prefetch_depth(budget: int, batch: int, override, depth: int) -> None:
 
 
 def test_bootstrap_depth_is_four() -> None:
-    """Pins the depth used before the model exists (issue 9)."""
+    """Pins the depth used before the model exists."""
     assert mb.BOOTSTRAP_DEPTH == 4
 
 

@@ -1,4 +1,4 @@
-"""LR-aware meta-controller (DESIGN §6.7)."""
+"""LR-aware meta-controller."""
 
 from __future__ import annotations
 

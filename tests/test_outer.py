@@ -1,4 +1,4 @@
-"""Outer optimizers on the consensus (DESIGN §7.4) against a float64 reference."""
+"""Outer optimizers on the consensus against a float64 reference."""
 
 from __future__ import annotations
 

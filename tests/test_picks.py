@@ -1,4 +1,4 @@
-"""Pick space, augment/epoch_splits coverage, PickKeys and the epoch_splits rule (issue 9)."""
+"""Pick space, augment/epoch_splits coverage, PickKeys and the epoch_splits rule."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def test_shipped_recipe_satisfies_the_contract(module, params, direction):
 
 
 def test_digits_cnn_has_batchnorm_buffers():
-    """Pins: digits_cnn losing its BatchNorm (it exists to exercise the buffer rule, DESIGN §7.2)."""
+    """Pins: digits_cnn losing its BatchNorm (it exists to exercise the buffer rule)."""
     model = load_recipe("recipes.digits_cnn").call("build_model", torch.device("cpu"))
     buffers = dict(model.named_buffers())
     floats = [k for k, v in buffers.items() if v.is_floating_point()]

@@ -55,7 +55,7 @@ def test_ring_reopened_on_an_existing_file_keeps_the_cap(tmp_path):
 
 
 def test_record_log_writes_root_host_and_rank_files(tmp_path):
-    """Pins the tree of DESIGN §11.5: root.log with every record, root/<host>.log with the host's
+    """Pins the record log's tree: root.log with every record, root/<host>.log with the host's
     system figures and its share, root/<host>/rank<k>.log with each rank's own numbers."""
     records = RecordLog(tmp_path / "records", 1 << 20, host=HOST)
     records.on_start(2, 40, 2)

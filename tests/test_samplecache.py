@@ -1,4 +1,4 @@
-"""Sample tiers: slot stores, the RAM cache over the disk stage, the pack file (issue 9)."""
+"""Sample tiers: slot stores, the RAM cache over the disk stage, the pack file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""User scalars (record_scalar) and their cross-rank roll-up (DESIGN §11.2)."""
+"""User scalars (record_scalar) and their cross-rank roll-up."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""`python -m flodl_run.sim`: the simulated rig drives the real ElChe (issue 3 "Done means")."""
+"""`python -m flodl_run.sim`: the simulated rig drives the real ElChe."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def run_sim(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_two_ranks_10_vs_25(tmp_path: Path) -> None:
-    """Pins issue 3's first "Done means" through the CLI: rank_ms=[10,25], sync_ms=5 -> Warmup
+    """Pins the headline sim case through the CLI: rank_ms=[10,25], sync_ms=5 -> Warmup
     from window 1, Stable from 5, Mature from 20; the fast rank runs 2.5x the slow one's
     batches (within 10%) after calibration; overhead at or under 0.05 within 40 windows; and
     sim.json in the run dir with exactly the issue's schema."""

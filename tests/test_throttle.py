@@ -1,4 +1,4 @@
-"""Overshoot auto-tune (DESIGN §6.8)."""
+"""Overshoot auto-tune."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Timing intake of ElChe (DESIGN §6.1)."""
+"""Timing intake of ElChe."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from flodl_run.timing import INVALID, RankTiming, Reading, TimingHistory, read, 
     ],
 )
 def test_reading_rules(wall_ms, batches, callback_ms, first_ms, skip, fill_ms, expected) -> None:
-    """Pins §6.1's reading: divisor = actual batches, callbacks excluded, first-batch fill split
+    """Pins the timing rule: divisor = actual batches, callbacks excluded, first-batch fill split
     off only for cadence/async, and the cases that yield no reading at all."""
     got = read(wall_ms, batches, callback_ms, first_ms, skip, fill_ms)
     assert got.is_valid == expected.is_valid

@@ -1,4 +1,4 @@
-"""Data-plane figures on one GPU (issue 9): throughput of resident vs streaming delivery vs a
+"""Data-plane figures on one GPU: throughput of resident vs streaming delivery vs a
 plain torch DataLoader(pin_memory=True) on the same data and model, and the OOM fallback.
 
     python3 tools/dataplane_bench.py throughput --out $OUT/throughput.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU table of docs/benchmarks.md (issue 8), for the device tool (one H200):
+# The GPU table of docs/benchmarks.md, for the device tool (one H200):
 #   bash tools/device_run.sh bash tools/gpu_bench.sh
 # Solo at each rank speed, then two ranks sharing the one GPU in the cpu_* modes (the
 # coordinator backend needs no NCCL, so ranks may share a device) with rank 1 emulated 2.5x

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of the data plane (issue 9), for the device tool:
+# GPU checks of the data plane, for the device tool:
 #   bash tools/device_run.sh bash tools/gpu_dataplane.sh
 # Writes under $OUT: throughput.json (resident vs streaming vs DataLoader(pin_memory=True)),
 # oom.json (fallback), fits/ nofit/ pair/ run dirs, and dataplane.txt (what to report).

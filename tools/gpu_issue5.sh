@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of the coordinator-backed modes (issue 5) and the in-process path, for the device tool:
+# GPU checks of the coordinator-backed modes and the in-process path, for the device tool:
 #   bash tools/device_run.sh bash tools/gpu_issue5.sh
 # Two ranks share the one GPU (the coordinator backend needs no NCCL); rank 1 emulated 2.5x slower.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 2's GPU check of the shared-memory parameter path (issue 5's round trip, issue 8's GPU
+# GPU check of the shared-memory parameter path (the round trip, and the GPU benchmark
 # table), for the device tool (one H200):
 #   bash tools/device_run.sh bash tools/gpu_shm.sh
 # 1. tools/roundtrip.py, 10 M parameters, frames then --shm, on the machine's 16-core CPU;

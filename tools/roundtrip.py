@@ -1,4 +1,4 @@
-"""Measure the coordinator backend's round trip against the memcpy floor (issue 5).
+"""Measure the coordinator backend's round trip against the memcpy floor.
 
 Two rank processes and a coordinator (this process) on loopback, the real wire format (HMAC,
 raw frames), host staging, the central averager and the rank-side blend. One round: SyncNow ->

@@ -1,1 +1,1 @@
-"""Parameter averaging: flat parameter storage, the collective consensus, and its math (DESIGN §7)."""
+"""Parameter averaging: flat parameter storage, the collective consensus, and its math."""

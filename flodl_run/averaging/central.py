@@ -1,4 +1,4 @@
-"""The coordinator backend's consensus on CPU (DESIGN §7.1-§7.4, cpu_* modes).
+"""The coordinator backend's consensus on CPU (cpu_* modes).
 
 Owns one round of the central reduce: the work-weighted mean of the ranks' snapshots, the
 float-buffer rule (equal weight among ranks that stepped), the outer step (once, here), the

@@ -1,6 +1,6 @@
 """The weighted consensus among ranks over torch.distributed (NCCL on CUDA, Gloo on CPU).
 
-DESIGN §7.1-§7.2: all-reduce [w_k, moved_k], pre-scale each rank's flat buffers by w_k / sum w,
+The weighted average: all-reduce [w_k, moved_k], pre-scale each rank's flat buffers by w_k / sum w,
 all-reduce SUM; float buffers equal-weighted among the ranks that stepped. Owns one reduce on
 one rank; when to reduce is the coordinator's call.
 """

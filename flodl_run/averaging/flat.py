@@ -2,7 +2,7 @@
 
 One contiguous buffer lets a reduce be a few large collectives (not one per tensor) and the
 pre-reduce scratch copy one memcpy. Owns the flattening and the buffer classification of
-DESIGN §7.2 (float buffers ride the reduce, integer buffers stay local); not the reduce itself.
+The buffer rule (float buffers ride the reduce, integer buffers stay local); not the reduce itself.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 On one host, a snapshot or an update does not need to cross a socket: the sender writes its
 flat parameters into a file under /dev/shm that both sides map (MAP_SHARED), and the control
 message names the files. This saves the socket copies and the payload MAC of the frame path
-(DESIGN §7: the round trip's floor is one memcpy of the bytes that move).
+(the round trip's floor is one memcpy of the bytes that move).
 
 Owns creating a slab (space reserved up front with posix_fallocate, so a full /dev/shm is a
 clean fallback to frames, never a SIGBUS mid-write), mapping someone else's slab by path (paths

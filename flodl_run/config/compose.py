@@ -58,7 +58,11 @@ def conf_dir() -> Path:
 
 
 def register_schemas(extra: Sequence[tuple] = ()) -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent; call before composing)."""
+    """Store the schemas in Hydra's ConfigStore and the help page's resolver (idempotent; call
+    before composing)."""
+    from flodl_run.config import helppage
+
+    helppage.register()
     store = ConfigStore.instance()
     for group, name, node in (*SCHEMAS, *extra):
         store.store(group=group, name=name, node=_without_recipe_module(node))
@@ -85,10 +89,16 @@ def _without_recipe_module(node: Any) -> Any:
 def compose(overrides: Sequence[str] = (), config_dir: Optional[Path] = None,
             config_name: str = "config") -> DictConfig:
     """Compose the tree with command-line style overrides; raises ComposeError on bad input."""
+    from flodl_run.config import overrides as checked
+
     register_schemas()
+    config_dir = config_dir or conf_dir()
+    problems = checked.check(overrides, config_dir, config_name)
+    if problems:
+        raise ComposeError("\n".join(str(p) for p in problems))
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir or conf_dir())):
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
             return hydra_compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # Hydra raises several unrelated types for user errors
         raise ComposeError(_first_lines(exc)) from None

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 
 class Mode(str, enum.Enum):
-    """The five sync/cadence/async modes (DESIGN §5). Member names are the YAML spelling."""
+    """The five sync/cadence/async modes. Member names are the YAML spelling."""
 
     nccl_sync = "nccl_sync"
     nccl_cadence = "nccl_cadence"
@@ -32,12 +32,12 @@ class Mode(str, enum.Enum):
 
     @property
     def is_progressive(self) -> bool:
-        """Cadence and async stream throughput-proportional chunks (DESIGN §8)."""
+        """Cadence and async stream throughput-proportional chunks."""
         return not self.is_sync
 
 
 class GuardKind(str, enum.Enum):
-    """Convergence guard (DESIGN §6.6)."""
+    """Convergence guard."""
 
     none = "none"
     trend = "trend"
@@ -45,7 +45,7 @@ class GuardKind(str, enum.Enum):
 
 
 class OuterKind(str, enum.Enum):
-    """Outer optimizer applied to the consensus (DESIGN §7.4)."""
+    """Outer optimizer applied to the consensus."""
 
     none = "none"
     slowmo = "slowmo"
@@ -53,7 +53,7 @@ class OuterKind(str, enum.Enum):
 
 
 class Topology(str, enum.Enum):
-    """How ranks are laid out (DESIGN §3.2, §12)."""
+    """How ranks are laid out."""
 
     auto = "auto"
     solo = "solo"
@@ -69,7 +69,7 @@ class TrackingKind(str, enum.Enum):
 
 
 class Reduction(str, enum.Enum):
-    """How a user scalar rolls up across ranks (DESIGN §11.2)."""
+    """How a user scalar rolls up across ranks."""
 
     mean = "mean"
     sum = "sum"
@@ -101,10 +101,10 @@ class Theme(str, enum.Enum):
 
 @dataclass
 class ElCheConfig:
-    """The cadence balancer and its guards (DESIGN §4.2). Defaults are the nccl_cadence preset."""
+    """The cadence balancer and its guards. Defaults are the nccl_cadence preset."""
 
     mode: Mode = Mode.nccl_cadence
-    """One of the five modes (DESIGN §5)."""
+    """One of the five modes."""
     anchor: int = 10
     """Initial anchor: batches the slowest rank runs per window; >= 1."""
     min_anchor: Optional[int] = None
@@ -122,7 +122,7 @@ class ElCheConfig:
     partition_ratios: Optional[List[float]] = None
     """Per-rank data shares (normalized); length = world size; null = by measured throughput."""
     convergence_guard: GuardKind = GuardKind.trend
-    """Divergence guard: none, trend (default) or rate (DESIGN §6.6)."""
+    """Divergence guard: none, trend (default) or rate."""
     divergence_threshold: Optional[float] = None
     """Relative divergence D that counts as rising; > 0; null = 0.05, or 0.3 with easgd_alpha."""
     easgd_alpha: Optional[float] = None
@@ -130,7 +130,7 @@ class ElCheConfig:
     gamma: float = 1.0
     """Consensus weight exponent: w_k = n_k ** gamma; >= 0."""
     meta_controller: bool = True
-    """LR-aware meta-controller above ElChe (DESIGN §6.7)."""
+    """LR-aware meta-controller above ElChe."""
 
     @classmethod
     def nccl_sync(cls) -> "ElCheConfig":
@@ -160,7 +160,7 @@ class ElCheConfig:
 
 @dataclass
 class OuterConfig:
-    """Outer optimizer on the consensus (DESIGN §7.4)."""
+    """Outer optimizer on the consensus."""
 
     kind: OuterKind = OuterKind.none
     """none (plain averaging), slowmo, or diloco (Nesterov)."""
@@ -172,7 +172,7 @@ class OuterConfig:
 
 @dataclass
 class SshConfig:
-    """How the launcher reaches a worker host over OpenSSH (DESIGN §12)."""
+    """How the launcher reaches a worker host over OpenSSH."""
 
     user: Optional[str] = None
     """Remote user; null = the ssh client's default."""
@@ -186,7 +186,7 @@ class SshConfig:
 
 @dataclass
 class WorkerConfig:
-    """One host that runs ranks (DESIGN §12)."""
+    """One host that runs ranks."""
 
     host: str = "localhost"
     """Address the launcher reaches the host at."""
@@ -205,7 +205,7 @@ class WorkerConfig:
 
 @dataclass
 class ControllerConfig:
-    """Where the coordinator listens for a multi-host run (DESIGN §12)."""
+    """Where the coordinator listens for a multi-host run."""
 
     host: str = "127.0.0.1"
     """Address ranks reach the coordinator at; loopback for single-host runs."""
@@ -217,7 +217,7 @@ class ControllerConfig:
 
 @dataclass
 class ClusterConfig:
-    """Rank topology (DESIGN §3.2, §12)."""
+    """Rank topology."""
 
     topology: Topology = Topology.auto
     """auto (1 rank per visible GPU if 2+, else in-process), solo, cpu, local_gpus or hosts."""
@@ -228,7 +228,7 @@ class ClusterConfig:
     devices: List[str] = field(default_factory=list)
     """CUDA device indices or UUIDs for topology local_gpus."""
     emulate_slowdown: Optional[List[float]] = None
-    """Per-rank slowdown factors >= 1 (rank k sleeps (f_k - 1) x step time); DESIGN §13."""
+    """Per-rank slowdown factors >= 1 (rank k sleeps (f_k - 1) x step time)."""
     master_addr: str = "127.0.0.1"
     """MASTER_ADDR of the torch.distributed rendezvous (local ranks; controller-only hosts
     layouts). Ranks the launcher starts over SSH use its store at controller.host instead."""
@@ -243,7 +243,7 @@ class ClusterConfig:
 
 @dataclass
 class DataConfig:
-    """Per-rank data-plane budgets and delivery (DESIGN §4.3, §8)."""
+    """Per-rank data-plane budgets and delivery."""
 
     vram_max_usage: float = 0.90
     """Share of device memory the data plane may use; in [0.50, 0.99]."""
@@ -271,7 +271,7 @@ class DataConfig:
 
 @dataclass
 class MaxFailureConfig:
-    """Dead-rank threshold that ends the run with a save (DESIGN §9). Set at most one."""
+    """Dead-rank threshold that ends the run with a save. Set at most one."""
 
     absolute: Optional[int] = None
     """Stop when this many ranks are dead; >= 1."""
@@ -296,7 +296,7 @@ class RecipeConfig:
 
 @dataclass
 class TrackingConfig:
-    """Where the coordinator logs runs (DESIGN §11.4)."""
+    """Where the coordinator logs runs."""
 
     kind: TrackingKind = TrackingKind.mlflow
     """mlflow (local SQLite store), mlflow_server (a tracking URI) or off."""
@@ -310,7 +310,7 @@ class TrackingConfig:
 
 @dataclass
 class DdpRunConfig:
-    """Run-scope configuration of distributed training (DESIGN §4.3; names follow floDl)."""
+    """Run-scope configuration of distributed training (names follow floDl)."""
 
     elche: ElCheConfig = field(default_factory=ElCheConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)

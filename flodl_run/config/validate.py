@@ -24,7 +24,7 @@ from flodl_run.config.schema import (
     TrackingKind,
 )
 
-# Keys whose cross-rank roll-up the runtime fixes (DESIGN §11.2): users may not redeclare them.
+# Keys whose cross-rank roll-up the runtime fixes: users may not redeclare them.
 CORE_METRIC_KEYS = ("loss", "throughput", "batch_share", "data_starve", "compute_only_ms")
 
 # torchrun contract and our own control-plane variables: a worker env block may not set them.
@@ -238,9 +238,21 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
                           "is a core metric key whose reduction is fixed")
     yield from _checkpoint_at_epoch(cfg)
     if cfg.resume_from is not None:
-        if not Path(cfg.resume_from + ".meta.json").is_file():  # the meta names the other files
-            yield Problem("resume_from", cfg.resume_from,
-                          "must name an existing checkpoint bundle (missing .meta.json)")
+        missing = [s for s in (".meta.json",) if not Path(cfg.resume_from + s).is_file()]
+        if missing:
+            yield Problem("resume_from", cfg.resume_from, _resume_hint(cfg.resume_from, missing))
+
+
+def _resume_hint(given: str, missing: List[str]) -> str:
+    """A bundle is named by its stem, `<run dir>/checkpoint`, not by its folder or a file."""
+    path = Path(given)
+    for stem in (path / "checkpoint", path.with_suffix("") if path.suffix == ".pt" else None,
+                 Path(given.removesuffix(".meta.json"))):
+        if stem is not None and str(stem) != given and Path(f"{stem}.meta.json").is_file():
+            return f"must be the bundle's stem, the files' common prefix: type resume_from={stem}"
+    return (f"must name a checkpoint bundle by its stem, e.g. resume_from=outputs/<date>/<time>/"
+            f"checkpoint for the file checkpoint.meta.json and the files it names "
+            f"(missing {', '.join(missing)})")
 
 
 def _max_failure(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
