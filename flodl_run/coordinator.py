@@ -12,7 +12,7 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import zmq
 
@@ -103,6 +103,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._saving = False  # a bundle is being written: a stop deadline waits for it
         self._raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
         self._nonfinite: Dict[int, str] = {}  # rank -> "loss" | "parameters", since the last reduce
+        # rank -> (cosine, magnitude) of its window update against the consensus, this reduce
+        self._alignment: Dict[int, Tuple[Optional[float], Optional[float]]] = {}
         self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
         self._reset_next: Set[int] = set()  # non-finite ranks the next update replaces
         self._resetting: Set[int] = set()  # ... until their next snapshot (NaN windows in flight)

@@ -183,6 +183,7 @@ class AsyncLoop:
         sync_ms = (time.perf_counter() - began) * 1000.0
         self.c._global_step += sum(s.steps for s in snapshots)
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
+        self.c._alignment = dict(result.alignment) if result else {}
         self.c._after_reduce(self.window, epoch, sync_ms, result.divergence if result else 0.0)
         stop = self.c.tally_nonfinite()
         self.c._send_updates(result, {})

@@ -202,6 +202,10 @@ class RankWorker:
         self._shm = Mapper(self._shm_prefix)
         if config.resume_from:
             self._resume(config.resume_from)
+        # Collective modes: where this window began (the last consensus), for the divergence's
+        # cosine/magnitude; a spare buffer of the same size takes the next one (no allocation).
+        self._start = self.flat.clone() if self.mode.is_collective else None
+        self._spare: Optional[List[torch.Tensor]] = None
         self.ctx = zmq.Context()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -441,16 +445,26 @@ class RankWorker:
         except CollectiveError as exc:
             self.channel.send(ReduceFailed(self.env.rank, order.round, str(exc)))
             return
-        self._last_reduce = (order.round, outcome.scratch, self._steps_since_reduce, outer_before)
+        self._last_reduce = (order.round, outcome.scratch, self._steps_since_reduce, outer_before,
+                             self._start)
         if outcome.applied and self.outer.step_(self.flat.buffers):
             self._after_outer_step()
+        self._begin_window()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
         if not outcome.finite:
             self.replica.optimizer.state.clear()  # its moments are NaN too: restart them
         self.waits.sent("Reduced")
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight,
-                                  outcome.finite))
+                                  outcome.finite, outcome.cosine, outcome.magnitude))
+
+    def _begin_window(self) -> None:
+        """The next window starts from the parameters now held: copy them into the spare
+        buffer and make it the start (the old start stays intact for an undo)."""
+        spare = self._spare if self._spare is not None else self.flat.clone()
+        for dst, src in zip(spare, self.flat.buffers):
+            dst.copy_(src)
+        self._start, self._spare = spare, self._start
 
     def _weighted_reduce(self) -> ReduceOutcome:
         """The cohort's consensus; alone, the identity (this replica is the consensus)."""
@@ -461,15 +475,18 @@ class RankWorker:
             return ReduceOutcome(weight > 0.0, weight, weight, 0.0, None, finite)
         self._collective_began = time.monotonic()
         try:
-            return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken)
+            return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken,
+                                    start=self._start)
         finally:
             self._collective_began = None
 
     def _undo_reduce(self) -> None:
         """Back to the pre-reduce replica (parameters, step count, outer state)."""
-        _, scratch, steps, outer_before = self._last_reduce
+        _, scratch, steps, outer_before, start = self._last_reduce
         if scratch is not None:
             self.flat.copy_(scratch)
+        if start is not self._start:  # the window's start goes back too; the new one is spare
+            self._start, self._spare = start, self._start
         self._steps_since_reduce = steps
         if outer_before is not None:
             self.outer.load_state_dict(outer_before)

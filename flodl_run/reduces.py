@@ -55,6 +55,7 @@ class Reduces:
                 self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
             result = self._central_round(window, wait_all=final)
             divergence = result.divergence if result else 0.0
+            self._alignment = dict(result.alignment) if result else {}
         sync_ms = (time.perf_counter() - began) * 1000.0
         window.drop(set(range(self.world_size)) - self.alive)  # the dead's work is redone
         # A rank left out of the average still owes what it trained since its last fold.
@@ -116,6 +117,7 @@ class Reduces:
                 self._nonfinite.setdefault(msg.rank, "parameters")
             else:
                 divergences.append(msg.divergence)
+                self._alignment[msg.rank] = (msg.cosine, msg.magnitude)
         return divergences, failed
 
     def _lr_factor(self) -> float:
@@ -328,9 +330,11 @@ class Reduces:
 
     def _observe_reduce(self, epoch: int, sync_ms: float, divergence: float) -> None:
         plan = self.plan
+        parts = [self._alignment.get(r, (None, None)) for r in range(self.world_size)]
+        self._alignment = {}
         self.observer.on_reduce(ReduceRecord(
             self._round, epoch, sync_ms, divergence, plan.anchor, plan.anchor_rank,
             list(plan.batch_counts), plan.overhead, str(plan.verdict), plan.phase.name.lower(),
-            plan.nudge_factor))
+            plan.nudge_factor, [c for c, _ in parts], [m for _, m in parts]))
         for event in plan.events:
             self.observer.on_event(event.kind, event.message)

@@ -55,6 +55,10 @@ class ReduceRecord:
     verdict: str
     phase: str
     nudge_factor: Optional[float] = None
+    cosine: List[Optional[float]] = field(default_factory=list)
+    """Per rank: cosine between its window update and the consensus's (None: not measured)."""
+    magnitude: List[Optional[float]] = field(default_factory=list)
+    """Per rank: ||its window update|| / ||the consensus's|| (None: not measured)."""
 
 
 @dataclass

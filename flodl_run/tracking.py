@@ -93,6 +93,9 @@ def reduce_values(record: ReduceRecord) -> Dict[str, float]:
     values.update({k: float(v) for k, v in optional.items() if v is not None})
     for rank, count in enumerate(record.batch_counts):
         values[f"reduce/batches/rank{rank}"] = float(count)
+    for name, per_rank in (("cosine", record.cosine), ("magnitude", record.magnitude)):
+        values.update({f"reduce/{name}/rank{rank}": float(v) for rank, v in enumerate(per_rank)
+                       if v is not None})
     return values
 
 

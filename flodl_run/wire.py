@@ -97,6 +97,10 @@ class Reduced(Message):
     weight: float
     finite: bool = True
     """False: this rank's parameters were NaN/inf; it gave weight 0 and adopted the others'."""
+    cosine: Optional[float] = None
+    """Cosine between this rank's window update and the consensus's (the divergence's direction)."""
+    magnitude: Optional[float] = None
+    """||this rank's window update|| / ||the consensus's|| (the divergence's size)."""
 
 
 class SnapshotTaken(Message):

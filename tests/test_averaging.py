@@ -31,15 +31,20 @@ def _model(seed: int) -> nn.Module:
     return model
 
 
+START_SEED = 99
+
+
 def _worker(rank: int, world: int, port: int, steps: list, gamma: float, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model(seed=100 + rank)
     flat = FlatParams(model)
-    outcome = weighted_reduce_(flat, steps[rank], gamma)
+    start = FlatParams(_model(seed=START_SEED)).buffers  # where every rank's window began
+    outcome = weighted_reduce_(flat, steps[rank], gamma, start=start)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.save({"state": state, "divergence": outcome.divergence, "applied": outcome.applied},
+    torch.save({"state": state, "divergence": outcome.divergence, "applied": outcome.applied,
+                "cosine": outcome.cosine, "magnitude": outcome.magnitude},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -94,6 +99,29 @@ def test_divergence_is_distance_to_consensus(tmp_path):
         expected = relative_distance(before, consensus)
         assert result["divergence"] == pytest.approx(expected, rel=1e-5)
         assert result["divergence"] > 0
+
+
+def test_divergence_splits_into_cosine_and_magnitude_of_the_window_updates(tmp_path):
+    """Pins the divergence's breakdown: with u = theta_k_before - start (rank k's window update)
+    and v = consensus - start, the reduce reports cos(u, v) and ||u|| / ||v||, and they rebuild
+    the divergence: ||u - v|| / ||consensus|| = ||v|| sqrt(m^2 + 1 - 2 m cos) / ||consensus||."""
+    steps = [2, 6]
+    results = _run(tmp_path, steps)
+    ref, models = _reference(steps, 1.0)
+    names = [n for n, _ in models[0].named_parameters()]
+    start_model = dict(_model(seed=START_SEED).named_parameters())
+    start = torch.cat([start_model[n].detach().double().reshape(-1) for n in names])
+    consensus = torch.cat([ref[n].reshape(-1) for n in names])
+    v = consensus - start
+    for rank, result in enumerate(results):
+        before = torch.cat([dict(models[rank].named_parameters())[n].detach().double().reshape(-1)
+                            for n in names])
+        u = before - start
+        assert result["cosine"] == pytest.approx(float(u @ v / (u.norm() * v.norm())), rel=1e-5)
+        assert result["magnitude"] == pytest.approx(float(u.norm() / v.norm()), rel=1e-5)
+        m, cos = result["magnitude"], result["cosine"]
+        rebuilt = float(v.norm()) * (m * m + 1 - 2 * m * cos) ** 0.5 / float(consensus.norm())
+        assert result["divergence"] == pytest.approx(rebuilt, rel=1e-4)
 
 
 def test_all_zero_weights_skip_the_reduce(tmp_path):

@@ -38,6 +38,25 @@ def test_central_consensus_and_buffers_match_float64(steps, gamma):
     assert result.divergence == pytest.approx(max(dists), rel=1e-5)
 
 
+def test_cosine_and_magnitude_measure_each_update_from_what_ranks_adopted_last_round():
+    """Pins the coordinator backend's divergence breakdown: none on the first round (no start
+    known), then per rank cos(u, v) and ||u|| / ||v|| with u = snapshot - last round's result
+    and v = consensus - last round's result."""
+    averager = CentralAverager(OuterOptimizer(OuterConfig()), 1.0, None)
+    first = averager.reduce([_snap(0, 2, seed=1), _snap(1, 3, seed=2)])
+    assert first.alignment == {}
+    start = first.params[0].double().clone()
+    snaps = [_snap(0, 2, seed=3), _snap(1, 5, seed=4)]
+    second = averager.reduce(snaps)
+    consensus = (2 * snaps[0].params[0].double() + 5 * snaps[1].params[0].double()) / 7
+    v = consensus - start
+    for s in snaps:
+        u = s.params[0].double() - start
+        cosine, magnitude = second.alignment[s.rank]
+        assert cosine == pytest.approx(float(u @ v / (u.norm() * v.norm())), rel=1e-5)
+        assert magnitude == pytest.approx(float(u.norm() / v.norm()), rel=1e-5)
+
+
 def test_consensus_built_in_a_given_buffer_is_the_same_consensus():
     """Pins `out=` (the coordinator's shared-memory slab): the consensus lands in the given
     tensors, bit-equal to the one built in fresh tensors, and the snapshots stay untouched."""

@@ -123,16 +123,19 @@ def test_local_store_gets_params_metrics_artifacts_and_status(pair_run):
 
 def test_per_reduce_metrics_follow_every_reduce(pair_run):
     """Pins the batched per-reduce metrics: one point per reduce (step = round) for anchor,
-    sync_ms, divergence, phase (as a number) and each rank's batch count; the anchor series is
-    summary.json's anchor trajectory (nothing lost in the buffer)."""
+    sync_ms, divergence, phase (as a number), each rank's batch count and the divergence's
+    breakdown per rank (cosine in [-1, 1], magnitude > 0); the anchor series is summary.json's
+    anchor trajectory (nothing lost in the buffer)."""
     summary = pair_run["summary"]
     anchor = _history(pair_run, "reduce/anchor")
     assert summary["syncs"] >= 3
     assert [m.step for m in anchor] == list(range(1, summary["syncs"] + 1))
     assert [m.value for m in anchor] == summary["anchor_trajectory"]
     for key in ("reduce/sync_ms", "reduce/divergence", "reduce/overhead", "reduce/batches/rank0",
-                "reduce/batches/rank1"):
+                "reduce/batches/rank1", "reduce/cosine/rank0", "reduce/magnitude/rank1"):
         assert len(_history(pair_run, key)) == summary["syncs"], key
+    assert all(-1.0 <= m.value <= 1.0 for m in _history(pair_run, "reduce/cosine/rank1"))
+    assert all(m.value > 0 for m in _history(pair_run, "reduce/magnitude/rank0"))
     assert {m.value for m in _history(pair_run, "reduce/phase")} <= {0.0, 1.0, 2.0, 3.0}
 
 

@@ -9,12 +9,12 @@ on CPU tensors; receiving snapshots and sending updates are the coordinator's jo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from flodl_run.averaging.collective import consensus_weight
-from flodl_run.averaging.flat import relative_distance, squared_norm
+from flodl_run.averaging.flat import alignment, divergence_parts, ratio
 from flodl_run.outer import OuterOptimizer
 
 
@@ -43,6 +43,9 @@ class CentralResult:
     """The outer optimizer moved the parameters (DiLoCo then resets inner optimizer state)."""
     nonfinite: List[int] = field(default_factory=list)
     """Ranks whose snapshot was non-finite: they contributed nothing and adopt the result."""
+    alignment: Dict[int, Tuple[Optional[float], Optional[float]]] = field(default_factory=dict)
+    """Rank -> (cosine, magnitude) of its window update against the consensus's, measured from
+    what the ranks adopted last round (empty on the first round)."""
 
 
 class CentralAverager:
@@ -53,6 +56,9 @@ class CentralAverager:
         self.gamma = gamma
         self.alpha = easgd_alpha
         self.center: Optional[List[torch.Tensor]] = None
+        self.start: Optional[List[torch.Tensor]] = None
+        """What the ranks adopted last round (where their windows began), kept for the
+        divergence's cosine/magnitude; copied into the same buffers every round."""
 
     def seed_center(self, params: Sequence[torch.Tensor]) -> None:
         """EASGD: the center starts at the initial parameters."""
@@ -74,12 +80,21 @@ class CentralAverager:
             for acc, p in zip(consensus, params):
                 acc.add_(p, alpha=w / total)
         finite = [s for s in snapshots if s.finite]
-        norm_sq = squared_norm(consensus)
-        divergence = max(relative_distance(s.params, consensus, norm_sq) for s in finite)
+        parts = {s.rank: divergence_parts(s.params, consensus, self.start).tolist() for s in finite}
+        divergence = max(ratio(p[0], p[1]) for p in parts.values())
+        aligned = {r: alignment(*p[2:]) for r, p in parts.items() if len(p) > 2}
         stepped = self.outer.step_(consensus)
         params = self._easgd(consensus) if self.alpha is not None else consensus
+        self._remember_start(params)
         return CentralResult(params, _mean_buffers(finite), divergence, weights, stepped,
-                             [s.rank for s in snapshots if not s.finite])
+                             [s.rank for s in snapshots if not s.finite], aligned)
+
+    def _remember_start(self, params: Sequence[torch.Tensor]) -> None:
+        if self.start is None:
+            self.start = [p.clone() for p in params]
+            return
+        for mine, p in zip(self.start, params):
+            mine.copy_(p)
 
     def _easgd(self, consensus: List[torch.Tensor]) -> List[torch.Tensor]:
         """center <- (1 - a) * center + a * m_t; replicas then blend toward the new center."""

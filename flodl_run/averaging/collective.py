@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from flodl_run.averaging.flat import FlatParams, relative_distance
+from flodl_run.averaging.flat import FlatParams, alignment, divergence_parts, ratio
 
 
 class CollectiveError(RuntimeError):
@@ -38,14 +38,20 @@ class ReduceOutcome:
     finite: bool = True
     """False: this rank's parameters held NaN/inf, so it contributed weight 0 (and adopted the
     consensus of the others, when any)."""
+    cosine: Optional[float] = None
+    """Cosine between this rank's window update and the consensus's (None without a start)."""
+    magnitude: Optional[float] = None
+    """||this rank's window update|| / ||the consensus's|| (None without a start)."""
 
 
 def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
                      group: Optional[dist.ProcessGroup] = None,
-                     broken: Callable[[], bool] = lambda: False) -> ReduceOutcome:
+                     broken: Callable[[], bool] = lambda: False,
+                     start: Optional[List[torch.Tensor]] = None) -> ReduceOutcome:
     """Replace this rank's parameters and float buffers by the cohort's consensus, in place.
     `broken()` true after the collectives completed (another thread aborted the group while
-    they waited on a dead peer): their results are garbage, so the replica is restored."""
+    they waited on a dead peer): their results are garbage, so the replica is restored.
+    `start`: the parameters the window began from, for the divergence's cosine/magnitude."""
     device = flat.buffers[0].device
     finite = all_finite(flat)  # stays on the device: read once, with the all-reduced meta
     meta = torch.tensor([consensus_weight(steps, gamma), 1.0 if steps > 0 else 0.0],
@@ -69,7 +75,7 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
             buf.zero_() if weight == 0.0 else buf.mul_(weight / total_weight)
             dist.all_reduce(buf, group=group)
         _reduce_float_buffers_(flat, moved / movers, group)
-        divergence = relative_distance(scratch, flat.buffers)  # waits for the result
+        parts = divergence_parts(scratch, flat.buffers, start).tolist()  # waits for the result
         if broken():
             raise CollectiveError("the process group was aborted")
     except Exception as exc:  # a peer died mid-reduce: leave this replica as it was
@@ -77,7 +83,9 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
         if stats is not None:
             flat.load_float_buffers_(stats)
         raise CollectiveError(str(exc)) from exc
-    return ReduceOutcome(True, weight, total_weight, divergence, scratch, ok)
+    cosine, magnitude = alignment(*parts[2:]) if start is not None else (None, None)
+    return ReduceOutcome(True, weight, total_weight, ratio(parts[0], parts[1]), scratch, ok,
+                         cosine, magnitude)
 
 
 def _reduce_float_buffers_(flat: FlatParams, share: float, group: Optional[dist.ProcessGroup]) -> None:

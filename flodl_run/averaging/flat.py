@@ -8,7 +8,7 @@ The buffer rule (float buffers ride the reduce, integer buffers stay local); not
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -96,9 +96,43 @@ def relative_distance(before: List[torch.Tensor], after: List[torch.Tensor],
         diff, norm = torch.stack([diff_sq, norm_sq]).tolist()
     else:
         diff, norm = float(diff_sq), norm_sq
-    if norm <= 1e-24:
-        return 0.0
-    return (diff / norm) ** 0.5
+    return ratio(diff, norm)
+
+
+def ratio(diff_sq: float, norm_sq: float) -> float:
+    """sqrt(diff_sq / norm_sq), 0 when the norm is ~0 (the divergence of one rank)."""
+    return 0.0 if norm_sq <= 1e-24 else (diff_sq / norm_sq) ** 0.5
+
+
+@torch.no_grad()
+def divergence_parts(before: List[torch.Tensor], after: List[torch.Tensor],
+                     start: Optional[List[torch.Tensor]]) -> torch.Tensor:
+    """On the device, as one float64 vector (read it once): ||before - after||^2, ||after||^2,
+    and, given the window's `start`, <u, v>, ||u||^2 and ||v||^2 for this rank's window update
+    u = before - start and the consensus's v = after - start (see `alignment`)."""
+    parts = [_sum_squares(before, minus=after), _sum_squares(after)]
+    if start is not None:
+        dot = torch.zeros((), dtype=torch.float64, device=after[0].device)
+        for b, a, s0 in zip(before, after, start):
+            b, a, s0 = b.reshape(-1), a.reshape(-1), s0.reshape(-1)
+            block = b.numel() if b.device.type == "cuda" else _CPU_BLOCK
+            for i in range(0, b.numel(), block):
+                u = b[i:i + block].float() - s0[i:i + block].float()
+                v = a[i:i + block].float() - s0[i:i + block].float()
+                dot += (u * v).sum().double()
+        parts += [dot, _sum_squares(before, minus=start), _sum_squares(after, minus=start)]
+    return torch.stack(parts)
+
+
+def alignment(dot: float, u_sq: float, v_sq: float) -> Tuple[Optional[float], Optional[float]]:
+    """The divergence's two parts for one rank: the cosine between its window update and the
+    consensus's, and the ratio of their lengths. With them, ||u - v|| = ||v|| x
+    sqrt(m^2 + 1 - 2 m cos): m > 1 with cos ~ 1 is a rank that ran further the same way (more
+    steps, a larger LR); cos well below 1 is a rank pulling elsewhere. None when either update
+    is ~0 (nothing to compare)."""
+    if u_sq <= 1e-24 or v_sq <= 1e-24:
+        return None, None
+    return dot / (u_sq * v_sq) ** 0.5, (u_sq / v_sq) ** 0.5
 
 
 def squared_norm(tensors: List[torch.Tensor]) -> float:
