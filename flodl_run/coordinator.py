@@ -105,6 +105,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._nonfinite: Dict[int, str] = {}  # rank -> "loss" | "parameters", since the last reduce
         # rank -> (cosine, magnitude) of its window update against the consensus, this reduce
         self._alignment: Dict[int, Tuple[Optional[float], Optional[float]]] = {}
+        self._pending_events: List[Tuple[str, str]] = []
         self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
         self._reset_next: Set[int] = set()  # non-finite ranks the next update replaces
         self._resetting: Set[int] = set()  # ... until their next snapshot (NaN windows in flight)
@@ -213,7 +214,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         timed = [j.reduce_ms for j in self.joined.values() if j.reduce_ms is not None]
         if not timed:
             return None
-        self.observer.on_event("reduce_timed", f"one reduce before training: {max(timed):.1f} ms")
+        self._pending_events.append(("reduce_timed", f"one reduce before training: {max(timed):.1f} ms"))
         return max(timed)
 
     def _epoch_batches(self, epoch: int) -> int:
@@ -227,6 +228,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
     def _train_all_epochs(self) -> None:
         total = self.config.num_epochs * self.config.data.epoch_splits
         self.observer.on_start(total, self._epoch_batches(0), self.world_size)
+        for kind, message in self._pending_events:  # noted while the ranks joined: after the start
+            self.observer.on_event(kind, message)
         self._train_started = time.perf_counter()
         if self.mode is Mode.cpu_async:
             from flodl_run.overlap import AsyncLoop
