@@ -49,6 +49,7 @@ from flodl_run.wire import (
     Train,
     Update,
     WindowDone,
+    bind_router,
 )
 
 POLL_MS = 200
@@ -60,20 +61,15 @@ class Coordinator(Membership, Saving, Windows, Reduces):
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
-                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None):
+                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None,
+                 max_frame_bytes: int = -1):
         self.config, self.world_size = config, world_size
         self.mode = config.elche.mode
         self.observer = observer or Observer()
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in bundles so a resume can link to it."""
         self.ctx = zmq.Context.instance()
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        if port:
-            sock.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{bind_host}")
-        self.address = f"tcp://{bind_host}:{port}"
+        sock, self.address = bind_router(self.ctx, bind_host, port, max_frame_bytes)
         self.channel = Channel(sock, secret)
         self.identities: Dict[int, bytes] = {}
         self.last_seen: Dict[int, float] = {}

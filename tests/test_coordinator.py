@@ -23,6 +23,7 @@ from flodl_run.wire import (
     CheckpointSaved,
     Evaluate,
     Evaluated,
+    Heartbeat,
     RankJoined,
     Reduced,
     SaveCheckpoint,
@@ -181,11 +182,11 @@ def test_unauthenticated_frames_are_dropped_and_counted():
     client = ctx.socket(zmq.DEALER)
     client.connect(f"tcp://127.0.0.1:{port}")
     good, bad = new_secret(), new_secret()
-    Channel(client, bad).send(Stop("forged"))
-    Channel(client, good).send(Stop("genuine"))
+    Channel(client, bad).send(Heartbeat(7))
+    Channel(client, good).send(Heartbeat(1))
     receiver = Channel(server, good)
     got = receiver.recv(timeout_ms=5000)
-    assert got.message == Stop("genuine")
+    assert got.message == Heartbeat(1)
     assert receiver.rejected == 1
     client.close()
     server.close()

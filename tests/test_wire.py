@@ -1,0 +1,115 @@
+"""The control plane against peers that are not ours: a second process without the secret,
+sending forged, oversized, replayed, stripped or reflected frames to a real coordinator socket."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import zmq
+import zmq.utils.monitor
+
+from flodl_run.wire import (
+    Channel,
+    Heartbeat,
+    RankJoined,
+    SnapshotTaken,
+    Train,
+    bind_router,
+    frame_limit,
+    new_secret,
+)
+
+# A peer without the secret: it sends the byte frames it is given, as they are.
+_PEER = """
+import json, sys, zmq
+address, messages = json.loads(sys.stdin.read())
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 10000)
+sock.connect(address)
+for frames in messages:
+    sock.send_multipart([bytes.fromhex(f) for f in frames])
+sock.close()
+"""
+
+
+class _Capture:
+    """Stands in for a socket to record the frames a Channel would send (what a peer that
+    watched the wire would have)."""
+
+    def __init__(self, kind: int):
+        self.type, self.sent = kind, []
+
+    def send_multipart(self, frames, copy=True):
+        self.sent.append([bytes(f).hex() for f in frames])
+
+
+def _peer(address: str, messages) -> None:
+    subprocess.run([sys.executable, "-c", _PEER], input=json.dumps([address, messages]),
+                   text=True, check=True, timeout=60)
+
+
+def _coordinator_socket(secret: bytes, limit: int = -1):
+    sock, address = bind_router(zmq.Context.instance(), "127.0.0.1", 0, limit)
+    return sock, address, Channel(sock, secret)
+
+
+def test_replayed_stripped_and_reflected_frames_are_rejected():
+    """Pins freshness, frame-count binding and direction: a RankJoined replayed from another
+    socket, a SnapshotTaken stripped of its tensor frames (tag kept whole, or cut to the header
+    tag), and a Train reflected back to the coordinator are all dropped; the genuine messages
+    around them arrive once, in order. The sending process never sees the secret."""
+    secret = new_secret()
+    sock, address, coordinator = _coordinator_socket(secret)
+    rank, ours = _Capture(zmq.DEALER), _Capture(zmq.ROUTER)
+    from_rank = Channel(rank, secret)
+    from_rank.send(RankJoined(0, 1, 1, "h", "cpu", "cpu", 10))
+    from_rank.send(SnapshotTaken(0, 1, 4, ["torch.float32"]), [b"\0" * 16, b"\0" * 8])
+    from_rank.send(Heartbeat(0))
+    Channel(ours, secret).send(Train(1, 0, [(0, 0, 8)], 1), identity=b"x")
+    joined, snapshot, beat = rank.sent
+    stripped = [snapshot[0], snapshot[-1]]
+    cut = [snapshot[0], snapshot[-1][:64]]  # only the 32-byte header tag (hex)
+    reflected = ours.sent[0][1:]  # without the ROUTER's identity frame
+    _peer(address, [joined, joined, stripped, cut, reflected, beat])
+    got = [coordinator.recv(timeout_ms=20_000).message for _ in range(2)]
+    assert [type(m).__name__ for m in got] == ["RankJoined", "Heartbeat"]
+    assert coordinator.recv(timeout_ms=0) is None
+    assert coordinator.rejected == 4 and coordinator.malformed == 0
+    sock.close()
+
+
+def test_an_authentic_but_malformed_message_is_dropped_with_a_warning(caplog):
+    """Pins 'malformed never crashes the coordinator': a SnapshotTaken whose frames do not fit
+    its dtypes (correctly signed, so only a bug of ours could send it) is dropped and named in a
+    warning; the next message is served."""
+    secret = new_secret()
+    sock, address, coordinator = _coordinator_socket(secret)
+    rank = _Capture(zmq.DEALER)
+    channel = Channel(rank, secret)
+    channel.send(SnapshotTaken(0, 1, 4, ["torch.float32", "torch.float64"]), [b"\0" * 8])
+    channel.send(Heartbeat(0))
+    _peer(address, rank.sent)
+    assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(0)
+    assert coordinator.malformed == 1 and coordinator.rejected == 0
+    assert "SnapshotTaken with 1 tensor frames (its fields call for 3)" in caplog.text
+    sock.close()
+
+
+def test_an_oversized_frame_is_refused_before_it_is_buffered():
+    """Pins the bound on memory: the coordinator's socket has a frame limit sized from the
+    model (never below what control messages need), and a peer without the secret that sends
+    a larger frame is disconnected by zmq, so the frame never reaches the MAC check (without
+    the limit it would be received whole, then counted as rejected)."""
+    assert frame_limit(None) == -1 and frame_limit(10) == 4 << 20
+    assert frame_limit(100 << 20) == (100 << 20) + (1 << 20)
+    sock, address, coordinator = _coordinator_socket(new_secret(), limit=frame_limit(1000))
+    assert sock.getsockopt(zmq.MAXMSGSIZE) == 4 << 20
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    _peer(address, [[(b"\1" * (5 << 20)).hex(), "00" * 32]])
+    assert monitor.poll(20_000), "the oversized peer was never disconnected"
+    assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    assert coordinator.recv(timeout_ms=0) is None and coordinator.rejected == 0
+    sock.disable_monitor()
+    sock.close()
