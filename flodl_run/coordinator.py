@@ -100,6 +100,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
         self.alive: Set[int] = set(range(world_size))
         self._deaths: "queue.Queue[tuple]" = queue.Queue()
+        self._batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when), from heartbeats
+        self._liveness_checked = 0.0
         self._stopped: Set[int] = set()
         self.on_rank_dead: Optional[Callable[[int], None]] = None
         self._since_reduce: Dict[int, List[tuple]] = {r: [] for r in range(world_size)}
@@ -297,9 +299,11 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             if self._stop.is_set() and time.monotonic() > self._stop_deadline:
                 raise RunAborted("interrupted", f"{self._stop_reason or 'stopped'} (no reduce "
                                                 f"boundary within {STOP_GRACE_S:.0f}s: not saved)")
+            self._check_liveness()  # also while messages flow: a busy socket must not hide a hang
+            if not self._deaths.empty() and self._absorb_deaths():
+                return None
             received = self.channel.recv(timeout_ms=POLL_MS)
             if received is None:
-                self._check_heartbeats()
                 if self._absorb_deaths():
                     return None  # membership changed: the caller re-plans what it waits for
                 continue
@@ -309,6 +313,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 continue  # a rank declared dead does not speak for the run any more
             if rank is not None:
                 self.last_seen[rank] = time.monotonic()
+            if isinstance(message, Heartbeat):
+                self._note_progress(message, self.last_seen[rank])
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
             if isinstance(message, RankJoined):

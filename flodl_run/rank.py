@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from flodl_run.averaging.central import blend_
 from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
-from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab
+from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab, remove_run
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
 from flodl_run.data import permutation
@@ -99,11 +99,14 @@ def _pick_device(env: RankEnv) -> torch.device:
 
 
 class _Heartbeat(threading.Thread):
-    """Sends a Heartbeat every second on its own socket (zmq sockets are single-thread)."""
+    """Sends a Heartbeat every second on its own socket (zmq sockets are single-thread),
+    carrying the rank's progress (`progress()`: batches finished, working on a Train order).
+    Being a thread, it also notices a dead launcher while the main thread is busy in a step:
+    then it removes the run's slabs and ends the process, so no orphan rank stays behind."""
 
-    def __init__(self, ctx: zmq.Context, env: RankEnv):
+    def __init__(self, ctx: zmq.Context, env: RankEnv, progress: Callable[[], Tuple[int, bool]]):
         super().__init__(daemon=True, name=f"heartbeat-{env.rank}")
-        self.ctx, self.env = ctx, env
+        self.ctx, self.env, self.progress = ctx, env, progress
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -112,8 +115,23 @@ class _Heartbeat(threading.Thread):
         sock.connect(self.env.coord)
         channel = Channel(sock, self.env.secret)
         while not self.stopped.wait(HEARTBEAT_PERIOD_S):
-            channel.send(Heartbeat(self.env.rank))
+            if _orphaned(self.env):
+                _leave_orphaned(self.env)
+            channel.send(Heartbeat(self.env.rank, *self.progress()))
         sock.close()
+
+
+def _orphaned(env: RankEnv) -> bool:
+    """The launcher that started this rank is gone (the rank was re-parented)."""
+    return env.parent_pid is not None and os.getppid() != env.parent_pid
+
+
+def _leave_orphaned(env: RankEnv) -> None:
+    """Exit at once, from any thread, leaving nothing in /dev/shm: the launcher that would
+    have removed the run's slabs (ours and the coordinator's) was killed."""
+    print(f"rank {env.rank}: the launcher is gone; exiting", file=sys.stderr, flush=True)
+    remove_run(os.environ.get(PREFIX_ENV))
+    os._exit(1)
 
 
 class RankWorker:
@@ -145,6 +163,7 @@ class RankWorker:
         self._reduces_seen = 0
         self._tcp_store: Optional[dist.Store] = None
         self._batches_total = 0
+        self._training = False  # inside the train loop (not idle, not serving an order)
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
         self._staging: Optional[HostStaging] = None  # frames path (no shared memory)
@@ -165,7 +184,7 @@ class RankWorker:
         collective = self.mode.is_collective
         if collective:  # the coordinator backend needs no process group (and no NCCL)
             self._join_group(0, list(range(self.env.world_size)))
-        heartbeat = _Heartbeat(self.ctx, self.env)
+        heartbeat = _Heartbeat(self.ctx, self.env, lambda: (self._batches_total, self._training))
         heartbeat.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
@@ -218,18 +237,16 @@ class RankWorker:
         """Batch-granular loop: handle every order that arrived, then train one batch if allowed."""
         while True:
             received = self.channel.recv(timeout_ms=0 if self._can_train() else 1000)
+            self._training = received is None and self._can_train()  # what heartbeats report
             if received is None:
                 if self._can_train():
                     self._train_one()
-                elif self._orphaned():
-                    raise SystemExit("flodl_run.rank: the launcher is gone; exiting")
+                elif _orphaned(self.env):
+                    _leave_orphaned(self.env)
                 continue
             if isinstance(received.message, Stop):
                 return
             self._handle(received.message, received.payloads)
-
-    def _orphaned(self) -> bool:
-        return self.env.parent_pid is not None and os.getppid() != self.env.parent_pid
 
     def _handle(self, order: Any, payloads: List[memoryview]) -> None:
         if isinstance(order, Train):
@@ -505,6 +522,9 @@ def main() -> int:
     except Exception as exc:
         worker.channel.send(RankFailed(env.rank, f"{type(exc).__name__}: {exc}"))
         raise
+    finally:
+        if _orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays
+            remove_run(os.environ.get(PREFIX_ENV))
 
 
 if __name__ == "__main__":

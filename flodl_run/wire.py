@@ -386,7 +386,8 @@ class Channel:
         self._last_seq[sender] = seq
         return self._well_formed(header[_PREFIX_BYTES:], payloads)
 
-    def _well_formed(self, body: memoryview, payloads: List[memoryview]) -> Optional[Tuple[Message, List[memoryview]]]:
+    def _well_formed(self, body: memoryview,
+                     payloads: List[memoryview]) -> Optional[Tuple[Message, List[memoryview]]]:
         """An authentic message of the right direction with the frames its type carries."""
         try:
             message = _decoder.decode(body)
@@ -401,6 +402,7 @@ class Channel:
         return message, payloads
 
     def _malformed(self, why: str) -> None:
+        """Count and name a message that was signed by our side but cannot be served."""
         self.malformed += 1
         log.warning("dropped an authenticated but malformed message: %s", why)
         return None

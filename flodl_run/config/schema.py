@@ -314,6 +314,13 @@ class DdpRunConfig:
     max_failure: MaxFailureConfig = field(default_factory=MaxFailureConfig)
     heartbeat_timeout_secs: float = 30.0
     """A rank silent for this long, in seconds, is dead; > 0."""
+    progress_timeout_secs: float = 300.0
+    """A rank with batches to train that finishes none for max(progress_factor x its smoothed
+    batch time, this), in seconds, is hung: declared dead and killed; > 0. The floor covers
+    slow first batches (autotuning, compilation); time in an ordered reduce, eval or save does
+    not count."""
+    progress_factor: float = 20.0
+    """Smoothed batch times a training rank may go without finishing a batch; >= 1."""
     epoch_callback_policy: str = "fastest"
     """Rank that runs eval/checkpoint hooks: "fastest" or "rank:<n>"."""
     eval_every_epochs: Optional[int] = 1
