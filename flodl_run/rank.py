@@ -324,6 +324,7 @@ class RankWorker:
     # ---- reduces ---------------------------------------------------------------------------
 
     def _reduce(self, order: SyncNow) -> None:
+        self._training = False  # waiting on peers in a reduce is not a hang of ours
         self._reduces_seen += 1
         self.replica.rescale_lr(order.lr_factor)
         if not self.mode.is_collective:

@@ -10,6 +10,8 @@ import sys
 import zmq
 import zmq.utils.monitor
 
+from flodl_run.config.schema import Mode
+from flodl_run.supervisor import _param_bytes, host_store
 from flodl_run.wire import (
     Channel,
     Heartbeat,
@@ -20,6 +22,7 @@ from flodl_run.wire import (
     frame_limit,
     new_secret,
 )
+from tests.test_config_validate import make
 
 # A peer without the secret: it sends the byte frames it is given, as they are.
 _PEER = """
@@ -113,3 +116,38 @@ def test_an_oversized_frame_is_refused_before_it_is_buffered():
     assert coordinator.recv(timeout_ms=0) is None and coordinator.rejected == 0
     sock.disable_monitor()
     sock.close()
+
+
+def _listeners(port: int) -> set:
+    """Local addresses (hex, as the kernel lists them) of TCP sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_the_rendezvous_store_listens_on_master_addr_only():
+    """Pins the store's exposure: hosted for a single-host run at master_addr=127.0.0.1, it
+    listens on loopback only (torch's own listener would take every interface, unauthenticated),
+    and ranks still reach it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = host_store("127.0.0.1", 0)
+    assert _listeners(store.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                           timeout=datetime.timedelta(seconds=30))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_the_frame_limit_is_sized_from_the_model():
+    """Pins where the coordinator's frame limit comes from: the recipe's model built on the
+    meta device (digits_mlp: 26,122 float32 parameters, no buffers); collective modes send the
+    coordinator no tensors, so only control messages count there."""
+    assert _param_bytes(make(elche__mode=Mode.cpu_sync)) == 26_122 * 4
+    assert _param_bytes(make(elche__mode=Mode.nccl_sync)) == 0
