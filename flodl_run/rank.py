@@ -129,8 +129,11 @@ def _orphaned(env: RankEnv) -> bool:
 def _leave_orphaned(env: RankEnv) -> None:
     """Exit at once, from any thread, leaving nothing in /dev/shm: the launcher that would
     have removed the run's slabs (ours and the coordinator's) was killed."""
-    print(f"rank {env.rank}: the launcher is gone; exiting", file=sys.stderr, flush=True)
     remove_run(os.environ.get(PREFIX_ENV))
+    try:  # our output went to the launcher: the pipe is most likely broken
+        print(f"rank {env.rank}: the launcher is gone; exiting", file=sys.stderr, flush=True)
+    except OSError:
+        pass
     os._exit(1)
 
 
