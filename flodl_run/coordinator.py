@@ -68,8 +68,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.observer = observer or Observer()
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in bundles so a resume can link to it."""
-        self.ctx = zmq.Context.instance()
-        sock, self.address = bind_router(self.ctx, bind_host, port, max_frame_bytes)
+        self.ctx = zmq.Context()  # its own: the handshake gate is one per context
+        sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
         self.channel = Channel(sock, secret)
         self.identities: Dict[int, bytes] = {}
         self.last_seen: Dict[int, float] = {}
@@ -347,6 +347,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._send(rank, Stop(self.summary.status))
             except zmq.ZMQError:
                 pass
+        self._close_socket()
         self.summary.wall_s = wall_s
         self.summary.syncs = len(self._sync_ms)
         self.summary.avg_sync_ms = sum(self._sync_ms) / len(self._sync_ms) if self._sync_ms else 0.0
@@ -359,6 +360,13 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         if self._train_started is not None:
             train_ms = (time.perf_counter() - self._train_started) * 1000.0
             self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self._compute_ms]
+
+    def _close_socket(self) -> None:
+        """Close the control plane now (the Stop orders still go out, within LINGER), not when
+        the garbage collector finds the context: nobody joins or speaks to a finished run."""
+        self.channel.socket.close(linger=1000)
+        self._gate.stop()
+        self.ctx.term()
 
     def _samples_per_s(self) -> float:
         """Samples trained per second of epoch time (eval callbacks included, startup not)."""

@@ -58,6 +58,7 @@ from flodl_run.wire import (
     Train,
     Update,
     WindowDone,
+    connect_dealer,
 )
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -110,9 +111,8 @@ class _Heartbeat(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = connect_dealer(self.ctx, self.env.coord, self.env.secret)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.env.coord)
         channel = Channel(sock, self.env.secret)
         while not self.stopped.wait(HEARTBEAT_PERIOD_S):
             if _orphaned(self.env):
@@ -176,9 +176,8 @@ class RankWorker:
         if config.resume_from:
             self._resume(config.resume_from)
         self.ctx = zmq.Context()
-        sock = self.ctx.socket(zmq.DEALER)
+        sock = connect_dealer(self.ctx, env.coord, env.secret)
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(env.coord)
         self.channel = Channel(sock, env.secret)
 
     # ---- lifecycle -------------------------------------------------------------------------

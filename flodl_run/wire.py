@@ -1,7 +1,8 @@
 """Control-plane wire format: typed, versioned messages over ZeroMQ, authenticated per run.
 
 Owns the message schema (msgspec structs: past tense from ranks, imperatives from the
-coordinator), the frame layout `[header, *tensor frames, mac]` and its checks. Tensors travel as
+coordinator), the handshake a rank passes before the coordinator reads anything from it, the
+frame layout `[header, *tensor frames, mac]` and its checks. Tensors travel as
 raw buffers, never pickled. Each direction has its own key derived from the run secret, so an
 order reflected back to the coordinator fails. The header (version, sender id, sequence number,
 message) and the number and lengths of the frames are authenticated with HMAC-SHA256, tensor
@@ -21,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 PROTOCOL_VERSION = 2  # 2: per-direction keys, sender id and sequence number in the header
@@ -253,18 +255,55 @@ def frame_limit(param_bytes: Optional[int]) -> int:
     return max(CONTROL_FRAME_BYTES, param_bytes + FRAME_HEADROOM_BYTES)
 
 
-def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int) -> Tuple[zmq.Socket, str]:
-    """The coordinator's ROUTER, bound to `host` (random port when 0); zmq drops any peer
-    that sends a frame over `max_frame_bytes` before it is buffered whole (MAXMSGSIZE is per
-    frame and must be set before bind: the listener copies the socket's options)."""
+_ZAP_USER = "flodl_run"
+
+
+def _zap_password(secret: bytes) -> str:
+    """What a rank shows at the handshake: an HMAC of a fixed label, never the secret itself."""
+    return hmac.digest(secret, b"flodl_run handshake", sha256).hex()
+
+
+class _Gate(ThreadAuthenticator):
+    """zmq's ZAP handler for one context: lets a connection through its handshake only when it
+    shows this run's handshake password (compared in constant time), so a peer without the
+    secret is dropped before zmq reads a single message from it."""
+
+    def __init__(self, ctx: zmq.Context, secret: bytes):
+        super().__init__(ctx)
+        self._password = _zap_password(secret).encode()
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> Tuple[bool, bytes]:
+        allowed = username == _ZAP_USER and hmac.compare_digest(password.encode(), self._password)
+        return allowed, b"OK" if allowed else b"not this run"
+
+
+def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
+                secret: bytes) -> Tuple[zmq.Socket, str, _Gate]:
+    """The coordinator's ROUTER, bound to `host` (random port when 0), behind a handshake that
+    only this run's ranks pass (`connect_dealer`), and refusing frames over `max_frame_bytes`
+    before they are buffered whole (MAXMSGSIZE is per frame and must be set before bind: the
+    listener copies the socket's options). `ctx` must be the coordinator's own: zmq has one
+    handshake handler per context. Stop the gate when the run ends."""
+    gate = _Gate(ctx, secret)
+    gate.start()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.plain_server = True
     if port:
         sock.bind(f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
-    return sock, f"tcp://{host}:{port}"
+    return sock, f"tcp://{host}:{port}", gate
+
+
+def connect_dealer(ctx: zmq.Context, address: str, secret: bytes) -> zmq.Socket:
+    """A rank's DEALER to the coordinator at `address`, passing its handshake."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.plain_username = _ZAP_USER.encode()
+    sock.plain_password = _zap_password(secret).encode()
+    sock.connect(address)
+    return sock
 
 
 _SENDER_BYTES = 8

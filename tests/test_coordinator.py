@@ -33,6 +33,7 @@ from flodl_run.wire import (
     Train,
     Update,
     WindowDone,
+    connect_dealer,
     new_secret,
 )
 
@@ -53,8 +54,7 @@ class FakeRank(threading.Thread):
         self.held: List[Train] = []
 
     def run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(self.address)
+        sock = connect_dealer(zmq.Context.instance(), self.address, self.secret)
         ch = Channel(sock, self.secret)
         ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
         if self.mode == "cpu_async" and self.rank == 0:

@@ -1,5 +1,6 @@
-"""The control plane against peers that are not ours: a second process without the secret,
-sending forged, oversized, replayed, stripped or reflected frames to a real coordinator socket."""
+"""The control plane against peers that are not ours: a second process without the secret
+(knowing at most the handshake password, as one that watched the wire would), sending forged,
+oversized, replayed, stripped or reflected frames to a real coordinator socket."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from flodl_run.wire import (
     SnapshotTaken,
     Train,
     bind_router,
+    connect_dealer,
     frame_limit,
+    _zap_password,
     new_secret,
 )
 from tests.test_config_validate import make
@@ -27,9 +30,11 @@ from tests.test_config_validate import make
 # A peer without the secret: it sends the byte frames it is given, as they are.
 _PEER = """
 import json, sys, zmq
-address, messages = json.loads(sys.stdin.read())
+address, password, messages = json.loads(sys.stdin.read())
 sock = zmq.Context.instance().socket(zmq.DEALER)
-sock.setsockopt(zmq.LINGER, 10000)
+sock.setsockopt(zmq.LINGER, 3000)
+if password:
+    sock.plain_username, sock.plain_password = b"flodl_run", password.encode()
 sock.connect(address)
 for frames in messages:
     sock.send_multipart([bytes.fromhex(f) for f in frames])
@@ -48,14 +53,40 @@ class _Capture:
         self.sent.append([bytes(f).hex() for f in frames])
 
 
-def _peer(address: str, messages) -> None:
-    subprocess.run([sys.executable, "-c", _PEER], input=json.dumps([address, messages]),
+def _peer(address: str, messages, password: str = "") -> None:
+    subprocess.run([sys.executable, "-c", _PEER], input=json.dumps([address, password, messages]),
                    text=True, check=True, timeout=60)
 
 
 def _coordinator_socket(secret: bytes, limit: int = -1):
-    sock, address = bind_router(zmq.Context.instance(), "127.0.0.1", 0, limit)
-    return sock, address, Channel(sock, secret)
+    sock, address, gate = bind_router(zmq.Context(), "127.0.0.1", 0, limit, secret)
+    return sock, address, Channel(sock, secret), gate
+
+
+def test_a_peer_without_the_secret_never_gets_past_the_handshake():
+    """Pins 'nothing is read from a stranger': a peer without the handshake password (or with
+    a wrong one) is refused at the handshake, so not even a frame of it is received (neither
+    served nor counted as rejected); a rank with the secret gets through."""
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret)
+    failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    monitor = sock.get_monitor_socket(failed)
+    forged = _Capture(zmq.DEALER)
+    Channel(forged, new_secret()).send(Heartbeat(0))
+    _peer(address, forged.sent)  # no password: the wrong mechanism
+    _peer(address, forged.sent, _zap_password(new_secret()))  # another run's password
+    seen = set()
+    while seen != {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH}:
+        assert monitor.poll(20_000), f"handshake failures seen: {seen}"
+        seen.add(zmq.utils.monitor.recv_monitor_message(monitor)["event"])
+    rank = connect_dealer(zmq.Context.instance(), address, secret)
+    Channel(rank, secret).send(Heartbeat(1))
+    assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(1)
+    assert coordinator.rejected == 0
+    rank.close(linger=0)
+    sock.disable_monitor()
+    sock.close()
+    gate.stop()
 
 
 def test_replayed_stripped_and_reflected_frames_are_rejected():
@@ -64,7 +95,7 @@ def test_replayed_stripped_and_reflected_frames_are_rejected():
     tag), and a Train reflected back to the coordinator are all dropped; the genuine messages
     around them arrive once, in order. The sending process never sees the secret."""
     secret = new_secret()
-    sock, address, coordinator = _coordinator_socket(secret)
+    sock, address, coordinator, gate = _coordinator_socket(secret)
     rank, ours = _Capture(zmq.DEALER), _Capture(zmq.ROUTER)
     from_rank = Channel(rank, secret)
     from_rank.send(RankJoined(0, 1, 1, "h", "cpu", "cpu", 10))
@@ -75,12 +106,13 @@ def test_replayed_stripped_and_reflected_frames_are_rejected():
     stripped = [snapshot[0], snapshot[-1]]
     cut = [snapshot[0], snapshot[-1][:64]]  # only the 32-byte header tag (hex)
     reflected = ours.sent[0][1:]  # without the ROUTER's identity frame
-    _peer(address, [joined, joined, stripped, cut, reflected, beat])
+    _peer(address, [joined, joined, stripped, cut, reflected, beat], _zap_password(secret))
     got = [coordinator.recv(timeout_ms=20_000).message for _ in range(2)]
     assert [type(m).__name__ for m in got] == ["RankJoined", "Heartbeat"]
     assert coordinator.recv(timeout_ms=0) is None
     assert coordinator.rejected == 4 and coordinator.malformed == 0
     sock.close()
+    gate.stop()
 
 
 def test_an_authentic_but_malformed_message_is_dropped_with_a_warning(caplog):
@@ -88,16 +120,17 @@ def test_an_authentic_but_malformed_message_is_dropped_with_a_warning(caplog):
     its dtypes (correctly signed, so only a bug of ours could send it) is dropped and named in a
     warning; the next message is served."""
     secret = new_secret()
-    sock, address, coordinator = _coordinator_socket(secret)
+    sock, address, coordinator, gate = _coordinator_socket(secret)
     rank = _Capture(zmq.DEALER)
     channel = Channel(rank, secret)
     channel.send(SnapshotTaken(0, 1, 4, ["torch.float32", "torch.float64"]), [b"\0" * 8])
     channel.send(Heartbeat(0))
-    _peer(address, rank.sent)
+    _peer(address, rank.sent, _zap_password(secret))
     assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(0)
     assert coordinator.malformed == 1 and coordinator.rejected == 0
     assert "SnapshotTaken with 1 tensor frames (its fields call for 3)" in caplog.text
     sock.close()
+    gate.stop()
 
 
 def test_an_oversized_frame_is_refused_before_it_is_buffered():
@@ -107,15 +140,17 @@ def test_an_oversized_frame_is_refused_before_it_is_buffered():
     the limit it would be received whole, then counted as rejected)."""
     assert frame_limit(None) == -1 and frame_limit(10) == 4 << 20
     assert frame_limit(100 << 20) == (100 << 20) + (1 << 20)
-    sock, address, coordinator = _coordinator_socket(new_secret(), limit=frame_limit(1000))
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret, limit=frame_limit(1000))
     assert sock.getsockopt(zmq.MAXMSGSIZE) == 4 << 20
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    _peer(address, [[(b"\1" * (5 << 20)).hex(), "00" * 32]])
+    _peer(address, [[(b"\1" * (5 << 20)).hex(), "00" * 32]], _zap_password(secret))
     assert monitor.poll(20_000), "the oversized peer was never disconnected"
     assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
     assert coordinator.recv(timeout_ms=0) is None and coordinator.rejected == 0
     sock.disable_monitor()
     sock.close()
+    gate.stop()
 
 
 def _listeners(port: int) -> set:
