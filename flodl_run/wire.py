@@ -235,7 +235,10 @@ log = logging.getLogger(__name__)
 
 FACTS = (RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated, RankFailed,
          CheckpointSaved, ReduceFailed, Regrouped)
-"""What ranks send; everything else is an order, which only ranks receive."""
+"""What ranks send; only the coordinator receives these."""
+ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, Stop)
+"""What the coordinator sends; only ranks receive these. (A type in neither list is taken by
+both sides: the per-direction keys already keep a message from being turned around.)"""
 CONTROL_FRAME_BYTES = 4 << 20
 """Largest frame a message without tensors needs (a WindowDone with many scalars is ~100 KB)."""
 FRAME_HEADROOM_BYTES = 1 << 20
@@ -432,7 +435,7 @@ class Channel:
             message = _decoder.decode(body)
         except msgspec.DecodeError as exc:
             return self._malformed(f"undecodable message ({exc})")
-        if isinstance(message, FACTS) != (self.side == "coordinator"):
+        if isinstance(message, ORDERS if self.side == "coordinator" else FACTS):
             return self._malformed(f"{type(message).__name__} is not sent to the {self.side}")
         expected = expected_frames(message)
         if expected != len(payloads):

@@ -186,3 +186,14 @@ def test_the_frame_limit_is_sized_from_the_model():
     coordinator no tensors, so only control messages count there."""
     assert _param_bytes(make(elche__mode=Mode.cpu_sync)) == 26_122 * 4
     assert _param_bytes(make(elche__mode=Mode.nccl_sync)) == 0
+
+
+def test_every_message_type_has_a_direction():
+    """Pins the direction lists against the schema: a message type added to the wire but to
+    neither FACTS nor ORDERS would lose the check that keeps it to one direction."""
+    import typing
+
+    from flodl_run.wire import FACTS, ORDERS, AnyMessage
+
+    assert set(typing.get_args(AnyMessage)) == set(FACTS) | set(ORDERS)
+    assert not set(FACTS) & set(ORDERS)
