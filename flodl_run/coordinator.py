@@ -51,6 +51,7 @@ from flodl_run.wire import (
     Train,
     Update,
     WindowDone,
+    bind_router,
 )
 
 POLL_MS = 200
@@ -62,20 +63,15 @@ class Coordinator(Membership, Saving, Windows, Reduces):
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
-                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None):
+                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None,
+                 max_frame_bytes: int = -1):
         self.config, self.world_size = config, world_size
         self.mode = config.elche.mode
         self.observer = observer or Observer()
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in bundles so a resume can link to it."""
-        self.ctx = zmq.Context.instance()
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        if port:
-            sock.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{bind_host}")
-        self.address = f"tcp://{bind_host}:{port}"
+        self.ctx = zmq.Context()  # its own: the handshake gate is one per context
+        sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
         self.channel = Channel(sock, secret)
         self.identities: Dict[int, bytes] = {}
         self.listeners: Dict[int, bytes] = {}
@@ -117,6 +113,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
         self.alive: Set[int] = set(range(world_size))
         self._deaths: "queue.Queue[tuple]" = queue.Queue()
+        self._batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when), from heartbeats
+        self._liveness_checked = 0.0
         self._stopped: Set[int] = set()
         self.on_rank_dead: Optional[Callable[[int], None]] = None
         self._since_reduce: Dict[int, List[tuple]] = {r: [] for r in range(world_size)}
@@ -339,9 +337,11 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             if self._stop.is_set() and not self._saving and time.monotonic() > self._stop_deadline:
                 raise RunAborted("interrupted", f"{self._stop_reason or 'stopped'} (no reduce "
                                                 f"boundary within {STOP_GRACE_S:.0f}s: not saved)")
+            self._check_liveness()  # also while messages flow: a busy socket must not hide a hang
+            if not self._deaths.empty() and self._absorb_deaths():
+                return None
             received = self.channel.recv(timeout_ms=POLL_MS)
             if received is None:
-                self._check_heartbeats()
                 if self._absorb_deaths():
                     return None  # membership changed: the caller re-plans what it waits for
                 if deadline is not None and time.monotonic() >= deadline:
@@ -355,6 +355,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 continue  # a rank declared dead does not speak for the run any more
             if rank is not None:
                 self.last_seen[rank] = time.monotonic()
+            if isinstance(message, Heartbeat):
+                self._note_progress(message, self.last_seen[rank])
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
                 if not math.isfinite(message.loss_sum) and message.rank not in self._resetting:
@@ -408,6 +410,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._send(rank, Stop(self.summary.status))
             except zmq.ZMQError:
                 pass
+        self._close_socket()
         self.summary.wall_s = wall_s
         self.summary.syncs = len(self._sync_ms)
         self.summary.avg_sync_ms = sum(self._sync_ms) / len(self._sync_ms) if self._sync_ms else 0.0
@@ -420,6 +423,13 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         if self._train_started is not None:
             train_ms = (time.perf_counter() - self._train_started) * 1000.0
             self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self._compute_ms]
+
+    def _close_socket(self) -> None:
+        """Close the control plane now (the Stop orders still go out, within LINGER), not when
+        the garbage collector finds the context: nobody joins or speaks to a finished run."""
+        self.channel.socket.close(linger=1000)
+        self._gate.stop()
+        self.ctx.term()
 
     def _samples_per_s(self) -> float:
         """Samples trained per second of epoch time (eval callbacks included, startup not)."""

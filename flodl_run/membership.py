@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import List, Set
+import time
+from typing import List, Optional, Set
 
 import zmq
 
 from flodl_run.wire import (
     AbortGroup,
+    Heartbeat,
     Regroup,
     Regrouped,
 )
 
 POLL_MS = 200
+LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
 STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
 
@@ -39,8 +42,38 @@ class ShutdownWithSave(Exception):
 
 
 
+def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) -> float:
+    """How long a training rank may go without finishing a batch: `factor` of its smoothed
+    batch time, never less than `floor_s` (and just the floor before any batch was timed)."""
+    return max(floor_s, factor * smoothed_ms / 1000.0) if smoothed_ms else floor_s
+
+
 class Membership:
     """Coordinator mixin: who is alive and what their loss means."""
+
+    # ---- liveness: heartbeats and progress ---------------------------------------------------
+
+    def _note_progress(self, beat: Heartbeat, now: float) -> None:
+        """Restart the rank's progress clock when it finished a batch since the last beat, or
+        is not training (idle, or in an ordered reduce, eval or save: never hung)."""
+        last = self._batch_clock.get(beat.rank)
+        if last is None or last[0] != beat.batches or not beat.training:
+            self._batch_clock[beat.rank] = (beat.batches, now)
+
+    def _check_liveness(self) -> None:
+        """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S."""
+        now = time.monotonic()
+        if now - self._liveness_checked < LIVENESS_EVERY_S:
+            return
+        self._liveness_checked = now
+        self._check_heartbeats()
+        smoothed = self.elche.smoothed_ms() if self.elche is not None else []
+        for rank, (batches, since) in self._batch_clock.items():
+            ms = smoothed[rank] if rank < len(smoothed) else None
+            limit = hung_limit_s(ms, self.config.progress_factor, self.config.progress_timeout_secs)
+            if rank in self.alive and now - since > limit:
+                self.report_death(rank, f"hung: no batch finished for {now - since:.1f}s while "
+                                        f"training (limit {limit:g}s; last at batch {batches})")
 
     def _absorb_deaths(self) -> bool:
         """Turn reported deaths into a smaller membership: forget the rank's timing, give its

@@ -20,7 +20,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from flodl_run.averaging.collective import (
 )
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
-from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab
+from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab, remove_run
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
 from flodl_run.data import permutation
@@ -67,6 +67,7 @@ from flodl_run.wire import (
     Train,
     Update,
     WindowDone,
+    connect_dealer,
 )
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -114,20 +115,23 @@ def _pick_device(env: RankEnv) -> torch.device:
 
 
 class _Heartbeat(threading.Thread):
-    """Sends a Heartbeat every second on its own socket (zmq sockets are single-thread)."""
+    """Sends a Heartbeat every second on its own socket (zmq sockets are single-thread),
+    carrying the rank's progress (`progress()`: batches finished, working on a Train order).
+    Being a thread, it also notices a dead launcher while the main thread is busy in a step:
+    then it removes the run's slabs and ends the process, so no orphan rank stays behind."""
 
-    def __init__(self, ctx: zmq.Context, env: RankEnv):
+    def __init__(self, ctx: zmq.Context, env: RankEnv, progress: Callable[[], Tuple[int, bool]]):
         super().__init__(daemon=True, name=f"heartbeat-{env.rank}")
-        self.ctx, self.env = ctx, env
+        self.ctx, self.env, self.progress = ctx, env, progress
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.env.coord)
+        sock = connect_dealer(self.ctx, self.env.coord, self.env.secret, linger_ms=0)
         channel = Channel(sock, self.env.secret)
         while not self.stopped.wait(HEARTBEAT_PERIOD_S):
-            channel.send(Heartbeat(self.env.rank))
+            if _orphaned(self.env):
+                _leave_orphaned(self.env)
+            channel.send(Heartbeat(self.env.rank, *self.progress()))
         sock.close()
 
 
@@ -143,9 +147,7 @@ class _Listener(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.env.coord)
+        sock = connect_dealer(self.ctx, self.env.coord, self.env.secret, linger_ms=0)
         channel = Channel(sock, self.env.secret)
         channel.send(Listening(self.env.rank))
         while not self.stopped.is_set():
@@ -155,6 +157,22 @@ class _Listener(threading.Thread):
             elif isinstance(received.message, AbortGroup):
                 self.on_abort(received.message)
         sock.close()
+
+
+def _orphaned(env: RankEnv) -> bool:
+    """The launcher that started this rank is gone (the rank was re-parented)."""
+    return env.parent_pid is not None and os.getppid() != env.parent_pid
+
+
+def _leave_orphaned(env: RankEnv) -> None:
+    """Exit at once, from any thread, leaving nothing in /dev/shm: the launcher that would
+    have removed the run's slabs (ours and the coordinator's) was killed."""
+    remove_run(os.environ.get(PREFIX_ENV))
+    try:  # our output went to the launcher: the pipe is most likely broken
+        print(f"rank {env.rank}: the launcher is gone; exiting", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    os._exit(1)
 
 
 class RankWorker:
@@ -193,6 +211,7 @@ class RankWorker:
         self._collective_began: Optional[float] = None  # the main thread is inside a reduce since
         self._collective_limit_s = max(5.0, 2 * config.heartbeat_timeout_secs)  # the group timeout
         self._batches_total = 0
+        self._training = False  # inside the train loop (not idle, not serving an order)
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self.waits = _Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
@@ -207,9 +226,7 @@ class RankWorker:
         self._start = self.flat.clone() if self.mode.is_collective else None
         self._spare: Optional[List[torch.Tensor]] = None
         self.ctx = zmq.Context()
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(env.coord)
+        sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -218,7 +235,7 @@ class RankWorker:
         collective = self.mode.is_collective
         if collective:  # the coordinator backend needs no process group (and no NCCL)
             self._join_group(0, list(range(self.env.world_size)))
-        heartbeat = _Heartbeat(self.ctx, self.env)
+        heartbeat = _Heartbeat(self.ctx, self.env, lambda: (self._batches_total, self._training))
         heartbeat.start()
         listener = _Listener(self.ctx, self.env, self._abort_group, self._watch_collective)
         if collective:
@@ -328,11 +345,12 @@ class RankWorker:
             if not can_train and idle_since is None:
                 idle_since = time.perf_counter()
             received = self.channel.recv(timeout_ms=0 if can_train else 1000)
+            self._training = received is None and self._can_train()  # what heartbeats report
             if received is None:
                 if self._can_train():
                     self._train_one()
-                elif self._orphaned():
-                    raise SystemExit("flodl_run.rank: the launcher is gone; exiting")
+                elif _orphaned(self.env):
+                    _leave_orphaned(self.env)
                 continue
             if isinstance(received.message, Stop):
                 self.waits.report(self.env.rank)
@@ -342,9 +360,6 @@ class RankWorker:
             idle_since = None
             self._handle(received.message, received.payloads)
             self.waits.handled(received.message, began)
-
-    def _orphaned(self) -> bool:
-        return self.env.parent_pid is not None and os.getppid() != self.env.parent_pid
 
     def _handle(self, order: Any, payloads: List[memoryview]) -> None:
         if isinstance(order, Train):
@@ -428,6 +443,7 @@ class RankWorker:
     # ---- reduces ---------------------------------------------------------------------------
 
     def _reduce(self, order: SyncNow) -> None:
+        self._training = False  # waiting on peers in a reduce is not a hang of ours
         self._reduces_seen += 1
         self.replica.rescale_lr(order.lr_factor)
         if not self.mode.is_collective:
@@ -737,6 +753,9 @@ def main() -> int:
         print(f"rank {env.rank}: {when}: {error}\n{_their_traceback(exc)}", file=sys.stderr, end="")
         _report_failure(env, worker, RankFailed(env.rank, error))
         return 1
+    finally:
+        if _orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays
+            remove_run(os.environ.get(PREFIX_ENV))
 
 
 def _their_traceback(exc: BaseException) -> str:
@@ -757,9 +776,7 @@ def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFail
         worker.channel.send(failed)
         return
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)  # delivered before the process exits
-    sock.connect(env.coord)
+    sock = connect_dealer(ctx, env.coord, env.secret, linger_ms=1000)  # delivered before exit
     Channel(sock, env.secret).send(failed)
     sock.close()
 

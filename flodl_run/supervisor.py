@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
@@ -28,8 +29,9 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
 from flodl_run.summary import Summary
-from flodl_run.wire import new_secret
+from flodl_run.wire import frame_limit, new_secret
 
+log = logging.getLogger(__name__)
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
 
 
@@ -53,11 +55,22 @@ class RankProcess:
 
 def host_store(addr: str, port: int) -> Any:
     """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
-    rebuild their process group on it after a death."""
+    rebuild their process group on it after a death. It listens on `addr` only
+    (port 0: the kernel picks; `.port` says which): left to itself, torch's store listens on
+    every interface whatever host it is given, so we bind the socket and hand it over."""
     import torch.distributed as dist
 
-    return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=300))
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen()
+    except OSError:
+        listener.close()
+        raise
+    return dist.TCPStore(addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=300), master_listen_fd=listener.detach())
 
 
 def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
@@ -102,8 +115,8 @@ def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: b
                 shm_prefix: Optional[str] = None) -> List[RankProcess]:
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
-    master_port = config.cluster.master_port or free_port(config.cluster.master_addr)
-    store = host_store(config.cluster.master_addr, master_port)
+    store = host_store(config.cluster.master_addr, config.cluster.master_port)
+    master_port = store.port
     procs = []
     for rank in range(world_size):
         env = rank_environment(config, rank, world_size, coord, secret, run_dir / "run.yaml",
@@ -216,7 +229,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     local = config.cluster.launch_ranks and plan.hosts is None
     shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
     coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
-                              observer=observer, shm_prefix=shm_prefix)
+                              observer=observer, shm_prefix=shm_prefix,
+                              max_frame_bytes=frame_limit(_param_bytes(config)))
     coordinator.mlflow_run_id = mlflow_run_id
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
@@ -245,6 +259,29 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     summary = summary_box[0] if summary_box else coordinator.summary
     _name_the_cause(summary, procs)
     return summary
+
+
+def _param_bytes(config: ExperimentConfig) -> Optional[int]:
+    """What the model's parameters and float buffers take as flat frames (the largest tensor
+    message a rank sends the coordinator), from a build on the meta device: no memory, no
+    CUDA. Collective modes send the coordinator no tensors (0). None when the recipe cannot
+    build there (the coordinator then sets no frame limit, and says so)."""
+    if config.elche.mode.is_collective:
+        return 0
+    import torch
+
+    from flodl_run.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+        with torch.device("meta"):
+            model = recipe.call("build_model", torch.device("meta"))
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        return params + sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())
+    except Exception as exc:  # a recipe that loads weights or needs a real device
+        log.warning("no frame size limit on the control plane: the model could not be built on "
+                    "the meta device (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
 def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:

@@ -1,15 +1,20 @@
 """Control-plane wire format: typed, versioned messages over ZeroMQ, authenticated per run.
 
 Owns the message schema (msgspec structs: past tense from ranks, imperatives from the
-coordinator), the frame layout `[version+header, *tensor frames, mac]` and the HMAC check.
-Tensors travel as raw buffers, never pickled. The header frame (version, random nonce, message)
-is authenticated with HMAC-SHA256; tensor frames with Poly1305 under a one-time key derived
-from the secret and that header. Who sends what, when, is the caller's business.
+coordinator), the handshake a rank passes before the coordinator reads anything from it, the
+frame layout `[header, *tensor frames, mac]` and its checks. Tensors travel as
+raw buffers, never pickled. Each direction has its own key derived from the run secret, so an
+order reflected back to the coordinator fails. The header (version, sender id, sequence number,
+message) and the number and lengths of the frames are authenticated with HMAC-SHA256, tensor
+frames with Poly1305 under a one-time key; a receiver takes each sender's numbers only rising
+(no replay) and drops an authentic message whose frames do not fit its type, with a warning.
+Who sends what, when, is the caller's business.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 from dataclasses import dataclass
 from hashlib import sha256
@@ -17,9 +22,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-direction keys, sender id and sequence number in the header
 _VERSION_BYTE = bytes([PROTOCOL_VERSION])
 
 
@@ -56,6 +62,10 @@ class RankJoined(Message):
 
 class Heartbeat(Message):
     rank: int
+    batches: int = 0
+    """Batches this rank has finished so far (its progress: a hung rank's count stands still)."""
+    training: bool = False
+    """The rank is working through a Train order (not idle, not in a reduce, eval or save)."""
 
 
 class WindowDone(Message):
@@ -249,35 +259,139 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
 
 
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+log = logging.getLogger(__name__)
+
+FACTS = (RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated, RankFailed,
+         CheckpointSaved, ReduceFailed, Regrouped, Listening)
+"""What ranks send; only the coordinator receives these."""
+ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, Stop, AbortGroup)
+"""What the coordinator sends; only ranks receive these. (A type in neither list is taken by
+both sides: the per-direction keys already keep a message from being turned around.)"""
+CONTROL_FRAME_BYTES = 4 << 20
+"""Largest frame a message without tensors needs (a WindowDone with many scalars is ~100 KB)."""
+FRAME_HEADROOM_BYTES = 1 << 20
+
+
 def new_secret() -> bytes:
     """A fresh per-run key (32 random bytes)."""
     return secrets.token_bytes(32)
 
 
-_NONCE_BYTES = 16
-_HEADER_TAG = 32   # HMAC-SHA256 of the header frame
+def frame_limit(param_bytes: Optional[int]) -> int:
+    """The largest frame the coordinator accepts: one flat buffer of every parameter and float
+    buffer (`param_bytes`) plus headroom, and never less than a control message needs; -1 (no
+    limit) when the model's size is unknown."""
+    if param_bytes is None:
+        return -1
+    return max(CONTROL_FRAME_BYTES, param_bytes + FRAME_HEADROOM_BYTES)
+
+
+_ZAP_USER = "flodl_run"
+
+
+def _zap_password(secret: bytes) -> str:
+    """What a rank shows at the handshake: an HMAC of a fixed label, never the secret itself."""
+    return hmac.digest(secret, b"flodl_run handshake", sha256).hex()
+
+
+class _Gate(ThreadAuthenticator):
+    """zmq's ZAP handler for one context: lets a connection through its handshake only when it
+    shows this run's handshake password (compared in constant time), so a peer without the
+    secret is dropped before zmq reads a single message from it."""
+
+    def __init__(self, ctx: zmq.Context, secret: bytes):
+        super().__init__(ctx)
+        self._password = _zap_password(secret).encode()
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> Tuple[bool, bytes]:
+        allowed = username == _ZAP_USER and hmac.compare_digest(password.encode(), self._password)
+        return allowed, b"OK" if allowed else b"not this run"
+
+
+def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
+                secret: bytes) -> Tuple[zmq.Socket, str, _Gate]:
+    """The coordinator's ROUTER, bound to `host` (random port when 0), behind a handshake that
+    only this run's ranks pass (`connect_dealer`), and refusing frames over `max_frame_bytes`
+    before they are buffered whole (MAXMSGSIZE is per frame and must be set before bind: the
+    listener copies the socket's options). `ctx` must be the coordinator's own: zmq has one
+    handshake handler per context. Stop the gate when the run ends."""
+    gate = _Gate(ctx, secret)
+    gate.start()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.plain_server = True
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, f"tcp://{host}:{port}", gate
+
+
+def connect_dealer(ctx: zmq.Context, address: str, secret: bytes,
+                   linger_ms: Optional[int] = None) -> zmq.Socket:
+    """A rank's DEALER to the coordinator at `address`, passing its handshake; `linger_ms`:
+    how long unsent messages are kept at close (zmq's default: forever)."""
+    sock = ctx.socket(zmq.DEALER)
+    if linger_ms is not None:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.plain_username = _ZAP_USER.encode()
+    sock.plain_password = _zap_password(secret).encode()
+    sock.connect(address)
+    return sock
+
+
+_SENDER_BYTES = 8
+_SEQ_BYTES = 8
+_PREFIX_BYTES = 1 + _SENDER_BYTES + _SEQ_BYTES  # version, sender id, sequence number
+_HEADER_TAG = 32   # HMAC-SHA256 of the header frame and the frame layout
 _PAYLOAD_TAG = 16  # Poly1305 of the tensor frames
+_LABELS = {"rank": b"rank->coordinator", "coordinator": b"coordinator->rank"}
 
 
-def _header_tag(secret: bytes, header: memoryview | bytes) -> bytes:
-    return hmac.digest(secret, header, sha256)
+def direction_key(secret: bytes, sender: str) -> bytes:
+    """The key of one direction (`sender` is "rank" or "coordinator"): HMAC-SHA256 of the
+    direction's label under the run secret, so neither direction's tags verify in the other."""
+    return hmac.digest(secret, b"flodl_run key " + _LABELS[sender], sha256)
 
 
-def _payload_tag(secret: bytes, header: memoryview | bytes, payloads: Sequence[memoryview | bytes]) -> bytes:
-    """Poly1305 over the tensor frames, keyed once per message: HMAC-SHA256(secret, header),
-    and every header carries a fresh random nonce. Poly1305 runs at memory speed, where an
-    HMAC over 40 MB of parameters would cost more than moving them."""
-    mac = Poly1305(hmac.digest(secret, b"payload" + bytes(header), sha256))
+def _layout(payloads: Sequence[memoryview | bytes]) -> bytes:
+    """The number and lengths of the tensor frames, for the header tag (no frame dropped,
+    added or re-cut goes unnoticed)."""
+    sizes = [memoryview(f).nbytes for f in payloads]
+    return len(sizes).to_bytes(4, "little") + b"".join(n.to_bytes(8, "little") for n in sizes)
+
+
+def _header_tag(key: bytes, header: memoryview | bytes, payloads: Sequence) -> bytes:
+    return hmac.digest(key, bytes(header) + _layout(payloads), sha256)
+
+
+def _payload_tag(key: bytes, header: memoryview | bytes, payloads: Sequence[memoryview | bytes]) -> bytes:
+    """Poly1305 over the tensor frames, keyed once per message: HMAC-SHA256(key, header), and
+    no two headers of a key repeat (random sender id, rising sequence number). Poly1305 runs at
+    memory speed, where an HMAC over 40 MB of parameters would cost more than moving them."""
+    mac = Poly1305(hmac.digest(key, b"payload" + bytes(header), sha256))
     for frame in payloads:
-        view = memoryview(frame)
-        mac.update(view.nbytes.to_bytes(8, "little"))  # length-prefixed: no frame splicing
-        mac.update(view)
+        mac.update(memoryview(frame))  # lengths are under the header tag
     return mac.finalize()
 
 
-def _mac(secret: bytes, header: memoryview | bytes, payloads: Sequence[memoryview | bytes]) -> bytes:
-    tag = _header_tag(secret, header)
-    return tag + _payload_tag(secret, header, payloads) if payloads else tag
+def _mac(key: bytes, header: memoryview | bytes, payloads: Sequence[memoryview | bytes]) -> bytes:
+    tag = _header_tag(key, header, payloads)
+    return tag + _payload_tag(key, header, payloads) if payloads else tag
+
+
+def expected_frames(message: Message) -> int:
+    """How many tensor frames `message` carries (the layouts documented on each type)."""
+    if isinstance(message, SnapshotTaken):
+        return (0 if message.shm else len(message.dtypes)) + 1
+    if isinstance(message, Update):
+        return (0 if message.shm else len(message.dtypes)) + int(message.buffers)
+    if isinstance(message, (Evaluate, SaveCheckpoint)):
+        return len(message.dtypes)
+    return 0
 
 
 @dataclass
@@ -288,51 +402,83 @@ class Received:
 
 
 class Channel:
-    """One ZeroMQ socket speaking the wire format; counts frames that fail authentication."""
+    """One ZeroMQ socket speaking the wire format for one side ("rank" or "coordinator"; by
+    default a ROUTER is the coordinator). Counts what it drops: `rejected` (not authentic,
+    replayed) and `malformed` (authentic, but not a message this side may get)."""
 
-    def __init__(self, socket: zmq.Socket, secret: bytes):
+    def __init__(self, socket: zmq.Socket, secret: bytes, side: Optional[str] = None):
         self.socket = socket
-        self.secret = secret
-        self.rejected = 0
         self._router = socket.type == zmq.ROUTER
+        self.side = side or ("coordinator" if self._router else "rank")
+        peer = "rank" if self.side == "coordinator" else "coordinator"
+        self._send_key, self._recv_key = direction_key(secret, self.side), direction_key(secret, peer)
+        self._sender = secrets.token_bytes(_SENDER_BYTES)
+        self._seq = 0
+        self._last_seq: Dict[bytes, int] = {}  # per sender: the highest number taken
+        self.rejected = 0
+        self.malformed = 0
 
     def send(self, message: Message, payloads: Sequence[memoryview | bytes] = (),
              identity: Optional[bytes] = None) -> None:
-        header = _VERSION_BYTE + secrets.token_bytes(_NONCE_BYTES) + _encoder.encode(message)
+        self._seq += 1
+        header = (_VERSION_BYTE + self._sender + self._seq.to_bytes(_SEQ_BYTES, "little")
+                  + _encoder.encode(message))
         frames: List[memoryview | bytes] = [header, *payloads]
-        frames.append(_mac(self.secret, header, payloads))
+        frames.append(_mac(self._send_key, header, payloads))
         if identity is not None:
             frames.insert(0, identity)
         self.socket.send_multipart(frames, copy=len(payloads) == 0)
 
     def recv(self, timeout_ms: Optional[int] = None) -> Optional[Received]:
-        """Next authentic message, or None on timeout. Bad frames are dropped and counted."""
+        """Next authentic, fresh, well-formed message, or None on timeout. Anything else is
+        dropped and counted; a malformed authentic message also logs a warning."""
         while True:
             if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLIN):
                 return None
             frames = self.socket.recv_multipart(copy=False)
-            identity = frames.pop(0).bytes if self._router else None
+            identity = frames.pop(0).bytes if self._router and frames else None
             parsed = self._authentic(frames)
             if parsed is not None:
                 message, payloads = parsed
                 return Received(message, payloads, identity)
 
     def _authentic(self, frames: list) -> Optional[Tuple[Message, List[memoryview]]]:
-        if len(frames) < 2:
+        if len(frames) < 2 or len(frames[0].buffer) <= _PREFIX_BYTES:
             self.rejected += 1
             return None
         header, payloads = frames[0].buffer, [f.buffer for f in frames[1:-1]]
         tag = frames[-1].bytes
-        if not hmac.compare_digest(tag[:_HEADER_TAG], _header_tag(self.secret, header)) or \
+        if len(tag) != _HEADER_TAG + (_PAYLOAD_TAG if payloads else 0) or \
+                not hmac.compare_digest(tag[:_HEADER_TAG], _header_tag(self._recv_key, header, payloads)) or \
                 (payloads and not hmac.compare_digest(tag[_HEADER_TAG:],
-                                                      _payload_tag(self.secret, header, payloads))):
-            self.rejected += 1  # never parsed beyond the frame count
+                                                      _payload_tag(self._recv_key, header, payloads))):
+            self.rejected += 1  # never parsed: payload lengths are all we looked at
             return None
-        if header[:1] != _VERSION_BYTE:
-            self.rejected += 1
+        sender = bytes(header[1:1 + _SENDER_BYTES])
+        seq = int.from_bytes(header[1 + _SENDER_BYTES:_PREFIX_BYTES], "little")
+        if header[:1] != _VERSION_BYTE or seq <= self._last_seq.get(sender, 0):
+            self.rejected += 1  # another protocol version, or a replay
             return None
+        self._last_seq[sender] = seq
+        return self._well_formed(header[_PREFIX_BYTES:], payloads)
+
+    def _well_formed(self, body: memoryview,
+                     payloads: List[memoryview]) -> Optional[Tuple[Message, List[memoryview]]]:
+        """An authentic message of the right direction with the frames its type carries."""
         try:
-            return _decoder.decode(header[1 + _NONCE_BYTES:]), payloads
-        except msgspec.DecodeError:
-            self.rejected += 1
-            return None
+            message = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            return self._malformed(f"undecodable message ({exc})")
+        if isinstance(message, ORDERS if self.side == "coordinator" else FACTS):
+            return self._malformed(f"{type(message).__name__} is not sent to the {self.side}")
+        expected = expected_frames(message)
+        if expected != len(payloads):
+            return self._malformed(f"{type(message).__name__} with {len(payloads)} tensor frames "
+                                   f"(its fields call for {expected})")
+        return message, payloads
+
+    def _malformed(self, why: str) -> None:
+        """Count and name a message that was signed by our side but cannot be served."""
+        self.malformed += 1
+        log.warning("dropped an authenticated but malformed message: %s", why)
+        return None

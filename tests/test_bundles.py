@@ -32,7 +32,7 @@ from flodl_run.checkpoint import (
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.membership import RunAborted
-from flodl_run.wire import Channel, CheckpointSaved, new_secret
+from flodl_run.wire import Channel, CheckpointSaved, connect_dealer, new_secret
 
 
 def _meta(generation: int, files: dict) -> BundleMeta:
@@ -137,9 +137,7 @@ def test_a_stop_deadline_never_cuts_a_save_in_half():
     is being written: the save's answers are still taken (then the run stops)."""
     secret = new_secret()
     coord = Coordinator(ExperimentConfig(), 2, secret)
-    rank = zmq.Context.instance().socket(zmq.DEALER)
-    rank.setsockopt(zmq.LINGER, 0)
-    rank.connect(coord.address)
+    rank = connect_dealer(zmq.Context.instance(), coord.address, secret, linger_ms=0)
     try:
         coord.request_stop("interrupted by SIGTERM")
         coord._stop_deadline = time.monotonic() - 1.0

@@ -24,6 +24,7 @@ from flodl_run.wire import (
     CheckpointSaved,
     Evaluate,
     Evaluated,
+    Heartbeat,
     RankJoined,
     Reduced,
     SaveCheckpoint,
@@ -33,6 +34,7 @@ from flodl_run.wire import (
     Train,
     Update,
     WindowDone,
+    connect_dealer,
     new_secret,
 )
 
@@ -55,8 +57,7 @@ class FakeRank(threading.Thread):
         self.reduces_seen = 0
 
     def run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(self.address)
+        sock = connect_dealer(zmq.Context.instance(), self.address, self.secret)
         ch = Channel(sock, self.secret)
         ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
         if self.mode == "cpu_async" and self.rank == 0:
@@ -281,11 +282,11 @@ def test_unauthenticated_frames_are_dropped_and_counted():
     client = ctx.socket(zmq.DEALER)
     client.connect(f"tcp://127.0.0.1:{port}")
     good, bad = new_secret(), new_secret()
-    Channel(client, bad).send(Stop("forged"))
-    Channel(client, good).send(Stop("genuine"))
+    Channel(client, bad).send(Heartbeat(7))
+    Channel(client, good).send(Heartbeat(1))
     receiver = Channel(server, good)
     got = receiver.recv(timeout_ms=5000)
-    assert got.message == Stop("genuine")
+    assert got.message == Heartbeat(1)
     assert receiver.rejected == 1
     client.close()
     server.close()

@@ -19,7 +19,7 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import read_meta
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.coordinator import Coordinator
-from flodl_run.wire import AbortGroup, Channel, Listening, new_secret
+from flodl_run.wire import AbortGroup, Channel, Listening, connect_dealer, new_secret
 from tests.test_averaging import _free_port, _model
 from tests.test_distributed_cli import _run, solo_eval  # noqa: F401  (fixture)
 
@@ -118,9 +118,7 @@ def _listeners(coordinator, secret: bytes, world: int) -> list:
     """One DEALER per rank standing in for its listener thread, announced with Listening."""
     socks = []
     for rank in range(world):
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(coordinator.address)
+        sock = connect_dealer(zmq.Context.instance(), coordinator.address, secret, linger_ms=0)
         Channel(sock, secret).send(Listening(rank))
         socks.append(sock)
     for _ in range(world):

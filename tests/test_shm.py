@@ -6,10 +6,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from flodl_run.averaging import shm
 from flodl_run.averaging.shm import Mapper, Slab, remove_run, run_prefix
 from flodl_run.checkpoint import load_model
 from tests.test_distributed_cli import _run
@@ -60,6 +63,7 @@ def test_kill_switch_turns_shared_memory_off(monkeypatch):
     monkeypatch.delenv("FLODL_RUN_SHM")
     prefix = run_prefix()
     assert prefix is not None and prefix.startswith("/dev/shm/flodl_run-")
+    remove_run(prefix)
 
 
 def test_shared_memory_trains_exactly_as_frames_and_cleans_up(tmp_path):
@@ -79,3 +83,52 @@ def test_shared_memory_trains_exactly_as_frames_and_cleans_up(tmp_path):
         assert torch.equal(value, runs["frames"][key]), key
     assert set(glob.glob("/dev/shm/flodl_run-*")) == before
     assert json.loads((tmp_path / "shm" / "run" / "summary.json").read_text())["syncs"] > 0
+
+
+def test_a_run_keeps_its_slabs_in_a_private_unguessable_directory(tmp_path):
+    """Pins the fix for a planted file: slabs live in a 0700 directory named with 128 random
+    bits, so no other user can list it or put a file where cleanup would trip on it."""
+    prefix = run_prefix(str(tmp_path))
+    assert prefix.endswith(os.sep) and os.stat(prefix).st_mode & 0o777 == 0o700
+    assert len(os.path.basename(prefix[:-1]).rsplit("-", 1)[1]) == 32
+    assert Slab.create(prefix, "rank0", [torch.zeros(4)]) is not None
+    remove_run(prefix)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cleanup_trouble_is_a_warning_and_a_failed_slab_is_warned_once(tmp_path, caplog, monkeypatch):
+    """Pins 'a cleanup error never fails a run' and 'no warning storm': a slab file that cannot
+    be removed is one warning (remove_run returns), and a prefix where a slab could not be made
+    is not tried again (one warning for any number of rounds)."""
+    prefix = run_prefix(str(tmp_path))
+    Slab.create(prefix, "rank0", [torch.zeros(4)])
+    real_unlink = os.unlink
+
+    def refuse(path, *a, **k):
+        if path.endswith("rank0.0"):
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(shm.os, "unlink", refuse)
+    remove_run(prefix)
+    assert "could not remove" in caplog.text and "Operation not permitted" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
+    missing = str(tmp_path / "gone") + os.sep
+    assert all(Slab.create(missing, "update", [torch.zeros(4)]) is None for _ in range(50))
+    assert caplog.text.count("parameters travel as frames") == 1
+
+
+def test_directories_of_dead_launchers_are_swept_at_start(tmp_path):
+    """Pins the sweep: a run directory whose launcher pid is gone (a SIGKILLed launcher) is
+    removed when the next run starts; one whose launcher lives is left alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"flodl_run-{dead.pid}-{'a' * 32}"
+    live = tmp_path / f"flodl_run-{os.getpid()}-{'b' * 32}"
+    for d in (stale, live):
+        d.mkdir(mode=0o700)
+        (d / "update.0").write_bytes(b"x")
+    prefix = run_prefix(str(tmp_path))
+    assert not stale.exists() and (live / "update.0").exists()
+    remove_run(prefix)

@@ -5,11 +5,14 @@ flat parameters into a file under /dev/shm that both sides map (MAP_SHARED), and
 message names the files. This saves the socket copies and the payload MAC of the frame path
 (the round trip's floor is one memcpy of the bytes that move).
 
-Owns creating a slab (space reserved up front with posix_fallocate, so a full /dev/shm is a
-clean fallback to frames, never a SIGBUS mid-write), mapping someone else's slab by path (paths
-must carry the run's prefix), and removing a run's files. When to use a slab is the caller's
-call; who may read a slab when follows from the protocol (a slab is rewritten only after every
-reader has used the previous contents).
+Owns a run's private directory for slabs (0700, an unguessable name that carries the launcher's
+pid, so a later run sweeps what a killed launcher left), creating a slab (space reserved up
+front with posix_fallocate, so a full /dev/shm is a clean fallback to frames, never a SIGBUS
+mid-write; a failed creation is warned about once and not retried), mapping someone else's slab
+by path (paths must lie in the run's directory), and removing a run's files (a failure there is
+a warning, never a failed run). When to use a slab is the caller's call; who may read a slab
+when follows from the protocol (a slab is rewritten only after every reader has used the
+previous contents).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import secrets
-from typing import Dict, List, Optional, Sequence
+import shutil
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -31,22 +36,59 @@ KILL_SWITCH_ENV = "FLODL_RUN_SHM"
 """`off`: never use shared memory (every snapshot and update travels as frames)."""
 
 
+_RUN_DIR = re.compile(r"flodl_run-(\d+)-[0-9a-f]{32}")
+_failed: Set[str] = set()  # prefixes where a slab could not be made: frames, without asking again
+
+
 def run_prefix(root: str = SHM_DIR) -> Optional[str]:
-    """A fresh prefix for one run's slabs, or None when shared memory is off or unavailable."""
+    """A fresh private directory for one run's slabs (path ending in a separator), or None when
+    shared memory is off or unavailable. Sweeps the directories of dead launchers first."""
     if os.environ.get(KILL_SWITCH_ENV, "").lower() == "off" or not os.path.isdir(root):
         return None
-    return os.path.join(root, f"flodl_run-{os.getpid()}-{secrets.token_hex(4)}-")
+    sweep_stale(root)
+    path = os.path.join(root, f"flodl_run-{os.getpid()}-{secrets.token_hex(16)}")
+    try:
+        os.mkdir(path, 0o700)  # only this user may list or create files in it
+    except OSError as exc:
+        log.warning("shared memory unavailable (%s); parameters travel as frames", exc)
+        return None
+    return path + os.sep
+
+
+def sweep_stale(root: str = SHM_DIR) -> None:
+    """Remove this user's run directories whose launcher is gone (killed before it could)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        match = _RUN_DIR.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False) or _alive(int(match[1])):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+            remove_run(entry.path + os.sep)
 
 
 def remove_run(prefix: Optional[str]) -> None:
-    """Delete every slab of a run (the launcher, at the end; ranks remove their own too)."""
+    """Delete every slab of a run, and its directory (the launcher at the end, a rank whose
+    launcher died, a later run's sweep). What cannot be removed is a warning, not an error."""
     if not prefix:
         return
     for path in glob.glob(glob.escape(prefix) + "*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _unlink(path)
+    if prefix.endswith(os.sep):
+        shutil.rmtree(prefix, onerror=lambda _f, path, exc: log.warning(
+            "could not remove %s: %s", path, exc[1]))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds that pid
+    return True
 
 
 class Slab:
@@ -57,8 +99,11 @@ class Slab:
 
     @classmethod
     def create(cls, prefix: str, name: str, like: Sequence[torch.Tensor]) -> Optional["Slab"]:
-        """Files `<prefix><name>.<i>` sized like `like`; None (and one log line) when /dev/shm
-        has no room or refuses, so the caller keeps using frames."""
+        """Files `<prefix><name>.<i>` sized like `like`; None when /dev/shm has no room or
+        refuses, so the caller keeps using frames. Warned once: after a failure under `prefix`
+        this process does not try that prefix again."""
+        if prefix in _failed:
+            return None
         paths: List[str] = []
         try:
             for i, t in enumerate(like):
@@ -75,6 +120,7 @@ class Slab:
             for path in paths:
                 _unlink(path)
             log.warning("shared memory unavailable (%s); parameters travel as frames", exc)
+            _failed.add(prefix)
             return None
         return cls(paths, tensors)
 
@@ -128,3 +174,5 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # e.g. a file someone else put there: cleanup must not fail a run
+        log.warning("could not remove %s: %s", path, exc)

@@ -335,6 +335,13 @@ class DdpRunConfig:
     max_nonfinite: int = 3
     """Reduces in a row with a non-finite rank (NaN/inf loss or parameters, given weight 0)
     before the run stops as failed, saving the last finite consensus; >= 1."""
+    progress_timeout_secs: float = 300.0
+    """A rank with batches to train that finishes none for max(progress_factor x its smoothed
+    batch time, this), in seconds, is hung: declared dead and killed; > 0. The floor covers
+    slow first batches (autotuning, compilation); time in an ordered reduce, eval or save does
+    not count."""
+    progress_factor: float = 20.0
+    """Smoothed batch times a training rank may go without finishing a batch; >= 1."""
     epoch_callback_policy: str = "fastest"
     """Rank that runs eval/checkpoint hooks: "fastest" or "rank:<n>"."""
     eval_every_epochs: Optional[int] = 1

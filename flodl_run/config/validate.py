@@ -227,6 +227,8 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
     yield from _at_least("lr_scale_ratio", cfg.lr_scale_ratio, 0)
     yield from _above("heartbeat_timeout_secs", cfg.heartbeat_timeout_secs, 0)
     yield from _at_least("max_nonfinite", cfg.max_nonfinite, 1)
+    yield from _above("progress_timeout_secs", cfg.progress_timeout_secs, 0)
+    yield from _at_least("progress_factor", cfg.progress_factor, 1)
     yield from _at_least("eval_every_epochs", cfg.eval_every_epochs, 1)
     yield from _at_least("reports_per_epoch", cfg.reports_per_epoch, 1)
     yield from _at_least("max_log_size", cfg.max_log_size, 4096)

@@ -1,0 +1,114 @@
+"""Liveness beyond heartbeats: a rank hung inside train_step is declared dead and killed, and a
+SIGKILLed launcher leaves no rank process and no shared-memory slab behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from flodl_run.membership import Membership, hung_limit_s
+from flodl_run.wire import Heartbeat
+from tests.test_distributed_cli import REPO, _flodl_children, _run
+
+# Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.
+HANGING_RECIPE = """
+import os, threading
+from recipes.digits_mlp import (build_model, build_optimizer, eval_dataset, eval_step,
+                                train_dataset, train_step as _step)
+_steps = [0]
+def train_step(model, batch):
+    _steps[0] += 1
+    if os.environ["RANK"] == "1" and _steps[0] == 5:
+        threading.Event().wait()
+    return _step(model, batch)
+"""
+
+
+class _Ranks(Membership):
+    """The liveness part of the coordinator, over plain state (no sockets)."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(progress_factor=20.0, progress_timeout_secs=10.0)
+        self.elche = SimpleNamespace(smoothed_ms=lambda: [2000.0, None])
+        self.alive, self._batch_clock, self._liveness_checked, self.dead = {0, 1}, {}, 0.0, []
+
+    def _check_heartbeats(self):
+        pass
+
+    def report_death(self, rank, reason):
+        self.dead.append((rank, reason))
+
+
+def test_the_hung_limit_is_a_multiple_of_the_batch_time_with_a_floor():
+    """Pins max(progress_factor x smoothed batch time, progress_timeout_secs); the floor alone
+    before any batch was timed (a slow first batch is not a hang)."""
+    assert hung_limit_s(None, 20.0, 300.0) == 300.0
+    assert hung_limit_s(50.0, 20.0, 300.0) == 300.0
+    assert hung_limit_s(30_000.0, 20.0, 300.0) == 600.0
+
+
+def test_only_a_training_rank_whose_count_stands_still_is_hung():
+    """Pins what counts as progress: a new batch count, or not training (idle, or busy in an
+    ordered reduce, eval or save) restarts the clock; a training rank stuck on the same count
+    past its limit (rank 0: 20 x 2 s = 40 s; rank 1: the 10 s floor) is reported, once per
+    check, with the reason."""
+    ranks = _Ranks()
+    now = time.monotonic()
+    ranks._note_progress(Heartbeat(0, 7, True), now - 30)   # 30 s < 40 s: fine
+    ranks._note_progress(Heartbeat(1, 3, True), now - 60)
+    ranks._note_progress(Heartbeat(1, 3, False), now - 5)   # then it went into an eval
+    ranks._check_liveness()
+    assert ranks.dead == []
+    ranks._note_progress(Heartbeat(0, 7, True), now - 20)   # same count: the clock keeps running
+    ranks._batch_clock[1] = (3, now - 11)
+    ranks._liveness_checked = 0.0
+    ranks._check_liveness()
+    assert [r for r, _ in ranks.dead] == [1]
+    assert re.fullmatch(r"hung: no batch finished for 1\d\.\ds while training \(limit 10s; "
+                        r"last at batch 3\)", ranks.dead[0][1])
+
+
+def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path):
+    """Pins hung-rank detection: rank 1 blocks in its 5th train_step while its heartbeats go
+    on; with progress_timeout_secs=3 it is declared dead as hung (within 3-8 s) and the pair's
+    survivor completes the run with every sample."""
+    (tmp_path / "hanging_recipe.py").write_text(HANGING_RECIPE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=hanging_recipe",
+                         "cluster=cpu_pair", "elche=cpu_cadence", "num_epochs=2",
+                         "progress_timeout_secs=3", "progress_factor=1", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
+    hung = float(re.search(r"rank 1 lost: hung: no batch finished for ([0-9.]+)s", proc.stdout)[1])
+    assert 3.0 <= hung <= 8.0
+    assert all(e["samples"] == 1437 for e in summary["epochs"])
+
+
+def test_a_sigkilled_launcher_leaves_no_rank_and_no_slab(tmp_path):
+    """Pins orphan handling: SIGKILL the launcher of a cpu_sync pair mid-run (slabs in use);
+    its ranks notice from their heartbeat thread, remove the run's /dev/shm directory (theirs
+    and the coordinator's slabs) and exit: none is left re-parented to init."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={tmp_path / 'run'}",
+         "cluster=cpu_pair", "elche=cpu_sync", "num_epochs=500"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # wait until training is under way
+        if line.startswith("epoch 1/"):
+            break
+    slabs = glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*/*")
+    ranks = _flodl_children(proc.pid)
+    assert slabs and len(ranks) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while (_flodl_children(proc.pid) or glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*")) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)  # polling an outcome, bounded; not ordering anything
+    assert _flodl_children(proc.pid) == []
+    assert glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*") == []

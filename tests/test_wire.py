@@ -1,0 +1,199 @@
+"""The control plane against peers that are not ours: a second process without the secret
+(knowing at most the handshake password, as one that watched the wire would), sending forged,
+oversized, replayed, stripped or reflected frames to a real coordinator socket."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import zmq
+import zmq.utils.monitor
+
+from flodl_run.config.schema import Mode
+from flodl_run.supervisor import _param_bytes, host_store
+from flodl_run.wire import (
+    Channel,
+    Heartbeat,
+    RankJoined,
+    SnapshotTaken,
+    Train,
+    bind_router,
+    connect_dealer,
+    frame_limit,
+    _zap_password,
+    new_secret,
+)
+from tests.test_config_validate import make
+
+# A peer without the secret: it sends the byte frames it is given, as they are.
+_PEER = """
+import json, sys, zmq
+address, password, messages = json.loads(sys.stdin.read())
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 3000)
+if password:
+    sock.plain_username, sock.plain_password = b"flodl_run", password.encode()
+sock.connect(address)
+for frames in messages:
+    sock.send_multipart([bytes.fromhex(f) for f in frames])
+sock.close()
+"""
+
+
+class _Capture:
+    """Stands in for a socket to record the frames a Channel would send (what a peer that
+    watched the wire would have)."""
+
+    def __init__(self, kind: int):
+        self.type, self.sent = kind, []
+
+    def send_multipart(self, frames, copy=True):
+        self.sent.append([bytes(f).hex() for f in frames])
+
+
+def _peer(address: str, messages, password: str = "") -> None:
+    subprocess.run([sys.executable, "-c", _PEER], input=json.dumps([address, password, messages]),
+                   text=True, check=True, timeout=60)
+
+
+def _coordinator_socket(secret: bytes, limit: int = -1):
+    sock, address, gate = bind_router(zmq.Context(), "127.0.0.1", 0, limit, secret)
+    return sock, address, Channel(sock, secret), gate
+
+
+def test_a_peer_without_the_secret_never_gets_past_the_handshake():
+    """Pins 'nothing is read from a stranger': a peer without the handshake password (or with
+    a wrong one) is refused at the handshake, so not even a frame of it is received (neither
+    served nor counted as rejected); a rank with the secret gets through."""
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret)
+    failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    monitor = sock.get_monitor_socket(failed)
+    forged = _Capture(zmq.DEALER)
+    Channel(forged, new_secret()).send(Heartbeat(0))
+    _peer(address, forged.sent)  # no password: the wrong mechanism
+    _peer(address, forged.sent, _zap_password(new_secret()))  # another run's password
+    seen = set()
+    while seen != {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH}:
+        assert monitor.poll(20_000), f"handshake failures seen: {seen}"
+        seen.add(zmq.utils.monitor.recv_monitor_message(monitor)["event"])
+    rank = connect_dealer(zmq.Context.instance(), address, secret)
+    Channel(rank, secret).send(Heartbeat(1))
+    assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(1)
+    assert coordinator.rejected == 0
+    rank.close(linger=0)
+    sock.disable_monitor()
+    sock.close()
+    gate.stop()
+
+
+def test_replayed_stripped_and_reflected_frames_are_rejected():
+    """Pins freshness, frame-count binding and direction: a RankJoined replayed from another
+    socket, a SnapshotTaken stripped of its tensor frames (tag kept whole, or cut to the header
+    tag), and a Train reflected back to the coordinator are all dropped; the genuine messages
+    around them arrive once, in order. The sending process never sees the secret."""
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret)
+    rank, ours = _Capture(zmq.DEALER), _Capture(zmq.ROUTER)
+    from_rank = Channel(rank, secret)
+    from_rank.send(RankJoined(0, 1, 1, "h", "cpu", "cpu", 10))
+    from_rank.send(SnapshotTaken(0, 1, 4, ["torch.float32"]), [b"\0" * 16, b"\0" * 8])
+    from_rank.send(Heartbeat(0))
+    Channel(ours, secret).send(Train(1, 0, [(0, 0, 8)], 1), identity=b"x")
+    joined, snapshot, beat = rank.sent
+    stripped = [snapshot[0], snapshot[-1]]
+    cut = [snapshot[0], snapshot[-1][:64]]  # only the 32-byte header tag (hex)
+    reflected = ours.sent[0][1:]  # without the ROUTER's identity frame
+    _peer(address, [joined, joined, stripped, cut, reflected, beat], _zap_password(secret))
+    got = [coordinator.recv(timeout_ms=20_000).message for _ in range(2)]
+    assert [type(m).__name__ for m in got] == ["RankJoined", "Heartbeat"]
+    assert coordinator.recv(timeout_ms=0) is None
+    assert coordinator.rejected == 4 and coordinator.malformed == 0
+    sock.close()
+    gate.stop()
+
+
+def test_an_authentic_but_malformed_message_is_dropped_with_a_warning(caplog):
+    """Pins 'malformed never crashes the coordinator': a SnapshotTaken whose frames do not fit
+    its dtypes (correctly signed, so only a bug of ours could send it) is dropped and named in a
+    warning; the next message is served."""
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret)
+    rank = _Capture(zmq.DEALER)
+    channel = Channel(rank, secret)
+    channel.send(SnapshotTaken(0, 1, 4, ["torch.float32", "torch.float64"]), [b"\0" * 8])
+    channel.send(Heartbeat(0))
+    _peer(address, rank.sent, _zap_password(secret))
+    assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(0)
+    assert coordinator.malformed == 1 and coordinator.rejected == 0
+    assert "SnapshotTaken with 1 tensor frames (its fields call for 3)" in caplog.text
+    sock.close()
+    gate.stop()
+
+
+def test_an_oversized_frame_is_refused_before_it_is_buffered():
+    """Pins the bound on memory: the coordinator's socket has a frame limit sized from the
+    model (never below what control messages need), and a peer without the secret that sends
+    a larger frame is disconnected by zmq, so the frame never reaches the MAC check (without
+    the limit it would be received whole, then counted as rejected)."""
+    assert frame_limit(None) == -1 and frame_limit(10) == 4 << 20
+    assert frame_limit(100 << 20) == (100 << 20) + (1 << 20)
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret, limit=frame_limit(1000))
+    assert sock.getsockopt(zmq.MAXMSGSIZE) == 4 << 20
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    _peer(address, [[(b"\1" * (5 << 20)).hex(), "00" * 32]], _zap_password(secret))
+    assert monitor.poll(20_000), "the oversized peer was never disconnected"
+    assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    assert coordinator.recv(timeout_ms=0) is None and coordinator.rejected == 0
+    sock.disable_monitor()
+    sock.close()
+    gate.stop()
+
+
+def _listeners(port: int) -> set:
+    """Local addresses (hex, as the kernel lists them) of TCP sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_the_rendezvous_store_listens_on_master_addr_only():
+    """Pins the store's exposure: hosted for a single-host run at master_addr=127.0.0.1, it
+    listens on loopback only (torch's own listener would take every interface, unauthenticated),
+    and ranks still reach it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = host_store("127.0.0.1", 0)
+    assert _listeners(store.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                           timeout=datetime.timedelta(seconds=30))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_the_frame_limit_is_sized_from_the_model():
+    """Pins where the coordinator's frame limit comes from: the recipe's model built on the
+    meta device (digits_mlp: 26,122 float32 parameters, no buffers); collective modes send the
+    coordinator no tensors, so only control messages count there."""
+    assert _param_bytes(make(elche__mode=Mode.cpu_sync)) == 26_122 * 4
+    assert _param_bytes(make(elche__mode=Mode.nccl_sync)) == 0
+
+
+def test_every_message_type_has_a_direction():
+    """Pins the direction lists against the schema: a message type added to the wire but to
+    neither FACTS nor ORDERS would lose the check that keeps it to one direction."""
+    import typing
+
+    from flodl_run.wire import FACTS, ORDERS, AnyMessage
+
+    assert set(typing.get_args(AnyMessage)) == set(FACTS) | set(ORDERS)
+    assert not set(FACTS) & set(ORDERS)
