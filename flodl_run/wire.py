@@ -22,8 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 from cryptography.hazmat.primitives.poly1305 import Poly1305
+from zmq.auth.thread import ThreadAuthenticator
 
 PROTOCOL_VERSION = 2  # 2: per-direction keys, sender id and sequence number in the header
 _VERSION_BYTE = bytes([PROTOCOL_VERSION])

@@ -19,10 +19,10 @@ from flodl_run.wire import (
     RankJoined,
     SnapshotTaken,
     Train,
+    _zap_password,
     bind_router,
     connect_dealer,
     frame_limit,
-    _zap_password,
     new_secret,
 )
 from tests.test_config_validate import make
