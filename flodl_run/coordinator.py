@@ -327,7 +327,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             if rank not in self.alive:  # the callback rank died: ask another
                 return self._evaluate(epoch, score, epoch_fn)
             result = self._next(expect=Evaluated)
-        return None if result.score != result.score else result.score  # NaN: no eval set
+        return result.score if score and result.score == result.score else None  # NaN: no eval set
 
     # ---- messaging --------------------------------------------------------------------------
 

@@ -15,9 +15,13 @@ import torch
 from torch.utils.data import TensorDataset
 
 from flodl_run.checkpoint import read_meta
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.coordinator import Coordinator
 from flodl_run.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
 from flodl_run.replica import EVAL_BATCH_SIZE, Replica
 from flodl_run.summary import EpochRecord
+from flodl_run.wire import Evaluate, SaveCheckpoint, new_secret
+from tests.test_coordinator import FakeRank
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,6 +147,74 @@ def test_a_raising_callback_becomes_callback_failed_with_the_users_frames():
     report = failed.value.describe()
     assert "in epoch_fn" in report and report.count("Traceback") == 1
     assert recipe.run_callback("metrics_fn", {}) is None  # an absent callback is a no-op
+
+
+# ---- the coordinator against scripted ranks ------------------------------------------------------
+
+
+class _NotingRank(FakeRank):
+    """A scripted rank that keeps every Evaluate and SaveCheckpoint order it answered."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.callback_orders: list = []
+
+    def _answer(self, order):
+        if isinstance(order, (Evaluate, SaveCheckpoint)):
+            self.callback_orders.append(order)
+        return super()._answer(order)
+
+
+def _coordinate(recipe: Recipe, tmp_path: Path, **run):
+    config = ExperimentConfig(elche=ElCheConfig.preset("nccl_sync"), batch_size=32,
+                              save_path=str(tmp_path / "ck"), epoch_callback_policy="rank:0", **run)
+    secret = new_secret()
+    coord = Coordinator(config, 2, secret)
+    coord.recipe = recipe
+    ranks = [_NotingRank(r, 2, coord.address, secret, 0.2, 32, "nccl_sync") for r in range(2)]
+    for rank in ranks:
+        rank.start()
+    summary = coord.run()
+    for rank in ranks:
+        rank.join(timeout=10)
+    return summary, ranks
+
+
+def _bare(**callbacks) -> Recipe:
+    return Recipe(build_model=None, build_optimizer=None, train_step=None, train_dataset=None,
+                  **callbacks)
+
+
+def test_epoch_fn_is_ordered_every_epoch_even_without_an_eval(tmp_path):
+    """Rule: with epoch_fn and no per-epoch eval (eval_every_epochs null) the callback rank alone
+    is told each epoch to run epoch_fn without scoring (no eval recorded), the final eval comes
+    after, and only the end-of-run save asks for checkpoint_fn (with the last epoch)."""
+    summary, ranks = _coordinate(_bare(epoch_fn=lambda epoch, model: None), tmp_path,
+                                 num_epochs=2, eval_every_epochs=None)
+    assert summary.status == "completed" and [e.eval for e in summary.epochs] == [None, None]
+    evaluates = [(o.epoch, o.score, o.epoch_fn) for o in ranks[0].callback_orders
+                 if isinstance(o, Evaluate)]
+    assert evaluates == [(0, False, True), (1, False, True), (1, True, False)]
+    assert [o.epoch for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)] == [1]
+    assert all(isinstance(o, SaveCheckpoint) and not o.write_model for o in ranks[1].callback_orders)
+
+
+def test_metrics_fn_raising_in_the_launcher_fails_a_multi_rank_run_with_a_bundle(tmp_path, caplog):
+    """Rule: a launcher-side callback raising ends a multi-rank run failed after its epoch, with
+    a callback_failed bundle that resumes at the next epoch (saved with no checkpoint_fn), and
+    the user's traceback logged once."""
+    def metrics_fn(metrics):
+        raise RuntimeError(f"no room for epoch {metrics['epoch']}")
+
+    summary, ranks = _coordinate(_bare(metrics_fn=metrics_fn, checkpoint_fn=lambda e, m: None),
+                                 tmp_path, num_epochs=3)
+    assert summary.status == "failed" and len(summary.epochs) == 1
+    assert summary.message == f"metrics_fn raised RuntimeError: no room for epoch 0; saved {tmp_path / 'ck'}"
+    meta = read_meta(str(tmp_path / "ck"))
+    assert (meta.save_reason, meta.epoch) == ("callback_failed", 1)
+    assert [o.epoch for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)] == [None]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "in metrics_fn" in errors[0], errors
 
 
 # ---- in-process --------------------------------------------------------------------------------
