@@ -1,8 +1,9 @@
 """In-process training on one device: the path of `cluster=solo` and of hosts with 0-1 GPU.
 
 Owns the epoch loop of a single replica (permutation per pass, batches, eval cadence, epoch
-records), and its bundle: written when the run completes and every `checkpoint_every` epochs,
-read back by `resume_from`. It reports through an Observer and never prints.
+records, the recipe's callbacks at the moments a run of ranks calls them), and its bundle:
+written when the run completes and every `checkpoint_every` epochs, read back by
+`resume_from`. It reports through an Observer and never prints (a raising callback is logged).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from flodl_run.scalars import drain, roll_up
 from flodl_run.summary import EpochRecord, Summary
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class TrainResult:

@@ -222,8 +222,8 @@ def test_metrics_fn_raising_in_the_launcher_fails_a_multi_rank_run_with_a_bundle
 
 def _solo(tmp_path: Path, monkeypatch, name: str, **params):
     import flodl_run
-    from flodl_run.config.schema import (ClusterConfig, ExperimentConfig, RecipeConfig,
-                                         TrackingConfig, TrackingKind, Topology)
+    from flodl_run.config.schema import (ClusterConfig, RecipeConfig, TrackingConfig, TrackingKind,
+                                         Topology)
 
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "notes.jsonl"
