@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from flodl_run.checkpoint import read_meta
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.config.materialize import ConfigError, materialize
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, RecipeConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
 from flodl_run.replica import EVAL_BATCH_SIZE, Replica
@@ -90,6 +91,9 @@ def test_eval_step_and_eval_fn_together_are_a_config_error(tmp_path, monkeypatch
     with pytest.raises(RecipeError) as err:
         load_recipe("both_evals")
     assert err.value.key == "recipe.module" and "eval_step or eval_fn, not both" in err.value.rule
+    with pytest.raises(ConfigError) as config_error:  # what the CLI turns into exit 2
+        materialize(ExperimentConfig(recipe=RecipeConfig(module="both_evals")))
+    assert [p.key for p in config_error.value.problems] == ["recipe.module"]
 
 
 def test_eval_fn_alone_is_an_eval():
@@ -165,13 +169,13 @@ class _NotingRank(FakeRank):
         return super()._answer(order)
 
 
-def _coordinate(recipe: Recipe, tmp_path: Path, **run):
-    config = ExperimentConfig(elche=ElCheConfig.preset("nccl_sync"), batch_size=32,
+def _coordinate(recipe: Recipe, tmp_path: Path, mode: str = "nccl_sync", batch_size: int = 32, **run):
+    config = ExperimentConfig(elche=ElCheConfig.preset(mode), batch_size=batch_size,
                               save_path=str(tmp_path / "ck"), epoch_callback_policy="rank:0", **run)
     secret = new_secret()
     coord = Coordinator(config, 2, secret)
     coord.recipe = recipe
-    ranks = [_NotingRank(r, 2, coord.address, secret, 0.2, 32, "nccl_sync") for r in range(2)]
+    ranks = [_NotingRank(r, 2, coord.address, secret, 0.2, batch_size, mode) for r in range(2)]
     for rank in ranks:
         rank.start()
     summary = coord.run()
@@ -199,6 +203,18 @@ def test_epoch_fn_is_ordered_every_epoch_even_without_an_eval(tmp_path):
     assert all(isinstance(o, SaveCheckpoint) and not o.write_model for o in ranks[1].callback_orders)
 
 
+def test_checkpoint_fn_gets_the_last_epoch_the_saved_weights_include(tmp_path):
+    """Rule: checkpoint_fn's epoch is the last epoch the bundle's weights include: the epoch in
+    progress for a mid-epoch checkpoint_at_epoch save, the epoch just closed for
+    checkpoint_every and the end of the run."""
+    summary, ranks = _coordinate(_bare(checkpoint_fn=lambda epoch, model: None), tmp_path,
+                                 mode="nccl_cadence", batch_size=4, num_epochs=3, checkpoint_every=2,
+                                 checkpoint_at_epoch=1)
+    assert summary.status == "completed" and summary.syncs > 3 * 2  # several reduces per epoch
+    saves = [o for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)]
+    assert [o.epoch for o in saves] == [1, 1, 2]  # at epoch 1 (mid), after epoch 1, at the end
+
+
 def test_metrics_fn_raising_in_the_launcher_fails_a_multi_rank_run_with_a_bundle(tmp_path, caplog):
     """Rule: a launcher-side callback raising ends a multi-rank run failed after its epoch, with
     a callback_failed bundle that resumes at the next epoch (saved with no checkpoint_fn), and
@@ -222,8 +238,7 @@ def test_metrics_fn_raising_in_the_launcher_fails_a_multi_rank_run_with_a_bundle
 
 def _solo(tmp_path: Path, monkeypatch, name: str, **params):
     import flodl_run
-    from flodl_run.config.schema import (ClusterConfig, RecipeConfig, TrackingConfig, TrackingKind,
-                                         Topology)
+    from flodl_run.config.schema import ClusterConfig, TrackingConfig, TrackingKind, Topology
 
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "notes.jsonl"
