@@ -23,7 +23,7 @@ import torch
 
 SCHEMA_VERSION = 2
 SAVE_REASONS = ("checkpoint", "graceful_shutdown", "max_failure_exceeded", "single_survivor",
-                "all_ranks_lost", "reduce_stall", "nonfinite")
+                "all_ranks_lost", "reduce_stall", "nonfinite", "callback_failed")
 _HASH_CHUNK = 1 << 20
 _WHAT_TO_DO = "resume from an intact copy of the bundle, or drop resume_from to start afresh"
 

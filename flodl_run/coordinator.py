@@ -27,6 +27,7 @@ from flodl_run.hostinfo import merge_nodes
 from flodl_run.membership import Membership, RunAborted, ShutdownWithSave
 from flodl_run.observe import Observer
 from flodl_run.outer import OuterOptimizer
+from flodl_run.recipe import CallbackFailed, Recipe, load_recipe
 from flodl_run.reduces import Reduces
 from flodl_run.saving import Saving
 from flodl_run.scalars import roll_up
@@ -68,6 +69,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.config, self.world_size = config, world_size
         self.mode = config.elche.mode
         self.observer = observer or Observer()
+        self.recipe: Optional[Recipe] = None
+        """The recipe as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)."""
+        if config.recipe is not None:
+            self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in bundles so a resume can link to it."""
         self.ctx = zmq.Context()  # its own: the handshake gate is one per context
@@ -238,7 +243,12 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self.close_epoch(epoch, self._run_epoch(epoch, self._epoch_pool(epoch)))
         last = self.summary.epochs[-1] if self.summary.epochs else None
         if last is not None and last.eval is None and self.config.recipe is not None:
-            last_eval = self._evaluate(total - 1)
+            try:
+                last_eval = self._evaluate(total - 1)
+                if last_eval is not None:
+                    self.recipe.run_callback("eval_result_fn", total - 1, last_eval)
+            except CallbackFailed as failure:
+                self.fail_callback(failure, total, [])
             self.summary.final_eval = last_eval
         elif last is not None:
             self.summary.final_eval = last.eval
@@ -252,12 +262,18 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         return EpochPool.whole(span)
 
     def close_epoch(self, epoch: int, tally: "EpochTally") -> None:
-        """Aggregate a finished epoch (callbacks included), publish it, and checkpoint_every."""
+        """Aggregate a finished epoch (callbacks included), publish it, and checkpoint_every.
+        A recipe callback that raises fails the run, saving the epoch's consensus first."""
         for rank, ms in enumerate(tally.wall_ms):
             self._compute_ms[rank] += ms
-        record = self._epoch_record(epoch, tally)
-        self.summary.epochs.append(record)
-        self.observer.on_epoch(record)
+        try:
+            record = self._epoch_record(epoch, tally)
+            self.summary.epochs.append(record)
+            self.observer.on_epoch(record)
+            if self.recipe is not None:
+                self.recipe.report_epoch(record)  # eval_result_fn, metrics_fn: in this process
+        except CallbackFailed as failure:
+            self.fail_callback(failure, epoch + 1, [])
         every = self.config.checkpoint_every
         total = self.config.num_epochs * self.config.data.epoch_splits
         if every and (epoch + 1) % every == 0 and epoch + 1 < total:
@@ -269,7 +285,9 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         total_batches = max(sum(tally.batches), 1)
         every = self.config.eval_every_epochs
         eval_began = time.perf_counter()
-        score = self._evaluate(epoch) if every and (epoch + 1) % every == 0 else None
+        due = bool(every) and (epoch + 1) % every == 0
+        epoch_fn = self.recipe is not None and self.recipe.epoch_fn is not None
+        score = self._evaluate(epoch, due, epoch_fn) if due or epoch_fn else None
         eval_ms = (time.perf_counter() - eval_began) * 1000.0
         return EpochRecord(
             epoch=epoch,
@@ -293,19 +311,21 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                  if ms is not None and rank in self.alive]
         return min(known)[1] if known else min(self.alive)
 
-    def _evaluate(self, epoch: int) -> Optional[float]:
+    def _evaluate(self, epoch: int, score: bool = True, epoch_fn: bool = False) -> Optional[float]:
+        """The eval on the callback rank (`score`), then the recipe's epoch_fn there (`epoch_fn`)."""
         rank = self._callback_rank()
         center = self.averager.center if self.mode is Mode.cpu_async else None
         if center is not None:  # under EASGD, eval scores the center, not a replica
-            self._send(rank, Evaluate(epoch, dtype_names(center)), [as_frame(p) for p in center])
+            self._send(rank, Evaluate(epoch, dtype_names(center), score, epoch_fn),
+                       [as_frame(p) for p in center])
         else:
-            self._send(rank, Evaluate(epoch))
+            self._send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
         result = self._next(expect=Evaluated)
         while result is None or result.rank not in self.alive:
             if rank not in self.alive:  # the callback rank died: ask another
-                return self._evaluate(epoch)
+                return self._evaluate(epoch, score, epoch_fn)
             result = self._next(expect=Evaluated)
-        return None if result.score != result.score else result.score  # NaN: no eval set
+        return result.score if score and result.score == result.score else None  # NaN: no eval set
 
     # ---- messaging --------------------------------------------------------------------------
 
@@ -366,6 +386,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self.joined[message.rank] = message
             elif isinstance(message, Listening):
                 self.listeners[message.rank] = received.identity
+            elif isinstance(message, RankFailed) and message.callback:  # the rank lives on
+                raise CallbackFailed(message.callback, message.error, message.rank)
             elif isinstance(message, RankFailed):
                 self._raised.setdefault(message.rank, message.error)
                 self.report_death(message.rank, f"failed: {message.error}")

@@ -44,7 +44,7 @@ from flodl_run.data import permutation
 from flodl_run.dataplane import DataPlane
 from flodl_run.hostinfo import node_facts
 from flodl_run.outer import OuterOptimizer
-from flodl_run.recipe import load_recipe
+from flodl_run.recipe import CallbackFailed, load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
     AbortGroup,
@@ -567,18 +567,26 @@ class RankWorker:
     # ---- callbacks -------------------------------------------------------------------------
 
     def _evaluate(self, order: Evaluate, payloads: List[memoryview]) -> None:
-        """Score the consensus (this replica after a reduce) or the parameters sent along."""
-        if self.eval_data is None:
-            score = float("nan")
-        elif order.dtypes:
-            score = self._evaluate_sent(order, payloads)
-        else:
-            score = self.replica.evaluate(self.eval_data)
+        """Score the consensus (this replica after a reduce) or the parameters sent along, then
+        run the recipe's epoch_fn on the same parameters when told to. A callback that raises
+        is reported (RankFailed naming it) instead of the score."""
+        score = float("nan")
+        try:
+            with self._parameters(payloads, order.dtypes):
+                if order.score and self.eval_data is not None:
+                    score = self.replica.evaluate(self.eval_data)
+                if order.epoch_fn:
+                    self.recipe.run_callback("epoch_fn", order.epoch, self.replica.model)
+        except CallbackFailed as failure:
+            self._callback_failed(failure)
+            return
         self.channel.send(Evaluated(self.env.rank, order.epoch, score))
 
-    def _evaluate_sent(self, order: Evaluate, payloads: List[memoryview]) -> float:
-        with self._parameters(payloads, order.dtypes):
-            return self.replica.evaluate(self.eval_data)
+    def _callback_failed(self, failure: CallbackFailed) -> None:
+        """Print the user's exception once (this rank's log and the launcher's terminal) and
+        tell the coordinator, which fails the run with a save; this rank lives on to save."""
+        print(f"rank {self.env.rank}: {failure.describe()}", file=sys.stderr, end="", flush=True)
+        self.channel.send(RankFailed(self.env.rank, failure.error, callback=failure.name))
 
     @contextlib.contextmanager
     def _parameters(self, payloads: List[memoryview], dtypes: List[str]) -> Iterator[None]:
@@ -619,6 +627,13 @@ class RankWorker:
                     save(files["outer"], _cpu(self.outer.state_dict()))
         except Exception as exc:  # a full disk must not kill the rank: the coordinator decides
             error = f"{type(exc).__name__}: {exc}"
+        if not error and order.write_model and order.epoch is not None:
+            try:  # on what was just saved (the center under EASGD)
+                with self._parameters(payloads, order.dtypes):
+                    self.recipe.run_callback("checkpoint_fn", order.epoch, self.replica.model)
+            except CallbackFailed as failure:
+                self._callback_failed(failure)
+                return
         self.channel.send(CheckpointSaved(self.env.rank, order.stem, error, written))
 
     def _resume(self, stem: str) -> None:

@@ -2,8 +2,11 @@
 
 A recipe module provides `build_model(device, **params)`, `build_optimizer(parameters, **params)`,
 `train_step(model, batch)` and `train_dataset(**params)`, optionally `eval_dataset(**params)`,
-`eval_step(model, batch) -> (metric_sum, count)` and `build_scheduler(optimizer, **params)`.
-This module loads and checks one; it never imports the repo's `recipes/` by itself.
+`eval_step(model, batch) -> (metric_sum, count)` (or `eval_fn(model, batch) -> float`, averaged
+per batch) and `build_scheduler(optimizer, **params)`, and callbacks: `metrics_fn(metrics)` and
+`eval_result_fn(epoch, value)` (run in the launcher), `epoch_fn(epoch, model)` and
+`checkpoint_fn(epoch, model)` (run on the callback rank). This module loads and checks one, and
+turns what a callback raises into CallbackFailed; it never imports the repo's `recipes/` by itself.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ import importlib
 import inspect
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flodl_run.summary import EpochRecord
 
 REQUIRED = ("build_model", "build_optimizer", "train_step", "train_dataset")
-OPTIONAL = ("eval_dataset", "eval_step", "build_scheduler")
+CALLBACKS = ("metrics_fn", "eval_result_fn", "eval_fn", "epoch_fn", "checkpoint_fn")
+OPTIONAL = ("eval_dataset", "eval_step", "build_scheduler", *CALLBACKS)
 
 
 class RecipeError(Exception):
@@ -25,6 +34,35 @@ class RecipeError(Exception):
     def __init__(self, key: str, value: Any, rule: str):
         super().__init__(f"{key}: {rule}, got {value!r}")
         self.key, self.value, self.rule = key, value, rule
+
+
+class CallbackFailed(Exception):
+    """A recipe callback raised: the run ends `failed` after saving what it holds. `error` is
+    the user's exception as `Type: message`; `rank` is None when it raised in this process
+    (the user's exception is then the `__cause__`)."""
+
+    def __init__(self, name: str, error: str, rank: Optional[int] = None):
+        where = "" if rank is None else f"rank {rank}: "
+        super().__init__(f"{where}{name} raised {error}")
+        self.name, self.error, self.rank = name, error, rank
+
+    def describe(self) -> str:
+        """The one-line reason, then the traceback of the user's own frames."""
+        cause = self.__cause__
+        trace = user_traceback(cause) if cause is not None else ""
+        return f"{self}\n{trace}"
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = str(Path(__file__).resolve().parent)
+    theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
+    if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
+        theirs = frames
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
+                    *traceback.format_exception_only(type(exc), exc)])
 
 
 @dataclass
@@ -38,6 +76,11 @@ class Recipe:
     eval_dataset: Optional[Callable[..., Any]] = None
     eval_step: Optional[Callable[..., Any]] = None
     build_scheduler: Optional[Callable[..., Any]] = None
+    metrics_fn: Optional[Callable[..., Any]] = None
+    eval_result_fn: Optional[Callable[..., Any]] = None
+    eval_fn: Optional[Callable[..., Any]] = None
+    epoch_fn: Optional[Callable[..., Any]] = None
+    checkpoint_fn: Optional[Callable[..., Any]] = None
     transform: Optional[Callable[..., Any]] = None
     params: Dict[str, Any] = field(default_factory=dict)
     name: str = "recipe"
@@ -47,9 +90,27 @@ class Recipe:
         fn = getattr(self, fn_name)
         return fn(*args, **_accepted(fn, self.params))
 
+    def run_callback(self, name: str, *args: Any) -> Any:
+        """Call callback `name` like any recipe function (None when the recipe has none); what it
+        raises comes back as CallbackFailed, the user's exception as its `__cause__`."""
+        if getattr(self, name) is None:
+            return None
+        try:
+            return self.call(name, *args)
+        except Exception as exc:  # user code can raise anything; KeyboardInterrupt passes
+            raise CallbackFailed(name, f"{type(exc).__name__}: {exc}") from exc
+
+    def report_epoch(self, record: "EpochRecord") -> None:
+        """The launcher's callbacks for a closed epoch, in order: eval_result_fn (when it was
+        scored), then metrics_fn with the epoch as summary.json records it."""
+        if record.eval is not None:
+            self.run_callback("eval_result_fn", record.epoch, record.eval)
+        if self.metrics_fn is not None:
+            self.run_callback("metrics_fn", asdict(record))
+
     @property
     def has_eval(self) -> bool:
-        return self.eval_dataset is not None and self.eval_step is not None
+        return self.eval_dataset is not None and (self.eval_step is not None or self.eval_fn is not None)
 
 
 def _accepted(fn: Callable[..., Any], params: Dict[str, Any]) -> Dict[str, Any]:
@@ -89,8 +150,12 @@ def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
         raise RecipeError("recipe.module", module,
                           f"must define {', '.join(missing)} (the recipe contract)")
     fns = {name: getattr(mod, name, None) for name in (*REQUIRED, *OPTIONAL)}
-    if (fns["eval_dataset"] is None) != (fns["eval_step"] is None):
-        raise RecipeError("recipe.module", module, "must define both eval_dataset and eval_step, or neither")
+    if fns["eval_step"] is not None and fns["eval_fn"] is not None:
+        raise RecipeError("recipe.module", module, "must define eval_step or eval_fn, not both "
+                          "(eval_step -> (metric_sum, count); eval_fn -> float, averaged per batch)")
+    if (fns["eval_dataset"] is None) != (fns["eval_step"] is None and fns["eval_fn"] is None):
+        raise RecipeError("recipe.module", module,
+                          "must define both eval_dataset and eval_step (or eval_fn), or neither")
     transform_fn = None
     if transform is not None:
         transform_fn = getattr(mod, transform, None)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, NoReturn, Optional, Set, Tuple
+
+import zmq
 
 from flodl_run import checkpoint
 from flodl_run.averaging.frames import as_frame, dtype_names
@@ -23,6 +25,7 @@ from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import Mode
 from flodl_run.elche import ElChe
 from flodl_run.membership import RunAborted
+from flodl_run.recipe import CallbackFailed
 from flodl_run.wire import (
     CheckpointSaved,
     SaveCheckpoint,
@@ -46,7 +49,11 @@ class Saving:
             return None
         self._saving = True
         try:
-            generation, files = self._write_generation(stem)
+            try:  # checkpoint_fn: the epoch the saved weights end with
+                hook = (epoch if uncovered else epoch - 1) if reason == "checkpoint" else None
+                generation, files = self._write_generation(stem, hook)
+            except CallbackFailed as failure:
+                self.fail_callback(failure, epoch, uncovered)
             center = self.averager.center if self.mode is Mode.cpu_async else None
             if not self.mode.is_collective and self.averager.outer.active or center is not None:
                 state = dict(self.averager.outer.state_dict(), center=center)
@@ -60,28 +67,30 @@ class Saving:
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
         return stem
 
-    def _write_generation(self, stem: str) -> Tuple[int, Dict[str, str]]:
-        """Ranks write a fresh generation's files; a writer lost meanwhile is replaced by
-        another survivor writing yet another generation (half-written ones are pruned later)."""
+    def _write_generation(self, stem: str, hook: Optional[int]) -> Tuple[int, Dict[str, str]]:
+        """Ranks write a fresh generation's files (the writer then runs checkpoint_fn(hook, model)
+        unless `hook` is None); a writer lost meanwhile is replaced by another survivor writing
+        yet another generation (half-written ones are pruned later)."""
         while self.alive:
             generation = checkpoint.next_generation(stem)
             data = checkpoint.generation_stem(stem, generation)
             writer = self._callback_rank()
-            files = self._ranks_save(data, writer)
+            files = self._ranks_save(data, writer, hook)
             if writer in self.alive:
                 return generation, files
         raise RunAborted("failed", f"every rank was lost while saving {stem}")
 
-    def _ranks_save(self, data: str, writer: int) -> Dict[str, str]:
+    def _ranks_save(self, data: str, writer: int, hook: Optional[int] = None) -> Dict[str, str]:
         """Order the save of generation stem `data`; the files the survivors wrote, by name."""
         center = self.averager.center if self.mode is Mode.cpu_async else None
         for rank in sorted(self.alive):
             if rank != writer:  # the others keep their own optimizer state (momentum differs)
                 self._send(rank, SaveCheckpoint(data, write_model=False))
         if center is not None:  # under EASGD the model of record is the center
-            self._send(writer, SaveCheckpoint(data, dtype_names(center)), [as_frame(p) for p in center])
+            self._send(writer, SaveCheckpoint(data, dtype_names(center), epoch=hook),
+                       [as_frame(p) for p in center])
         else:
-            self._send(writer, SaveCheckpoint(data))
+            self._send(writer, SaveCheckpoint(data, epoch=hook))
         files: Dict[str, str] = {}
         answered: Set[int] = set()
         while not self.alive <= answered:
@@ -119,6 +128,19 @@ class Saving:
                 self.averager.center = state["center"]
         self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
                                          f"({meta.elche_state.get('phase')}, step {meta.global_step})")
+
+    def fail_callback(self, failure: CallbackFailed, epoch: int, uncovered: List[List[int]]) -> NoReturn:
+        """A recipe callback raised: save what the ranks hold (resume at `epoch`; no callback
+        runs during this save), then end the run failed. A callback of this process has its
+        traceback logged here; a rank printed its own."""
+        if failure.rank is None:
+            log.error("%s", failure.describe().rstrip())
+        try:
+            stem = self.save_bundle("callback_failed", epoch, uncovered)
+            saved = f"saved {stem}" if stem else "not saved (no save_path)"
+        except (RunAborted, zmq.ZMQError) as exc:
+            saved = f"the save failed: {exc}"
+        raise RunAborted("failed", f"{failure}; {saved}")
 
     def _graceful_stop(self, epoch: int, uncovered: List[List[int]]) -> None:
         """SIGINT/SIGTERM at a reduce boundary: save what the consensus holds, then stop."""

@@ -1,13 +1,15 @@
 """In-process training on one device: the path of `cluster=solo` and of hosts with 0-1 GPU.
 
 Owns the epoch loop of a single replica (permutation per pass, batches, eval cadence, epoch
-records), and its bundle: written when the run completes and every `checkpoint_every` epochs,
-read back by `resume_from`. It reports through an Observer and never prints.
+records, the recipe's callbacks at the moments a run of ranks calls them), and its bundle:
+written when the run completes and every `checkpoint_every` epochs, read back by
+`resume_from`. It reports through an Observer and never prints (a raising callback is logged).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -20,10 +22,12 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.data import num_batches, permutation
 from flodl_run.dataplane import DataPlane
 from flodl_run.observe import Observer
-from flodl_run.recipe import Recipe
+from flodl_run.recipe import CallbackFailed, Recipe
 from flodl_run.replica import Replica
 from flodl_run.scalars import drain, roll_up
 from flodl_run.summary import EpochRecord, Summary
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class SoloTrainer:
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in the bundle so a resume can link to it."""
         self._compute_s = 0.0
+        self._trained = 0  # epochs whose training the replica holds: where a resume starts
         self._samples = 0
 
     @property
@@ -76,25 +81,53 @@ class SoloTrainer:
         return self.config.num_epochs * self.config.data.epoch_splits
 
     def run(self) -> TrainResult:
-        """Train every epoch, then the final eval. Ctrl-C marks the summary interrupted and re-raises."""
+        """Train every epoch, then the final eval. Ctrl-C marks the summary interrupted and
+        re-raises; a recipe callback that raises ends the run failed, with a bundle."""
         start = time.perf_counter()
         first = self._restore() if self.config.resume_from else 0
         self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
+        self._trained = first
         try:
             for epoch in range(first, self.total_epochs):
                 self.summary.epochs.append(self._train_epoch(epoch))
-                self.observer.on_epoch(self.summary.epochs[-1])
-                self._maybe_checkpoint(epoch + 1)
+                self._close_epoch(self.summary.epochs[-1])
             self.summary.final_eval = self._final_eval()
             self.summary.status = "completed"
         except KeyboardInterrupt:
             self.summary.status = "interrupted"
             self.summary.message = "stopped by SIGINT"
             raise
+        except CallbackFailed as failure:
+            self._fail_callback(failure, self._trained)
         finally:
             self._finish(time.perf_counter() - start)
-        self._save_bundle("checkpoint", self.total_epochs)  # outside wall_s, as before bundles
+        if self.summary.status == "completed":
+            try:  # outside wall_s, as before bundles
+                self._save_bundle("checkpoint", self.total_epochs)
+            except CallbackFailed as failure:
+                self._fail_callback(failure, self.total_epochs)
         return TrainResult(self.replica.model, self.summary)
+
+    def _close_epoch(self, record: EpochRecord) -> None:
+        """After the epoch's eval, in a multi-rank run's order: epoch_fn, the observers,
+        eval_result_fn and metrics_fn, then checkpoint_every (and checkpoint_fn)."""
+        self.recipe.run_callback("epoch_fn", record.epoch, self.replica.model)
+        self.observer.on_epoch(record)
+        self.recipe.report_epoch(record)
+        self._maybe_checkpoint(record.epoch + 1)
+
+    def _fail_callback(self, failure: CallbackFailed, epoch: int) -> None:
+        """A recipe callback raised: log its traceback once, save the replica (resume at
+        `epoch`; no callback runs during this save) and mark the run failed."""
+        log.error("%s", failure.describe().rstrip())
+        self.summary.status = "failed"
+        try:
+            self._save_bundle("callback_failed", epoch)
+            saved = f"saved {self.summary.checkpoint}" if self.config.save_path else \
+                "not saved (no save_path)"
+        except Exception as exc:  # a non-finite replica is refused: the earlier bundle stays
+            saved = f"the save failed: {type(exc).__name__}: {exc}"
+        self.summary.message = f"{failure}; {saved}"
 
     def _epoch_indices(self, epoch: int) -> torch.Tensor:
         """The slice of the pass that epoch `epoch` covers (epoch_splits cuts a pass into slices)."""
@@ -116,6 +149,7 @@ class SoloTrainer:
             losses.add(self.replica.step(batch))
             self._emulate_slowdown(step_began)
         losses.flush()
+        self._trained = epoch + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
         compute_s = time.perf_counter() - began
@@ -149,7 +183,12 @@ class SoloTrainer:
         if self.eval_data is None:
             return None
         last = self.summary.epochs[-1].eval if self.summary.epochs else None
-        return last if last is not None else self.replica.evaluate(self.eval_data)
+        if last is not None:
+            return last
+        score = self.replica.evaluate(self.eval_data)
+        if self.summary.epochs:
+            self.recipe.run_callback("eval_result_fn", self.summary.epochs[-1].epoch, score)
+        return score
 
     def _finish(self, wall_s: float) -> None:
         self.summary.wall_s = wall_s
@@ -186,6 +225,8 @@ class SoloTrainer:
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        if reason == "checkpoint" and epoch > 0:  # the epoch the saved weights end with
+            self.recipe.run_callback("checkpoint_fn", epoch - 1, self.replica.model)
 
     def _restore(self) -> int:
         """Load `resume_from`'s model and optimizer; returns the epoch to start at."""

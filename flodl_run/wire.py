@@ -170,6 +170,8 @@ class Evaluated(Message):
 class RankFailed(Message):
     rank: int
     error: str
+    callback: str = ""
+    """The recipe callback that raised (the rank lives on, the run fails); empty: the rank is gone."""
 
 
 # ---- coordinator -> rank: orders, imperative ------------------------------------------------
@@ -218,6 +220,10 @@ class Evaluate(Message):
 
     epoch: int
     dtypes: List[str] = []
+    score: bool = True
+    """False: no eval this epoch, only the recipe's epoch_fn (Evaluated.score is NaN)."""
+    epoch_fn: bool = False
+    """Run the recipe's epoch_fn(epoch, model) after the eval, on the same parameters."""
 
 
 class Regroup(Message):
@@ -245,6 +251,8 @@ class SaveCheckpoint(Message):
     dtypes: List[str] = []
     write_model: bool = True
     """False: only this rank's own optimizer state (`<stem>.optim.rank<k>.pt`)."""
+    epoch: Optional[int] = None
+    """The writer then runs the recipe's checkpoint_fn(epoch, model); None: it runs none."""
 
 
 class Stop(Message):
