@@ -16,7 +16,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,7 @@ from flodl_run.data import permutation
 from flodl_run.dataplane import DataPlane
 from flodl_run.hostinfo import node_facts
 from flodl_run.outer import OuterOptimizer
-from flodl_run.recipe import CallbackFailed, load_recipe
+from flodl_run.recipe import CallbackFailed, load_recipe, user_traceback
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.wire import (
     AbortGroup,
@@ -765,24 +764,12 @@ def main() -> int:
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         when = "failed" if worker is not None else "failed to start"
-        print(f"rank {env.rank}: {when}: {error}\n{_their_traceback(exc)}", file=sys.stderr, end="")
+        print(f"rank {env.rank}: {when}: {error}\n{user_traceback(exc)}", file=sys.stderr, end="")
         _report_failure(env, worker, RankFailed(env.rank, error))
         return 1
     finally:
         if _orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays
             remove_run(os.environ.get(PREFIX_ENV))
-
-
-def _their_traceback(exc: BaseException) -> str:
-    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
-    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    package = str(Path(__file__).resolve().parent)
-    theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
-    if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
-        theirs = frames
-    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
-                    *traceback.format_exception_only(type(exc), exc)])
 
 
 def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFailed) -> None:

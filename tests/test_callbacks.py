@@ -238,7 +238,7 @@ def test_metrics_fn_raising_in_the_launcher_fails_a_multi_rank_run_with_a_bundle
 
 def _solo(tmp_path: Path, monkeypatch, name: str, **params):
     import flodl_run
-    from flodl_run.config.schema import ClusterConfig, TrackingConfig, TrackingKind, Topology
+    from flodl_run.config.schema import ClusterConfig, Topology, TrackingConfig, TrackingKind
 
     monkeypatch.chdir(tmp_path)
     log = tmp_path / "notes.jsonl"
