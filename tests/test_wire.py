@@ -35,7 +35,13 @@ sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.setsockopt(zmq.LINGER, 3000)
 if password:
     sock.plain_username, sock.plain_password = b"flodl_run", password.encode()
+    # send only once the handshake is decided: on a loaded machine it can outlast the linger
+    done = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    monitor = sock.get_monitor_socket(done)
 sock.connect(address)
+if password:
+    monitor.poll(30000)
 for frames in messages:
     sock.send_multipart([bytes.fromhex(f) for f in frames])
 sock.close()
