@@ -183,10 +183,12 @@ class AsyncLoop:
         sync_ms = (time.perf_counter() - began) * 1000.0
         self.c._global_step += sum(s.steps for s in snapshots)
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
-        self.c._alignment = dict(result.alignment) if result else {}
-        self.c._after_reduce(self.window, epoch, sync_ms, result.divergence if result else 0.0)
+        divergence = result.divergence if result else 0.0
+        self.c._after_reduce(self.window, epoch, sync_ms, divergence)
         stop = self.c.tally_nonfinite()
         self.c._send_updates(result, {})
+        self.c._alignment = self.c.averager.breakdown()  # off the round trip the ranks wait for
+        self.c._observe_reduce(epoch, sync_ms, divergence)
         self.c._late = set()
         if stop:
             self.c.fail_nonfinite(self.closed, self._uncovered(self.closed))

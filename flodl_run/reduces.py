@@ -55,7 +55,6 @@ class Reduces:
                 self._send(rank, SyncNow(self._round, self._global_step, self._lr_factor()))
             result = self._central_round(window, wait_all=final)
             divergence = result.divergence if result else 0.0
-            self._alignment = dict(result.alignment) if result else {}
         sync_ms = (time.perf_counter() - began) * 1000.0
         window.drop(set(range(self.world_size)) - self.alive)  # the dead's work is redone
         # A rank left out of the average still owes what it trained since its last fold.
@@ -63,7 +62,7 @@ class Reduces:
                               for r in self.alive}
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
-        self._after_reduce(window, epoch, sync_ms, divergence, observe=False)
+        self._after_reduce(window, epoch, sync_ms, divergence)
         stop = self.tally_nonfinite()
         trains = plan_next() if plan_next is not None and not stop else {}
         if result is not None or not self.mode.is_collective:
@@ -71,7 +70,10 @@ class Reduces:
         else:
             for rank, order in trains.items():
                 self._send(rank, order)
-        # the ranks train again before the observers (tracking, records, progress) take their time
+        # the ranks train again before the breakdown of D and the observers (tracking, records,
+        # progress) take their time
+        if not self.mode.is_collective:
+            self._alignment = self.averager.breakdown()
         self._observe_reduce(epoch, sync_ms, divergence)
         self._maybe_report(epoch, epoch_tally)
         if stop:  # every rank has adopted the consensus by now: that is what gets saved
@@ -128,10 +130,9 @@ class Reduces:
         """A reduce stuck past max(10 x heartbeat timeout, 300 s) saves and stops."""
         return max(10 * self.config.heartbeat_timeout_secs, 300.0)
 
-    def _after_reduce(self, window: WindowTally, epoch: int, sync_ms: float, divergence: float,
-                      observe: bool = True) -> None:
-        """Feed ElChe one ReduceReport and publish what it decided (unless `observe` is False:
-        the caller publishes after sending the next orders)."""
+    def _after_reduce(self, window: WindowTally, epoch: int, sync_ms: float, divergence: float) -> None:
+        """Feed ElChe one ReduceReport; the caller publishes what it decided
+        (`_observe_reduce`) once the next orders are out."""
         self._sync_ms.append(sync_ms)
         lr = next((x for x in window.lr if x is not None), None)
         self.plan = self.elche.on_reduce(ReduceReport(
@@ -139,8 +140,6 @@ class Reduces:
             fill_ms=window.fill_ms if self.mode.is_progressive else None,
             divergence=divergence, lr=lr))
         self.summary.anchor_trajectory.append(self.plan.anchor)
-        if observe:
-            self._observe_reduce(epoch, sync_ms, divergence)
 
     # ---- the coordinator backend (cpu_* modes) -----------------------------------------------
 

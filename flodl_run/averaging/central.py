@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from flodl_run.averaging.collective import consensus_weight
-from flodl_run.averaging.flat import alignment, divergence_parts, ratio
+from flodl_run.averaging.flat import alignment, divergence_table, relative_distance, squared_norm
 from flodl_run.outer import OuterOptimizer
 
 
@@ -43,9 +43,6 @@ class CentralResult:
     """The outer optimizer moved the parameters (DiLoCo then resets inner optimizer state)."""
     nonfinite: List[int] = field(default_factory=list)
     """Ranks whose snapshot was non-finite: they contributed nothing and adopt the result."""
-    alignment: Dict[int, Tuple[Optional[float], Optional[float]]] = field(default_factory=dict)
-    """Rank -> (cosine, magnitude) of its window update against the consensus's, measured from
-    what the ranks adopted last round (empty on the first round)."""
 
 
 class CentralAverager:
@@ -59,6 +56,7 @@ class CentralAverager:
         self.start: Optional[List[torch.Tensor]] = None
         """What the ranks adopted last round (where their windows began), kept for the
         divergence's cosine/magnitude; copied into the same buffers every round."""
+        self._last: Optional[tuple] = None  # (finite snapshots, consensus, result) for breakdown()
 
     def seed_center(self, params: Sequence[torch.Tensor]) -> None:
         """EASGD: the center starts at the initial parameters."""
@@ -80,21 +78,34 @@ class CentralAverager:
             for acc, p in zip(consensus, params):
                 acc.add_(p, alpha=w / total)
         finite = [s for s in snapshots if s.finite]
-        parts = {s.rank: divergence_parts(s.params, consensus, self.start).tolist() for s in finite}
-        divergence = max(ratio(p[0], p[1]) for p in parts.values())
-        aligned = {r: alignment(*p[2:]) for r, p in parts.items() if len(p) > 2}
+        norm_sq = squared_norm(consensus)
+        divergence = max(relative_distance(s.params, consensus, norm_sq) for s in finite)
         stepped = self.outer.step_(consensus)
         params = self._easgd(consensus) if self.alpha is not None else consensus
-        self._remember_start(params)
+        self._last = (finite, consensus, params)
         return CentralResult(params, _mean_buffers(finite), divergence, weights, stepped,
-                             [s.rank for s in snapshots if not s.finite], aligned)
+                             [s.rank for s in snapshots if not s.finite])
 
-    def _remember_start(self, params: Sequence[torch.Tensor]) -> None:
+    def breakdown(self) -> Dict[int, Tuple[Optional[float], Optional[float]]]:
+        """The last round's divergence breakdown, rank -> (cosine, magnitude) of its window
+        update against the consensus's (the global the ranks adopt, after any outer step),
+        both measured from what the ranks adopted the round before; empty on the first round.
+        Call it after the update went out: it costs a few passes over the parameters, off the
+        round trip the ranks wait for. Then remembers this round's result as the next start."""
+        if self._last is None:
+            return {}
+        finite, consensus, params = self._last
+        self._last = None
+        found = {}
+        if self.start is not None:
+            table = divergence_table([s.params for s in finite], consensus, self.start)
+            found = {s.rank: alignment(*row[2:]) for s, row in zip(finite, table)}
         if self.start is None:
             self.start = [p.clone() for p in params]
-            return
-        for mine, p in zip(self.start, params):
-            mine.copy_(p)
+        else:
+            for mine, p in zip(self.start, params):
+                mine.copy_(p)
+        return found
 
     def _easgd(self, consensus: List[torch.Tensor]) -> List[torch.Tensor]:
         """center <- (1 - a) * center + a * m_t; replicas then blend toward the new center."""

@@ -124,6 +124,44 @@ def divergence_parts(before: List[torch.Tensor], after: List[torch.Tensor],
     return torch.stack(parts)
 
 
+@torch.no_grad()
+def divergence_table(befores: List[List[torch.Tensor]], after: List[torch.Tensor],
+                     start: Optional[List[torch.Tensor]]) -> List[List[float]]:
+    """`divergence_parts` for several ranks' `befores` against one consensus, read once: a
+    row per rank. The consensus's update v = after - start and ||after||^2 are computed once,
+    and each rank's d = before - after comes from u - v, in scratch buffers reused across
+    ranks and blocks (fresh 4 MB temporaries cost more in page faults than the arithmetic):
+    the coordinator backend runs this on the CPU every round."""
+    width = 5 if start is not None else 2
+    rows = [[0.0] * width for _ in befores]
+    norm_sq = v_sq = 0.0
+    largest = max((t.numel() for t in after), default=1)
+    scratch = [torch.empty(min(_CPU_BLOCK, max(largest, 1))) for _ in range(3)]
+    for i, a in enumerate(after):
+        a = a.reshape(-1)
+        for lo in range(0, a.numel(), _CPU_BLOCK):
+            piece = a[lo:lo + _CPU_BLOCK].float()
+            n = piece.numel()
+            u, v, d = (buf[:n] for buf in scratch)
+            norm_sq += float(torch.dot(piece, piece))
+            if start is not None:
+                torch.sub(piece, start[i].reshape(-1)[lo:lo + n].float(), out=v)
+                v_sq += float(torch.dot(v, v))
+            for k, before in enumerate(befores):
+                b = before[i].reshape(-1)[lo:lo + n].float()
+                torch.sub(b, piece, out=d)
+                rows[k][0] += float(torch.dot(d, d))
+                if start is not None:
+                    torch.sub(b, start[i].reshape(-1)[lo:lo + n].float(), out=u)
+                    rows[k][2] += float(torch.dot(u, v))
+                    rows[k][3] += float(torch.dot(u, u))
+    for row in rows:
+        row[1] = norm_sq
+        if start is not None:
+            row[4] = v_sq
+    return rows
+
+
 def alignment(dot: float, u_sq: float, v_sq: float) -> Tuple[Optional[float], Optional[float]]:
     """The divergence's two parts for one rank: the cosine between its window update and the
     consensus's, and the ratio of their lengths. With them, ||u - v|| = ||v|| x
