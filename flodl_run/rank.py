@@ -220,9 +220,11 @@ class RankWorker:
         self._shm = Mapper(self._shm_prefix)
         if config.resume_from:
             self._resume(config.resume_from)
-        # Collective modes: where this window began (the last consensus), for the divergence's
+        # nccl_cadence: where this window began (the last consensus), for the divergence's
         # cosine/magnitude; a spare buffer of the same size takes the next one (no allocation).
-        self._start = self.flat.clone() if self.mode.is_collective else None
+        # nccl_sync reduces after every step, where the breakdown's extra passes over the
+        # parameters would cost a good part of a short step (and sync modes take no verdicts).
+        self._start = self.flat.clone() if self.mode is Mode.nccl_cadence else None
         self._spare: Optional[List[torch.Tensor]] = None
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
@@ -464,7 +466,8 @@ class RankWorker:
                              self._start)
         if outcome.applied and self.outer.step_(self.flat.buffers):
             self._after_outer_step()
-        self._begin_window()
+        if self._start is not None:
+            self._begin_window()
         self.replica.seek_schedule(order.global_step)
         self._steps_since_reduce = 0
         if not outcome.finite:
