@@ -8,7 +8,8 @@
 #   homog   bench on a homogeneous pair: bare solo, runner solo, torch DDP, nccl_sync,
 #           nccl_cadence, torch local SGD (synthetic_mlp, 51.4 M parameters, batch 512)
 #   hetero  the same rig with rank 1 emulated 2.5x slower: nccl_cadence and the cpu_* modes
-#   lm      both rigs on the byte-level transformer (recipe byte_lm)
+#   lm      both rigs on the byte-level transformer (recipe byte_lm): ~10 min, past one call's
+#           limit with the other stages; lm_homog and lm_hetero run one rig each
 # Run dirs stay in /tmp on the machine; bench.md/bench.json of each stage go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -46,13 +47,13 @@ for stage in "$@"; do
       bench hetero_mlp $GPUS "cluster.emulate_slowdown=[1.0,2.5]" bench.epochs=5 bench.batch_size=512 \
         bench.runner_solo=false "bench.modes=[nccl_cadence,cpu_cadence,cpu_async]" "$MLP_RECIPE"
       ;;
-    lm)
+    lm|lm_homog|lm_hetero)
       # 4 MB of the stdlib text (15.6 K windows of 256 bytes), batch 64: ~120 steps per rank
       # per epoch on the pair, 3 epochs
       LM='bench.recipes=[{name:byte_lm,overrides:["recipe.params.max_bytes=4000000"]}]'
-      bench homog_lm $GPUS bench.epochs=3 bench.batch_size=${LM_BATCH:-64} \
+      [ "$stage" = lm_hetero ] || bench homog_lm $GPUS bench.epochs=3 bench.batch_size=${LM_BATCH:-64} \
         "bench.modes=[nccl_sync,nccl_cadence]" "$LM"
-      bench hetero_lm $GPUS "cluster.emulate_slowdown=[1.0,2.5]" bench.epochs=3 \
+      [ "$stage" = lm_homog ] || bench hetero_lm $GPUS "cluster.emulate_slowdown=[1.0,2.5]" bench.epochs=3 \
         bench.batch_size=${LM_BATCH:-64} bench.runner_solo=false "bench.modes=[nccl_cadence]" "$LM"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
