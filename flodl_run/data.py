@@ -6,7 +6,7 @@ Every rank reproduces the same permutation of a pass, so a plan is just an
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -19,15 +19,21 @@ def permutation(num_samples: int, seed: int, pass_index: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=gen)
 
 
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` applied to every tensor of a batch (a tensor, or tuples/lists/dicts of them), the
+    structure kept; anything else passes through."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(b, fn) for b in batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move a batch (tensor, or tuples/lists/dicts of them) to `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 class BatchSource:

@@ -36,7 +36,7 @@ from torch.utils.data.dataloader import default_collate
 
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ExperimentConfig
-from flodl_run.data import permutation, to_device
+from flodl_run.data import map_tensors, permutation, to_device
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
 from flodl_run.summary import EpochRecord, Summary, write_summary
@@ -55,13 +55,7 @@ def on_device(dataset: Dataset, device: torch.device) -> Any:
 
 def take(data: Any, index: torch.Tensor) -> Any:
     """Rows `index` of every tensor in `data` (tensor, tuple/list or dict of them)."""
-    if isinstance(data, torch.Tensor):
-        return data.index_select(0, index)
-    if isinstance(data, (list, tuple)):
-        return type(data)(take(d, index) for d in data)
-    if isinstance(data, dict):
-        return {k: take(v, index) for k, v in data.items()}
-    return data
+    return map_tensors(data, lambda t: t.index_select(0, index))
 
 
 class PeerRank:
