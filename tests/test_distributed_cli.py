@@ -79,9 +79,10 @@ def test_nccl_sync_on_equal_ranks_reduces_once_per_step(tmp_path):
     """Pins the sync gate on a homogeneous rig: one reduce per step. 1437 digits in batches of
     32 are 45 batches, split in whole batches 23/22 (the leftover batch to rank 0, the short
     last one to rank 1): 23 reduces, the last with rank 0 alone. Rank logs, cli.log and
-    events.jsonl are not empty."""
+    events.jsonl are not empty; with FLODL_RUN_WAITS=1 each rank's log ends its run with where
+    its idle time went (one JSON line: waits per fact -> order, handling per order)."""
     proc, summary = _run(tmp_path, "cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1",
-                         "elche=nccl_sync", "num_epochs=1")
+                         "elche=nccl_sync", "num_epochs=1", env=dict(os.environ, FLODL_RUN_WAITS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary["syncs"] == 23
     assert summary["epochs"][0]["per_rank_batch_share"] == [23 / 45, 22 / 45]
@@ -91,6 +92,8 @@ def test_nccl_sync_on_equal_ranks_reduces_once_per_step(tmp_path):
     for rank in (0, 1):
         log = (run_dir / "ranks" / f"rank{rank}.log").read_text()
         assert log.startswith(f"# rank {rank} of 2: pid ") and f"# rank {rank} exited with code 0" in log
+        waits = json.loads(log.split(f"rank {rank} waits: ", 1)[1].splitlines()[0])
+        assert waits["wait Reduced->Train"]["n"] >= 20 and waits["handle Train"]["n"] >= 22
     assert "done: final eval" in (run_dir / "cli.log").read_text()
     assert '"kind": "end"' in (run_dir / "events.jsonl").read_text()
 
