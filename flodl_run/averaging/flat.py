@@ -1,8 +1,8 @@
 """Flat parameter storage: a model's parameters become views into one buffer per dtype.
 
 One contiguous buffer lets a reduce be a few large collectives (not one per tensor) and the
-pre-reduce scratch copy one memcpy. Owns the flattening and the buffer classification of
-The buffer rule (float buffers ride the reduce, integer buffers stay local); not the reduce itself.
+pre-reduce scratch copy one memcpy. Owns the flattening, the buffer rule (float buffers ride
+the reduce, integer buffers stay local) and the divergence arithmetic; not the reduce itself.
 """
 
 from __future__ import annotations
@@ -109,29 +109,34 @@ def divergence_parts(before: List[torch.Tensor], after: List[torch.Tensor],
                      start: Optional[List[torch.Tensor]]) -> torch.Tensor:
     """On the device, as one float64 vector (read it once): ||before - after||^2, ||after||^2,
     and, given the window's `start`, <u, v>, ||u||^2 and ||v||^2 for this rank's window update
-    u = before - start and the consensus's v = after - start (see `alignment`)."""
-    parts = [_sum_squares(before, minus=after), _sum_squares(after)]
-    if start is not None:
-        dot = torch.zeros((), dtype=torch.float64, device=after[0].device)
-        for b, a, s0 in zip(before, after, start):
-            b, a, s0 = b.reshape(-1), a.reshape(-1), s0.reshape(-1)
-            block = b.numel() if b.device.type == "cuda" else _CPU_BLOCK
-            for i in range(0, b.numel(), block):
-                u = b[i:i + block].float() - s0[i:i + block].float()
-                v = a[i:i + block].float() - s0[i:i + block].float()
-                dot += (u * v).sum().double()
-        parts += [dot, _sum_squares(before, minus=start), _sum_squares(after, minus=start)]
-    return torch.stack(parts)
+    u = before - start and the consensus's v = after - start (see `alignment`). Each block's
+    differences are formed once and every sum is taken from them."""
+    device = after[0].device
+    sums = torch.zeros(5 if start is not None else 2, dtype=torch.float64, device=device)
+    for i, (b, a) in enumerate(zip(before, after)):
+        b, a = b.reshape(-1), a.reshape(-1)
+        s0 = None if start is None else start[i].reshape(-1)
+        block = b.numel() if b.device.type == "cuda" else _CPU_BLOCK
+        for lo in range(0, b.numel(), block):
+            pb, pa = b[lo:lo + block].float(), a[lo:lo + block].float()
+            terms = [torch.linalg.vector_norm(pb - pa).square(), torch.linalg.vector_norm(pa).square()]
+            if s0 is not None:
+                ps = s0[lo:lo + block].float()
+                u, v = pb - ps, pa - ps
+                terms += [(u * v).sum(), torch.linalg.vector_norm(u).square(),
+                          torch.linalg.vector_norm(v).square()]
+            sums += torch.stack(terms).double()
+    return sums
 
 
 @torch.no_grad()
 def divergence_table(befores: List[List[torch.Tensor]], after: List[torch.Tensor],
                      start: Optional[List[torch.Tensor]]) -> List[List[float]]:
-    """`divergence_parts` for several ranks' `befores` against one consensus, read once: a
-    row per rank. The consensus's update v = after - start and ||after||^2 are computed once,
-    and each rank's d = before - after comes from u - v, in scratch buffers reused across
-    ranks and blocks (fresh 4 MB temporaries cost more in page faults than the arithmetic):
-    the coordinator backend runs this on the CPU every round."""
+    """`divergence_parts` of several ranks' `befores` against one consensus, as a row of floats
+    per rank; CPU tensors (the coordinator backend runs it every round). ||after||^2 and the
+    consensus's update v = after - start are computed once; the differences go into scratch
+    buffers reused across ranks and blocks (fresh 16 MB temporaries cost more in page faults
+    than the arithmetic)."""
     width = 5 if start is not None else 2
     rows = [[0.0] * width for _ in befores]
     norm_sq = v_sq = 0.0
