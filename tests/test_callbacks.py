@@ -22,7 +22,7 @@ from flodl_run.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
 from flodl_run.replica import EVAL_BATCH_SIZE, Replica
 from flodl_run.summary import EpochRecord
 from flodl_run.wire import Evaluate, SaveCheckpoint, new_secret
-from tests.test_coordinator import FakeRank
+from tests.test_coordinator import FakeRank, drive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,13 +175,8 @@ def _coordinate(recipe: Recipe, tmp_path: Path, mode: str = "nccl_sync", batch_s
     secret = new_secret()
     coord = Coordinator(config, 2, secret)
     coord.recipe = recipe
-    ranks = [_NotingRank(r, 2, coord.address, secret, 0.2, batch_size, mode) for r in range(2)]
-    for rank in ranks:
-        rank.start()
-    summary = coord.run()
-    for rank in ranks:
-        rank.join(timeout=10)
-    return summary, ranks
+    return drive(coord, [_NotingRank(r, 2, coord.address, secret, 0.2, batch_size, mode)
+                         for r in range(2)])
 
 
 def _bare(**callbacks) -> Recipe:

@@ -118,6 +118,11 @@ def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, obser
     secret = new_secret()
     coord = Coordinator(config, len(ms), secret, observer=observer)
     ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
+    return drive(coord, ranks)
+
+
+def drive(coord: Coordinator, ranks: list) -> tuple:
+    """Start the scripted ranks, run the coordinator to its end, wait for the ranks."""
     for r in ranks:
         r.start()
     summary = coord.run()
