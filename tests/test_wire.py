@@ -75,16 +75,16 @@ def test_a_peer_without_the_secret_never_gets_past_the_handshake():
     served nor counted as rejected); a rank with the secret gets through."""
     secret = new_secret()
     sock, address, coordinator, gate = _coordinator_socket(secret)
-    failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    monitor = sock.get_monitor_socket(failed)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     forged = _Capture(zmq.DEALER)
     Channel(forged, new_secret()).send(Heartbeat(0))
-    _peer(address, forged.sent)  # no password: the wrong mechanism
+    # No password (the wrong mechanism): zmq drops it at the handshake, with or without an
+    # event depending on timing, so what pins it is that none of its frames is ever received
+    # (rejected stays 0 below; the peer's process has ended, its 3 s linger spent).
+    _peer(address, forged.sent)
     _peer(address, forged.sent, _zap_password(new_secret()))  # another run's password
-    seen = set()
-    while seen != {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH}:
-        assert monitor.poll(20_000), f"handshake failures seen: {seen}"
-        seen.add(zmq.utils.monitor.recv_monitor_message(monitor)["event"])
+    assert monitor.poll(20_000), "the wrong password was not refused at the handshake"
+    assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
     rank = connect_dealer(zmq.Context.instance(), address, secret)
     Channel(rank, secret).send(Heartbeat(1))
     assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(1)
