@@ -127,6 +127,9 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self._pool_epoch = 0
         self._generation = 0
         self._regroup_needed = False
+        # nccl_sync on an even rig: each rank's next order, sent ahead of the reduce it follows
+        # (rank -> (when sent, the pool it came from, the order))
+        self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
@@ -335,19 +338,20 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self._since_reduce.setdefault(rank, []).append((order.epoch, list(order.slices)))
         self.channel.send(message, payloads, identity=self.identities[rank])
 
-    def _next(self, expect: type | tuple, deadline: Optional[float] = None) -> Optional[Message]:
-        """The next message of type `expect`, or None when a rank died meanwhile or the
-        `deadline` (time.monotonic) passed (callers then re-check what they wait for);
-        heartbeats and failures are handled on the way.
-        Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async) are
-        kept, in order, for the call that expects them."""
+    def _next(self, expect: type | tuple, deadline: Optional[float] = None,
+              accept: Optional[Callable[[Message], bool]] = None) -> Optional[Message]:
+        """The next message of type `expect` (and, given `accept`, one it accepts), or None when
+        a rank died meanwhile or the `deadline` (time.monotonic) passed (callers then re-check
+        what they wait for); heartbeats and failures are handled on the way.
+        Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async, or the
+        answers to orders sent ahead) are kept, in order, for the call that expects them."""
         if self._absorb_deaths():
             return None
         for i, waiting in enumerate(self._deferred):
             if getattr(waiting.message, "rank", None) not in self.alive and \
                     not isinstance(waiting.message, RankJoined):
                 continue
-            if isinstance(waiting.message, expect):
+            if isinstance(waiting.message, expect) and (accept is None or accept(waiting.message)):
                 del self._deferred[i]
                 self._payloads = waiting.payloads
                 return waiting.message
@@ -393,7 +397,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self.report_death(message.rank, f"failed: {message.error}")
                 self._absorb_deaths()
                 return None
-            if isinstance(message, expect):
+            if isinstance(message, expect) and (accept is None or accept(message)):
                 self._payloads = received.payloads
                 return message
             if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, ReduceFailed,

@@ -137,6 +137,7 @@ class Membership:
     def _regroup(self) -> None:
         """Collective modes: survivors rebuild the process group (new store prefix, new ranks
         by ascending old rank) before the next reduce."""
+        self.cancel_ahead()
         self._generation += 1
         members = sorted(self.alive)
         for rank in members:

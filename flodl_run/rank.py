@@ -214,6 +214,7 @@ class RankWorker:
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self.waits = _Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
+        self._reduced_round = 0  # the last round whose reduce completed here (orders sent ahead)
         self._staging: Optional[HostStaging] = None  # frames path (no shared memory)
         self._shm_prefix = os.environ.get(PREFIX_ENV)  # set by a launcher on this host
         self._slab: Optional[Slab] = None
@@ -335,6 +336,8 @@ class RankWorker:
     def _regroup(self, order: Regroup) -> None:
         if self.env.rank not in order.members:
             raise SystemExit(f"rank {self.env.rank}: declared dead by the coordinator; exiting")
+        # orders sent ahead of a reduce that failed here are void (the coordinator redoes them)
+        self.jobs = deque(job for job in self.jobs if job.order.after_round <= self._reduced_round)
         self._join_group(order.generation, order.members)
         self.channel.send(Regrouped(self.env.rank, order.generation))
 
@@ -364,7 +367,8 @@ class RankWorker:
 
     def _handle(self, order: Any, payloads: List[memoryview]) -> None:
         if isinstance(order, Train):
-            self._last_reduce = None  # training moved on: that reduce will not be retried
+            if not order.after_round:  # training moved on: that reduce will not be retried
+                self._last_reduce = None  # (sent ahead: a failed round may still be, and undone)
             self.jobs.append(_Job(order, self._order_batches(order)))
         elif isinstance(order, SyncNow):
             self._reduce(order)
@@ -380,8 +384,9 @@ class RankWorker:
     # ---- training --------------------------------------------------------------------------
 
     def _can_train(self) -> bool:
-        """Work queued, no update awaited (cpu_sync/cadence), and within the async overshoot."""
-        if not self.jobs or self._awaiting_update:
+        """Work queued, no update awaited (cpu_sync/cadence), within the async overshoot, and
+        not an order sent ahead of a reduce that has not completed here (nccl_sync)."""
+        if not self.jobs or self._awaiting_update or self.jobs[0].order.after_round > self._reduced_round:
             return False
         return not (self._sync_pending and self._overshoot_used >= self.jobs[0].order.overshoot)
 
@@ -472,6 +477,7 @@ class RankWorker:
         self._steps_since_reduce = 0
         if not outcome.finite:
             self.replica.optimizer.state.clear()  # its moments are NaN too: restart them
+        self._reduced_round = order.round
         self.waits.sent("Reduced")
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight,
                                   outcome.finite, outcome.cosine, outcome.magnitude))

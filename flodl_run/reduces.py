@@ -60,6 +60,9 @@ class Reduces:
         # A rank left out of the average still owes what it trained since its last fold.
         self._since_reduce = {r: self._since_reduce.get(r, []) if r in self._late else []
                               for r in self.alive}
+        for rank, (_, _, order) in self._ahead.items():  # sent ahead: part of the next window
+            if rank in self.alive:
+                self._since_reduce[rank].append((order.epoch, list(order.slices)))
         self._global_step += sum(window.batches)
         epoch_tally.add(window)
         self._after_reduce(window, epoch, sync_ms, divergence)
@@ -106,7 +109,7 @@ class Reduces:
         failed = False
         answered: Set[int] = set()
         while not asked & self.alive <= answered:
-            msg = self._next(expect=(Reduced, ReduceFailed))
+            msg = self._next(expect=(Reduced, ReduceFailed), accept=lambda m: m.round <= self._round)
             if msg is None:
                 failed = True  # the round lost a member: regroup and retry it
                 continue

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
+from flodl_run.config.schema import Mode
 from flodl_run.dispatch import EpochPool, equal_split, window_samples
 from flodl_run.scalars import merge
 from flodl_run.wire import (
@@ -183,13 +184,14 @@ class Windows:
         shared = self._progressive
         parts = [pool] * self.world_size if shared else self._partition(pool)
         self._pools, self._pool_epoch = ([pool] if shared else parts), epoch
-        while any(part.remaining for part in parts):
-            if not shared:
+        while any(part.remaining for part in parts) or self._ahead:
+            if not shared and not self._ahead:
                 self._rehome_parts(parts)
             window = WindowTally.empty(self.world_size)
             folded = self._sync_window(epoch, parts, window, epoch_tally)
-            self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=self._is_last_round(epoch))
-            if self._stop.is_set():
+            final = self._is_last_round(epoch) and not self._ahead
+            self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=final)
+            if self._stop.is_set() and not self._ahead:  # orders sent ahead run to their reduce first
                 self._graceful_stop(epoch, [r for part in self._pools for r in part.uncovered()])
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
@@ -207,9 +209,12 @@ class Windows:
 
     def _sync_window(self, epoch: int, parts: List[EpochPool], window: WindowTally,
                      epoch_tally: EpochTally) -> bool:
-        """One sync window; True when its SyncNow rode on the Train orders (see _folds)."""
-        in_flight: Dict[int, float] = {}  # rank -> when its batch was sent
-        fold = self.mode.is_collective and self._folds(parts)
+        """One sync window; True when its SyncNow rode on the Train orders (see _folds). On an
+        even rig each rank's next order goes out as soon as it reports this window's batch
+        (`_queue_ahead`), so it finds that order waiting when its reduce completes."""
+        ahead, self._ahead = self._ahead, {}
+        in_flight = {rank: sent for rank, (sent, _, _) in ahead.items()}  # rank -> when sent
+        fold = bool(ahead) or (self.mode.is_collective and self._folds(parts))
         then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
 
         def give(rank: int) -> None:
@@ -217,23 +222,61 @@ class Windows:
                                                then_sync=then_sync))
             in_flight[rank] = time.perf_counter()
 
-        for rank in sorted(self.alive):
+        for rank in sorted(self.alive) if not ahead else ():
             if parts[rank].remaining:
                 give(rank)
+        given, queue = len(in_flight), None
         while True:
             for rank in [r for r in in_flight if r not in self.alive]:
                 del in_flight[rank]
             if not in_flight:
                 break
-            done = self._next(expect=WindowDone)
-            if done is None:
+            done = self._next(expect=WindowDone, accept=lambda m: m.window <= self._window)
+            if done is None or done.window < self._window:  # a cancelled order's report
                 continue
             del in_flight[done.rank]
             window.add(done)
             self._progress(epoch, epoch_tally, window, done)
-            if not fold and parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
+            if fold:
+                queue = self._queue_ahead(parts) if queue is None else queue
+                if queue and not self._regroup_needed:
+                    self._send_ahead(epoch, parts[done.rank], done.rank, given)
+            elif parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
                 give(done.rank)
         return fold
+
+    def _queue_ahead(self, parts: List[EpochPool]) -> bool:
+        """nccl_sync sends the next window's orders ahead when that window folds too (every live
+        rank has a batch, speeds even) and nothing is to happen between the two windows: no
+        stop asked for, no regroup pending, no non-finite rank to act on. The coordinator's
+        bookkeeping of a reduce then overlaps the ranks' next step instead of delaying it."""
+        return (self.mode is Mode.nccl_sync and not self._stop.is_set() and not self._nonfinite
+                and not self._regroup_needed and self._folds(parts))
+
+    def _send_ahead(self, epoch: int, part: EpochPool, rank: int, given: int) -> None:
+        """The rank's order of the next window (window and round one past this one's), to be
+        trained once its reduce of this window completed (`after_round`)."""
+        then_sync = SyncNow(self._round + 2, self._global_step + given, self._lr_factor())
+        order = self._train_order(epoch, part.take(self.config.batch_size), then_sync=then_sync,
+                                  ahead_of=self._round + 1)
+        self._send(rank, order)
+        self._ahead[rank] = (time.perf_counter(), part, order)
+
+    def cancel_ahead(self) -> None:
+        """A regroup voids the orders sent ahead (the ranks drop those whose reduce failed, and
+        undo the step of any they trained when the round is retried): their batches go back
+        to the pool and the next window takes a fresh number, so a late report of a
+        cancelled order is recognised and ignored."""
+        if not self._ahead:
+            return
+        for rank, (_, part, order) in self._ahead.items():
+            if rank in self.alive:  # a dead rank's share went back with its death
+                part.give_back(order.slices)
+                chunks = self._since_reduce.get(rank, [])
+                if (order.epoch, list(order.slices)) in chunks:
+                    chunks.remove((order.epoch, list(order.slices)))
+        self._ahead = {}
+        self._window += 1
 
     def _folds(self, parts: List[EpochPool]) -> bool:
         """nccl_sync sends the reduce order with the batch when the window is one batch per rank
@@ -268,9 +311,11 @@ class Windows:
         return limit is None or window.batches[rank] < limit + min(window.batches)
 
     def _train_order(self, epoch: int, slices: list, overshoot: int = 0,
-                     then_sync: Optional[SyncNow] = None) -> Train:
+                     then_sync: Optional[SyncNow] = None, ahead_of: int = 0) -> Train:
+        """`ahead_of`: an order of the next window, sent before the reduce of round `ahead_of`."""
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
-        return Train(self._window, epoch, slices, batches, overshoot, then_sync)
+        return Train(self._window + (1 if ahead_of else 0), epoch, slices, batches, overshoot, then_sync,
+                     after_round=ahead_of)
 
     def _collect_windows(self, waiting: Set[int], window: WindowTally, epoch: int,
                          epoch_tally: EpochTally) -> None:

@@ -194,6 +194,9 @@ class Train(Message):
     """cpu_async: batches this rank may run past the window before it must wait for SyncNow."""
     then_sync: Optional[SyncNow] = None
     """nccl_sync on an even rig: reduce right after this window, without waiting for SyncNow."""
+    after_round: int = 0
+    """Sent ahead (nccl_sync on an even rig): train it only once this rank's reduce of round
+    `after_round` has completed; a Regroup drops it if that reduce failed. 0: train it now."""
 
 
 class Update(Message):

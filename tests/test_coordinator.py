@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -27,6 +27,9 @@ from flodl_run.wire import (
     Heartbeat,
     RankJoined,
     Reduced,
+    ReduceFailed,
+    Regroup,
+    Regrouped,
     SaveCheckpoint,
     SnapshotTaken,
     Stop,
@@ -55,6 +58,16 @@ class FakeRank(threading.Thread):
         self.held: List[Train] = []
         self.late_rounds: dict = {}  # round -> seconds this rank sits on its snapshot
         self.reduces_seen = 0
+        self.ahead = 0  # Train orders sent ahead of the reduce they follow (after_round set)
+        # a collective modelled (nccl_sync): the reduce waits for every member at a barrier that
+        # a dying rank breaks; orders sent ahead wait for their reduce; a Regroup drops them
+        self.barrier: Optional[threading.Barrier] = None
+        self.die_at: Optional[int] = None  # this rank dies before the reduce of its n-th order
+        self.on_die = None
+        self.trains = 0
+        self.reduced_round = 0
+        self.held_ahead: List[Train] = []
+        self.dropped = 0
 
     def run(self) -> None:
         sock = connect_dealer(zmq.Context.instance(), self.address, self.secret)
@@ -65,8 +78,17 @@ class FakeRank(threading.Thread):
         while True:
             order = ch.recv(timeout_ms=10_000).message
             self.orders.append(type(order).__name__)
+            self.ahead += isinstance(order, Train) and order.after_round > 0
             if isinstance(order, Stop):
                 break
+            if isinstance(order, Train) and order.after_round > self.reduced_round:
+                self.held_ahead.append(order)  # its reduce failed: wait for the Regroup
+                continue
+            if isinstance(order, Regroup):
+                self.dropped += len(self.held_ahead)
+                self.held_ahead, self.barrier = [], None  # alone now
+                ch.send(Regrouped(self.rank, order.generation))
+                continue
             if isinstance(order, SyncNow) and self.mode.startswith("cpu_"):
                 self.reduces_seen += 1
                 self._snapshot(ch, order.round)
@@ -81,6 +103,13 @@ class FakeRank(threading.Thread):
                     ch.send(self._answer(order.train))
             else:
                 ch.send(self._answer(order))
+                self.trains += isinstance(order, Train)
+                if isinstance(order, Train) and self.trains == self.die_at:
+                    time.sleep(0.3)  # the next orders, sent ahead, reach every rank first
+                    del self.slices[-len(order.slices):]  # never reduced: that work dies with it
+                    self.barrier.abort()
+                    self.on_die(self.rank, "killed by the test")
+                    break
                 if isinstance(order, Train) and order.then_sync is not None:
                     ch.send(self._answer(order.then_sync))  # the reduce rode on the order
         sock.close()
@@ -104,6 +133,12 @@ class FakeRank(threading.Thread):
                               n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,
                               reduces_seen=self.reduces_seen)
         if isinstance(order, SyncNow):
+            try:
+                if self.barrier is not None:
+                    self.barrier.wait(timeout=10)
+            except threading.BrokenBarrierError:
+                return ReduceFailed(self.rank, order.round, "a peer died")
+            self.reduced_round = order.round
             return Reduced(self.rank, order.round, 0.01, 1.0)
         if isinstance(order, Evaluate):
             return Evaluated(self.rank, order.epoch, 0.5)
@@ -188,7 +223,8 @@ def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
-    each reduce order with the batch (no separate SyncNow), cpu_sync still asks for snapshots."""
+    each reduce order with the batch (no separate SyncNow) and every order after the epoch's
+    first ahead of the reduce it follows; cpu_sync still asks for snapshots, orders in turn."""
     summary, ranks = _run(mode, [5.0, 5.0], epochs=1)
     assert summary.status == "completed", summary.message
     per_rank_batches = NUM_SAMPLES // 2 // 8
@@ -196,6 +232,7 @@ def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     assert set(_positions(ranks, 1).values()) == {1}
     sync_orders = [r.orders.count("SyncNow") for r in ranks]
     assert sync_orders == ([0, 0] if mode == "nccl_sync" else [per_rank_batches] * 2)
+    assert [r.ahead for r in ranks] == ([per_rank_batches - 1] * 2 if mode == "nccl_sync" else [0, 0])
 
 
 def test_max_batch_diff_bounds_the_lead_within_a_sync_reduce():
@@ -257,6 +294,27 @@ def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mo
     assert next(m for k, m in events.events if k == "snapshot_late").startswith("round 2: rank(s) [1]")
     assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
     assert sum(weighed) == 2 * NUM_SAMPLES // 8
+
+
+def test_a_death_voids_the_orders_sent_ahead_and_their_batches_are_redone():
+    """Pins orders sent ahead in nccl_sync against a death: rank 1 dies after its 10th batch,
+    when both ranks hold their next order, so rank 0's reduce fails with that order queued. The regroup
+    voids that order (rank 0 never trains it), its batches and the dead rank's go back to the
+    pool, and every sample of the epoch is still trained exactly once."""
+    config = ExperimentConfig(elche=ElCheConfig.preset("nccl_sync"), num_epochs=1, batch_size=8)
+    secret = new_secret()
+    coord = Coordinator(config, 2, secret)
+    ranks = [FakeRank(r, 2, coord.address, secret, 5.0, 8, "nccl_sync") for r in range(2)]
+    barrier = threading.Barrier(2)
+    for r in ranks:
+        r.barrier, r.on_die = barrier, coord.report_death
+    ranks[1].die_at = 10
+    summary, ranks = drive(coord, ranks)
+    assert summary.status == "completed", summary.message
+    assert summary.dead_ranks == [1]
+    assert ranks[0].dropped == 1 and ranks[1].trains == 10 and ranks[1].ahead == 9
+    seen = _positions(ranks, 1)
+    assert set(seen.values()) == {1} and len(seen) == NUM_SAMPLES
 
 
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
