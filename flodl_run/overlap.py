@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 from flodl_run.averaging.central import Snapshot
 from flodl_run.dispatch import EpochPool
-from flodl_run.wire import SnapshotTaken, SyncNow, WindowDone
+from flodl_run.wire import SnapshotTaken, WindowDone
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.coordinator import Coordinator
@@ -138,7 +138,7 @@ class AsyncLoop:
         self.c._round += 1
         self.rounds_started += 1
         for rank in sorted(self.c.alive):
-            self.c._send(rank, SyncNow(self.c._round, self.c._global_step, self.c._lr_factor()))
+            self.c._send(rank, self.c._sync_now(self.c._round, self.c._global_step))
         self.snapshots = []
         self.round_began = time.monotonic()
 

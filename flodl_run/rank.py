@@ -463,7 +463,7 @@ class RankWorker:
         outer_before = self.outer.state_dict() if self.outer.active and self.outer.prev is not None else None
         outer_before = {k: [t.clone() for t in v] for k, v in outer_before.items()} if outer_before else None
         try:
-            outcome = self._weighted_reduce()
+            outcome = self._weighted_reduce(order.measure)
         except CollectiveError as exc:
             self.channel.send(ReduceFailed(self.env.rank, order.round, str(exc)))
             return
@@ -490,7 +490,7 @@ class RankWorker:
             dst.copy_(src)
         self._start, self._spare = spare, self._start
 
-    def _weighted_reduce(self) -> ReduceOutcome:
+    def _weighted_reduce(self, measure: bool = True) -> ReduceOutcome:
         """The cohort's consensus; alone, the identity (this replica is the consensus)."""
         steps, gamma = self._steps_since_reduce, self.config.elche.gamma
         if self._alone:  # a non-finite lone replica has nobody to adopt: the coordinator decides
@@ -500,7 +500,7 @@ class RankWorker:
         self._collective_began = time.monotonic()
         try:
             return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken,
-                                    start=self._start)
+                                    start=self._start, measure=measure)
         finally:
             self._collective_began = None
 

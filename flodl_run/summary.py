@@ -47,7 +47,8 @@ class ReduceRecord:
     round: int
     epoch: int
     sync_ms: float
-    divergence: float
+    divergence: Optional[float]
+    """D of this reduce; None where not measured (nccl_sync measures one reduce in 16)."""
     anchor: int
     anchor_rank: Optional[int]
     batch_counts: List[int]

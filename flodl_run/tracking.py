@@ -86,8 +86,9 @@ def _verdict_number(verdict: str) -> Optional[float]:
 def reduce_values(record: ReduceRecord) -> Dict[str, float]:
     """The numbers of one reduce, keyed as logged (`reduce/...`, step = reduce round)."""
     values = {"reduce/anchor": float(record.anchor), "reduce/sync_ms": record.sync_ms,
-              "reduce/divergence": record.divergence, "reduce/epoch": float(record.epoch)}
-    optional = {"reduce/overhead": record.overhead, "reduce/phase": PHASE_NUMBER.get(record.phase),
+              "reduce/epoch": float(record.epoch)}
+    optional = {"reduce/divergence": record.divergence, "reduce/overhead": record.overhead,
+                "reduce/phase": PHASE_NUMBER.get(record.phase),
                 "reduce/verdict": _verdict_number(record.verdict),
                 "reduce/anchor_rank": record.anchor_rank, "reduce/nudge_factor": record.nudge_factor}
     values.update({k: float(v) for k, v in optional.items() if v is not None})

@@ -125,7 +125,7 @@ class Windows:
             # so a rank enters the collective the moment its count is done (no coordinator
             # round trip between the window and the reduce; the collective waits for the last).
             fold = self.mode.is_collective and all(cut[r] for r in self.alive)
-            then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
+            then_sync = self._sync_now(self._round + 1, self._global_step) if fold else None
             return {rank: self._train_order(epoch, slices, then_sync=then_sync)
                     for rank, slices in enumerate(cut) if slices}
 
@@ -215,7 +215,7 @@ class Windows:
         ahead, self._ahead = self._ahead, {}
         in_flight = {rank: sent for rank, (sent, _, _) in ahead.items()}  # rank -> when sent
         fold = bool(ahead) or (self.mode.is_collective and self._folds(parts))
-        then_sync = SyncNow(self._round + 1, self._global_step, self._lr_factor()) if fold else None
+        then_sync = self._sync_now(self._round + 1, self._global_step) if fold else None
 
         def give(rank: int) -> None:
             self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size),
@@ -256,7 +256,7 @@ class Windows:
     def _send_ahead(self, epoch: int, part: EpochPool, rank: int, given: int) -> None:
         """The rank's order of the next window (window and round one past this one's), to be
         trained once its reduce of this window completed (`after_round`)."""
-        then_sync = SyncNow(self._round + 2, self._global_step + given, self._lr_factor())
+        then_sync = self._sync_now(self._round + 2, self._global_step + given)
         order = self._train_order(epoch, part.take(self.config.batch_size), then_sync=then_sync,
                                   ahead_of=self._round + 1)
         self._send(rank, order)

@@ -181,6 +181,8 @@ class SyncNow(Message):
     global_step: int
     lr_factor: float = 0.0
     """LR scaling for the live cohort (1 + (alive - 1) x ratio); 0 = unchanged."""
+    measure: bool = True
+    """Compute the divergence at this reduce (nccl_sync measures one reduce in 16)."""
 
 
 class Train(Message):

@@ -47,11 +47,12 @@ class ReduceOutcome:
 def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
                      group: Optional[dist.ProcessGroup] = None,
                      broken: Callable[[], bool] = lambda: False,
-                     start: Optional[List[torch.Tensor]] = None) -> ReduceOutcome:
+                     start: Optional[List[torch.Tensor]] = None, measure: bool = True) -> ReduceOutcome:
     """Replace this rank's parameters and float buffers by the cohort's consensus, in place.
     `broken()` true after the collectives completed (another thread aborted the group while
     they waited on a dead peer): their results are garbage, so the replica is restored.
-    `start`: the parameters the window began from, for the divergence's cosine/magnitude."""
+    `start`: the parameters the window began from, for the divergence's cosine/magnitude.
+    `measure` False: no divergence (NaN) and no breakdown, one pass and one read fewer."""
     device = flat.buffers[0].device
     finite = all_finite(flat)  # stays on the device: read once, with the all-reduced meta
     meta = torch.tensor([consensus_weight(steps, gamma), 1.0 if steps > 0 else 0.0],
@@ -75,7 +76,10 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
             buf.zero_() if weight == 0.0 else buf.mul_(weight / total_weight)
             dist.all_reduce(buf, group=group)
         _reduce_float_buffers_(flat, moved / movers, group)
-        parts = divergence_parts(scratch, flat.buffers, start).tolist()  # waits for the result
+        if measure:
+            parts = divergence_parts(scratch, flat.buffers, start).tolist()  # waits for the result
+        elif device.type == "cuda":  # broken() below speaks of collectives that have completed
+            torch.cuda.current_stream(device).synchronize()
         if broken():
             raise CollectiveError("the process group was aborted")
     except Exception as exc:  # a peer died mid-reduce: leave this replica as it was
@@ -83,6 +87,8 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
         if stats is not None:
             flat.load_float_buffers_(stats)
         raise CollectiveError(str(exc)) from exc
+    if not measure:
+        return ReduceOutcome(True, weight, total_weight, float("nan"), scratch, ok)
     cosine, magnitude = alignment(*parts[2:]) if start is not None else (None, None)
     return ReduceOutcome(True, weight, total_weight, ratio(parts[0], parts[1]), scratch, ok,
                          cosine, magnitude)
