@@ -23,7 +23,7 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import validate
 from flodl_run.liveserver import LiveServer
 
-from tests.test_dashboard import CHROMIUM, _chromium, needs_chromium
+from tests.test_dashboard import _chromium, needs_chromium
 
 REPO = Path(__file__).resolve().parents[1]
 URL_LINE = re.compile(r"dashboard: (http://127\.0\.0\.1:\d+/) \(live")
@@ -147,7 +147,7 @@ def test_port_in_use_is_a_config_error_before_anything_starts(tmp_path):
             cwd=REPO, capture_output=True, text=True, timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
-    assert f"dashboard.serve: must be a port free on 127.0.0.1" in output and str(port) in output
+    assert "dashboard.serve: must be a port free on 127.0.0.1" in output and str(port) in output
     assert "Traceback" not in output and "ddp:" not in output
 
 
