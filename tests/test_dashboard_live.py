@@ -189,3 +189,23 @@ def test_the_web_stack_loads_only_when_a_dashboard_is_served():
             "print(sorted(m for m in ('starlette', 'uvicorn') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_ranks_are_labelled_with_their_worker_hosts_in_a_multi_host_run():
+    """Pins the multi-host view: with topology hosts, each rank's tab and state carry the
+    worker host it runs on (ranks in worker order), as the coordinator reports them all."""
+    from flodl_run.config.schema import ClusterConfig, Topology, WorkerConfig
+    from flodl_run.dashboard import Dashboard
+
+    config = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=[
+        WorkerConfig(host="10.0.0.1", local_devices=["cpu", "cpu"]),
+        WorkerConfig(host="10.0.0.2", local_devices=["cpu"], docker="trainer")]))
+    board = Dashboard(None, config=config)
+    board.on_start(2, 10, 3)
+    for rank in range(3):
+        board.on_window(rank, 640, 20.0 * (rank + 1), 2**30 * rank)
+    ranks = board.state()["ranks"]
+    assert [r["host"] for r in ranks] == ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
+    assert [r["throughput"] for r in ranks] == pytest.approx([32000.0, 16000.0, 640 / 0.060], abs=1e-3)
+    body = board.body()
+    assert body.count('name="rank-tab"') == 3 and "10.0.0.2" in body and "2.00 GiB" in body
