@@ -383,6 +383,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._note_progress(message, self.last_seen[rank])
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
+                self.observer.on_window(message.rank, message.samples, message.wall_ms,
+                                        message.device_bytes)
                 if not math.isfinite(message.loss_sum) and message.rank not in self._resetting:
                     self._nonfinite.setdefault(message.rank, "loss")
             if isinstance(message, RankJoined):

@@ -23,6 +23,7 @@ from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig, WorkerConfig
 from flodl_run.config.validate import Problem, validate
 from flodl_run.devices import GpuInfo
+from flodl_run.dockerhost import docker_command
 from flodl_run.probe import (
     HostReport,
     host_problems,
@@ -123,6 +124,9 @@ def _worker_slots(index: int, worker: WorkerConfig, path: str, report: Optional[
         devices, gpus, cpu_count = [str(d) for d in worker.local_devices], [], 1
     else:
         issues = host_problems(report, full=False)
+        if issues and report.get("docker_error"):
+            return [Problem(f"{key}.docker", worker.docker,
+                            f"must be a running compose service ({report.error})")]
         if issues:
             return [Problem(f"{key}.host", worker.host,
                             f"must be reachable over ssh and ready ({'; '.join(issues)})")]
@@ -202,6 +206,15 @@ def rank_environment(config: ExperimentConfig, layout: HostLayout, slots: Worker
     return env
 
 
+def rank_command(slots: WorkerSlots, env: Dict[str, str], rank: int, run_name: str) -> str:
+    """The remote shell command of one rank: the ssh entry in the worker's path, or inside its
+    compose service for a `docker` worker (`env` without the secret: -e words are argv)."""
+    args = ["-m", "flodl_run.ssh", "--rank", str(rank), "--run", run_name]
+    if slots.worker.docker:
+        return docker_command(slots.path, slots.worker.docker, slots.worker.python, args, env)
+    return remote_command(slots.path, slots.worker.python, args)
+
+
 def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret: bytes,
                 run_dir: Path, console: Console) -> List[RankProcess]:
     """One `ssh` per rank; each keeps its stdin open, whose EOF stops the remote rank."""
@@ -216,9 +229,8 @@ def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret
     for slots in layout.workers:
         for local_rank, rank in enumerate(slots.ranks):
             env = rank_environment(config, layout, slots, local_rank, coord)
+            command = rank_command(slots, env, rank, run_dir.name)
             env["FLODL_RUN_SECRET"] = secret.hex()  # stdin only: never argv, never a log
-            command = remote_command(slots.path, slots.worker.python,
-                                     ["-m", "flodl_run.ssh", "--rank", str(rank), "--run", run_dir.name])
             process = subprocess.Popen(
                 ssh_argv(slots.worker.host, slots.worker.ssh, command), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from flodl_run.hosts import HostLayout
+    from flodl_run.liveserver import LiveServer
     from flodl_run.recipe import Recipe
 
 
@@ -119,14 +120,17 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
+    live = serve_dashboard(config)  # before anything starts: a port in use is a config error
     _say_plan(config, plan, console)
     tracker = make_tracker(config)
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
     progress = TerminalProgress(console) if show_progress else None
-    # Teardown outputs (events, record log, dashboard) finish before the tracker, which uploads them.
-    outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir),
-                           Dashboard.for_run(config, run_dir)) if o is not None]
+    # Teardown outputs (events, record log, dashboard) finish before the tracker, which uploads
+    # them; the live dashboard's server stops after the dashboard took the summary.
+    board = Dashboard.for_run(config, run_dir)
+    outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir), board,
+                           live and live.start(board, console)) if o is not None]
     observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
     try:
         summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id)
@@ -144,6 +148,16 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
     return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
                      tracker.run_id, model)
+
+
+def serve_dashboard(config: ExperimentConfig) -> Optional["LiveServer"]:
+    """The live dashboard's server, bound but not started, when `dashboard.serve` is set
+    (ConfigError when its address cannot be had); the web stack loads only then."""
+    if config.dashboard.serve is None:
+        return None
+    from flodl_run.liveserver import LiveServer
+
+    return LiveServer.bind(config)
 
 
 def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,

@@ -21,6 +21,10 @@ class Observer:
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
         """After a batch (solo) or a rank's window (distributed); `batches_done` in this epoch."""
 
+    def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:
+        """A rank finished a window: `samples` trained in `wall_ms` of compute; `device_bytes`
+        its GPU allocator holds (0 on CPU). Distributed runs only."""
+
     def on_reduce(self, record: ReduceRecord) -> None:
         """After each reduce, with ElChe's plan for the next window."""
 
@@ -50,6 +54,10 @@ class Observers(Observer):
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
         for o in self.observers:
             o.on_batch(epoch, batches_done, loss)
+
+    def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:
+        for o in self.observers:
+            o.on_window(rank, samples, wall_ms, device_bytes)
 
     def on_reduce(self, record: ReduceRecord) -> None:
         for o in self.observers:

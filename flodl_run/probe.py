@@ -127,10 +127,21 @@ def worker_path(cluster: ClusterConfig, worker: WorkerConfig) -> str:
 
 
 def inventory(worker: WorkerConfig, path: str, full: bool = True) -> HostReport:
-    """Ask a worker about itself over SSH with its interpreter, in its project path."""
+    """Ask a worker about itself over SSH with its interpreter, in its project path; for a
+    `docker` worker, inside its compose service, once the service is seen running."""
     args = ["-", "full"] if full else ["-"]
-    argv = ssh_argv(worker.host, worker.ssh, remote_command(path, worker.python, args))
-    return _ask(worker.host, argv, None)
+    if not worker.docker:
+        argv = ssh_argv(worker.host, worker.ssh, remote_command(path, worker.python, args))
+        return _ask(worker.host, argv, None)
+    from flodl_run.dockerhost import docker_command, docker_reason
+
+    command = docker_command(path, worker.docker, worker.python, args)
+    report = _ask(worker.host, ssh_argv(worker.host, worker.ssh, command), None)
+    reason = docker_reason(report.error)
+    if reason is not None:
+        report = dataclasses.replace(report, error=f"docker compose on {worker.host} in {path}: {reason}",
+                                     facts={"docker_error": reason})
+    return dataclasses.replace(report, via=f"ssh+docker {worker.docker}")
 
 
 def inventory_local(full: bool = True) -> HostReport:

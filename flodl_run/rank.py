@@ -440,7 +440,8 @@ class RankWorker:
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
             _fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr, scalars.drain(),
-            reduces_seen=self._reduces_seen, **self.source.take_stats()))
+            reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
+            **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
         if order.then_sync is not None:  # the coordinator folded the SyncNow into the order
@@ -751,6 +752,12 @@ def timed_reduce_ms(buffers: List[torch.Tensor]) -> float:
             torch.cuda.synchronize(scratch[0].device)
         elapsed = (time.perf_counter() - began) * 1000.0 if timed else 0.0
     return elapsed
+
+
+def _device_bytes(device: torch.device) -> int:
+    """What the caching allocator holds on the rank's GPU (its share of the device's memory, as
+    the live dashboard shows it); 0 on CPU. A counter read: no sync, no CUDA call that waits."""
+    return int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else 0
 
 
 def _fill_ms(step_ms: List[float]) -> float:

@@ -50,13 +50,16 @@ def ssh_argv(host: str, ssh: "SshConfig", command: str) -> List[str]:
     return argv + ["--", host, command]
 
 
-def remote_command(path: str, python: str, args: Sequence[str]) -> str:
-    """`cd <path> && exec <python> <args>` for the remote login shell, every word quoted."""
+def remote_command(path: str, python: str, args: Sequence[str], check: str = "") -> str:
+    """`cd <path> && exec <python> <args>` for the remote login shell, every word quoted;
+    `check` (shell text) runs between the two and must exit 0 for the exec to happen."""
     if path == "~" or path.startswith("~/"):  # let the remote shell expand the home directory
         where = "~/" + shlex.quote(path[2:]) if len(path) > 2 else "~"
     else:
         where = shlex.quote(path)
     words = " ".join(shlex.quote(a) for a in (python, *args))
+    if check:
+        return f"cd {where} && {{ {check}; }} && exec {words}"
     return f"cd {where} && exec {words}"
 
 

@@ -95,6 +95,8 @@ class WindowDone(Message):
     """Rows served by each cache tier (vram, ram, disk); the rest came from the data set."""
     delivery: str = ""
     """resident or streaming: how the rank's data reached its device at the window's end."""
+    device_bytes: int = 0
+    """Bytes the rank's GPU caching allocator held at the window's end (0 on CPU)."""
 
 
 class Reduced(Message):

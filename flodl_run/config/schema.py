@@ -201,6 +201,19 @@ class WorkerConfig:
     ssh: SshConfig = field(default_factory=SshConfig)
     env: Dict[str, str] = field(default_factory=dict)
     """Extra environment for this host's ranks."""
+    docker: Optional[str] = None
+    """Compose service this host's ranks run in (`docker compose exec` in `path`, where the
+    compose file is); null = bare metal."""
+
+
+@dataclass
+class DashboardConfig:
+    """The live dashboard the launcher serves while the run goes."""
+
+    serve: Optional[int] = None
+    """TCP port to serve it on (1-65535; 0 = a free port); null = off."""
+    host: str = "127.0.0.1"
+    """Address it listens on; loopback by default (other machines cannot reach it)."""
 
 
 @dataclass
@@ -356,6 +369,7 @@ class DdpRunConfig:
     """Path of the self-contained HTML dashboard written at teardown; null = none."""
     dashboard_theme: Theme = Theme.auto
     """Theme the dashboard opens with: auto, light or dark."""
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     scalar_reductions: Dict[str, Reduction] = field(default_factory=dict)
     """Cross-rank roll-up per user scalar name; unlisted scalars use mean."""
     resume_from: Optional[str] = None

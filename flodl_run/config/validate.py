@@ -35,6 +35,7 @@ RESERVED_ENV = (
 RESERVED_ENV_PREFIX = "FLODL_RUN_"
 
 _POLICY = re.compile(r"^(fastest|rank:(\d+))$")
+_SERVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -232,6 +233,9 @@ def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
     yield from _at_least("eval_every_epochs", cfg.eval_every_epochs, 1)
     yield from _at_least("reports_per_epoch", cfg.reports_per_epoch, 1)
     yield from _at_least("max_log_size", cfg.max_log_size, 4096)
+    yield from _within("dashboard.serve", cfg.dashboard.serve, 0, 65535)
+    if not cfg.dashboard.host.strip():
+        yield Problem("dashboard.host", cfg.dashboard.host, "must be an address to listen on")
     yield from _max_failure(cfg, world_size)
     yield from _callback_policy(cfg.epoch_callback_policy, world_size)
     for name in cfg.scalar_reductions:
@@ -335,6 +339,9 @@ def _workers(cfg: ExperimentConfig) -> Iterator[Any]:
             yield Problem(f"{key}.nccl_socket_ifname", w.nccl_socket_ifname,
                           "is required when the workers are on different hosts")
         yield from _within(f"{key}.ssh.port", w.ssh.port, 1, 65535)
+        if w.docker is not None and not _SERVICE.match(w.docker):
+            yield Problem(f"{key}.docker", w.docker, "must be a compose service name "
+                          "(letters, digits, '.', '_', '-')")
         for name in w.env:
             if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
                 yield Problem(f"{key}.env.{name}", w.env[name], "is reserved for the launcher")
