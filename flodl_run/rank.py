@@ -129,6 +129,7 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         sock = connect_dealer(self.ctx, self.env.coord, self.env.secret, linger_ms=0)
         channel = Channel(sock, self.env.secret)
+        self.on_beat(channel)
         while not self.stopped.wait(HEARTBEAT_PERIOD_S):
             if _orphaned(self.env):
                 _leave_orphaned(self.env)

@@ -39,7 +39,8 @@ FILE_NAME = "timeline.json"
 
 ARG_NAMES = {"data": "batch", "step": "batch", "window_end": "window", "eval": "epoch",
              "checkpoint": "epoch", "regroup": "generation", "wait": "order", "throttled": "order"}
-"""The argument's name in the trace per event name; reduce phases carry the round."""
+"""The argument's name in the trace per event name (reduce phases carry the round, other
+text is a message)."""
 
 
 # ---- clock alignment (pure) ---------------------------------------------------------------
@@ -219,29 +220,36 @@ class RankTimeline:
         if self._sampler is None:
             return
         for _ in range(PINGS_AT_START if self._beats == 0 else 1):
-            self._ping(channel)
+            if not self._ping(channel):
+                break
         self._beats += 1
         self._sampler.sample(self.recorder)
         self.ship(channel)
 
-    def _ping(self, channel: Any) -> None:
+    def _ping(self, channel: Any) -> bool:
+        """One round trip; False when no echo came back within ECHO_WAIT_MS (a late one is
+        still taken next time: its long round trip cannot win)."""
         sent = time.perf_counter_ns()
         channel.send(ClockPing(self.rank, sent))
         while True:
             received = channel.recv(timeout_ms=ECHO_WAIT_MS)
             if received is None:
-                return
+                return False
             echo = received.message
             if isinstance(echo, ClockEcho):
                 self.clock.add(echo.sent_ns, echo.received_ns, echo.replied_ns, time.perf_counter_ns())
                 if echo.sent_ns == sent:
-                    return
+                    return True
 
     def ship(self, channel: Any, final: bool = False) -> None:
         """Send the recorded events in chunks of at most MAX_CHUNK_EVENTS, with the clock
-        estimate; `final` (at Stop) marks the last."""
+        estimate; `final` (at Stop) marks the last, after a few more clock round trips (the
+        coordinator is idle then: the quietest samples of the run)."""
         if not self.recorder.on:
             return
+        for _ in range(PINGS_AT_START if final else 0):
+            if not self._ping(channel):
+                break
         estimate = self.clock.estimate()
         offset, error = (estimate.offset_ns, estimate.uncertainty_ns) if estimate else (0, -1)
         while True:
@@ -334,9 +342,9 @@ class TimelineFile(Timeline, Observer):
         waiting = set(ranks)
         while waiting and time.monotonic() < deadline:
             received = channel.recv(timeout_ms=50)
-            if received is not None and isinstance(received.message, TimelineEvents):
+            if received is not None and isinstance(received.message, (ClockPing, TimelineEvents)):
                 self.receive(received.message, received.identity, channel)
-                if received.message.final:
+                if isinstance(received.message, TimelineEvents) and received.message.final:
                     waiting.discard(received.message.rank)
 
     # ---- observer hooks -----------------------------------------------------------------
@@ -397,7 +405,9 @@ def trace_events(tracks: List[Tuple[int, str, List[Event], int]], origin_ns: int
                 out.append({"ph": "C", "name": ev_name, "pid": pid, "tid": 0, "ts": ts,
                             "args": {ev_name: arg}})
                 continue
-            key = "round" if ev_name.startswith("reduce") else ARG_NAMES.get(ev_name, "message")
+            key = "round" if ev_name.startswith("reduce") else ARG_NAMES.get(ev_name, "value")
+            if isinstance(arg, str) and key != "order":
+                key = "message"
             event = {"ph": phase, "name": ev_name, "pid": pid, "tid": 0, "ts": ts,
                      "args": {} if arg == -1 else {key: arg}}
             if phase == "X":
