@@ -416,3 +416,42 @@ def trace_events(tracks: List[Tuple[int, str, List[Event], int]], origin_ns: int
                 event["s"] = "g" if ev_name == "rank_lost" else "p"
             out.append(event)
     return out
+
+
+# ---- the recording's own cost -------------------------------------------------------------
+
+def recording_share(path: Path, calls: int = 100_000) -> Optional[float]:
+    """What recording costs the ranks, as a share of their batch time, for the trace at
+    `path`: the ranks' events per batch at the cost of one append measured here (`calls`
+    times), the per-batch clock reads and appends measured as the rank makes them, over the
+    trace's mean batch time (data + step). None without a trace or batches. Shipping (the
+    heartbeat thread's encoding) is not in it: the bench's on/off ratio covers that."""
+    try:
+        trace = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    ranks = [e for e in trace["traceEvents"] if e["ph"] != "M" and e["pid"] != COORDINATOR_PID]
+    batch_us = [e["dur"] for e in ranks if e["ph"] == "X" and e["name"] in ("data", "step")]
+    batches = sum(1 for e in ranks if e["ph"] == "X" and e["name"] == "step")
+    if not batches:
+        return None
+    per_batch_ns, per_event_ns = _hot_path_ns(calls)
+    extra = max(0, len(ranks) - 2 * batches)  # reduce phases, waits, instants, counters
+    cost_ns = per_batch_ns + extra / batches * per_event_ns
+    return cost_ns / (sum(batch_us) / batches * 1000.0)
+
+
+def _hot_path_ns(calls: int) -> Tuple[float, float]:
+    """(ns per batch as the rank records it: two clock reads and `batch`, ns per other span)."""
+    recorder = Recording()
+    began = time.perf_counter_ns()
+    for i in range(calls):
+        start = recorder.now()
+        data = recorder.now()
+        recorder.batch(start, data, i)
+    per_batch = (time.perf_counter_ns() - began) / calls
+    recorder.events.clear()
+    began = time.perf_counter_ns()
+    for i in range(calls):
+        recorder.span("reduce.apply", began, i)
+    return per_batch, (time.perf_counter_ns() - began) / calls

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import msgspec
+import pytest
 
 from flodl_run.timeline import MAX_CHUNK_EVENTS, ClockSync, RankTimeline, trace_events
 from flodl_run.wire import CONTROL_FRAME_BYTES, ClockPing, TimelineEvents
@@ -221,3 +222,35 @@ def test_clock_ping_has_a_place_on_the_wire():
     from flodl_run.wire import FACTS, ORDERS, ClockEcho
 
     assert ClockPing in FACTS and TimelineEvents in FACTS and ClockEcho in ORDERS
+
+
+# ---- the bench's measurement of the overhead -------------------------------------------------
+
+def test_bench_runs_a_mode_again_with_the_timeline_and_reports_its_cost(tmp_path):
+    """Pins the overhead entry of the bench: `bench.timeline=[mode]` adds `<mode>+timeline`
+    (the same run plus timeline=true), whose ratio is its samples/s over the plain entry's, and
+    whose recording share is the trace's per-batch recording time over its mean batch time
+    (positive, and small for millisecond batches); other entries carry neither."""
+    from flodl_run.bench import BenchConfig, BenchRunConfig, plan
+    from flodl_run.benchreport import RecipeBench, RunOutcome, bench_document
+    from flodl_run.config.schema import ClusterConfig, Mode, Topology
+    from tests.test_bench import _pair_rig, _summary
+
+    cfg = BenchRunConfig(bench=BenchConfig(modes=[Mode.nccl_cadence], timeline=[Mode.nccl_cadence],
+                                           solo=False, runner_solo=False, torch_ddp=False,
+                                           torch_localsgd=False),
+                         cluster=ClusterConfig(topology=Topology.cpu, num_ranks=2))
+    jobs = plan(cfg, _pair_rig())
+    assert [j.name for j in jobs] == ["nccl_cadence", "nccl_cadence+timeline"]
+    assert "timeline=true" in jobs[1].overrides and "timeline=true" not in jobs[0].overrides
+    assert "elche=nccl_cadence" in jobs[1].overrides
+    trace = {"traceEvents": [{"ph": "X", "name": n, "pid": 1, "tid": 0, "ts": 10.0 * i, "dur": d}
+                             for i in range(100) for n, d in (("data", 100.0), ("step", 900.0))]}
+    (tmp_path / "timeline.json").write_text(json.dumps(trace))
+    outcomes = [RunOutcome(j.name, j.recipe, j.kind, j.mode, j.outer, 10.0,
+                           _summary([0.5], samples_per_s=rate), str(tmp_path), "cmd")
+                for j, rate in zip(jobs, (100.0, 99.0))]
+    plain, traced = bench_document([RecipeBench(jobs[0].recipe, None, [1.0, 2.5])], outcomes, {})["entries"]
+    assert plain["ratio_to_timeline_off"] is None and plain["timeline_record_share"] is None
+    assert traced["ratio_to_timeline_off"] == pytest.approx(0.99)  # 99 samples/s over 100
+    assert 0.0 < traced["timeline_record_share"] < 0.01  # a few microseconds of a 1 ms batch
