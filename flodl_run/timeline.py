@@ -148,10 +148,14 @@ class Recording(Recorder):
         return self._lap if self._lap >= began_ns else began_ns
 
     def drain(self, limit: int) -> List[Event]:
-        """Up to `limit` of the oldest events, removed."""
+        """Up to `limit` of the oldest events, removed (safe against another thread draining:
+        the heartbeat's shipment and the one at Stop may overlap)."""
         out: List[Event] = []
-        for _ in range(min(limit, len(self.events))):
-            out.append(self.events.popleft())
+        try:
+            for _ in range(min(limit, len(self.events))):
+                out.append(self.events.popleft())
+        except IndexError:
+            pass
         return out
 
 
