@@ -71,7 +71,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                  max_frame_bytes: int = -1, timeline: Optional[Timeline] = None):
         self.config, self.world_size = config, world_size
         self.timeline = timeline or Timeline()
-        self.tl = self.timeline.recorder  # the coordinator's own spans
+        self.recorder = self.timeline.recorder  # the coordinator's own spans
         self.mode = config.elche.mode
         self.observer = observer or Observer()
         self.recipe: Optional[Recipe] = None

@@ -232,7 +232,7 @@ class RankWorker:
         self._spare: Optional[List[torch.Tensor]] = None
         self.timeline = RankTimeline(env.rank, config.timeline, f"{socket.gethostname()} {self.device}",
                                      self.device.index if self.device.type == "cuda" else None)
-        self.tl = self.timeline.recorder
+        self.recorder = self.timeline.recorder
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
@@ -367,11 +367,12 @@ class RankWorker:
                 self.waits.report(self.env.rank)
                 self.timeline.ship(self.channel, final=True)
                 return
-            began, began_ns = time.perf_counter(), self.tl.now()
+            began, began_ns = time.perf_counter(), self.recorder.now()
             self.waits.waited(received.message, idle_since, began)
             if idle_since is not None:  # perf_counter and perf_counter_ns read the same clock
-                self.tl.span_between("throttled" if throttled else "wait", int(idle_since * 1e9),
-                                     began_ns, type(received.message).__name__)
+                self.recorder.span_between("throttled" if throttled else "wait",
+                                           int(idle_since * 1e9), began_ns,
+                                           type(received.message).__name__)
             idle_since = None
             self._handle(received.message, received.payloads)
             self.waits.handled(received.message, began)
@@ -416,15 +417,15 @@ class RankWorker:
     def _train_one(self) -> None:
         job = self.jobs[0]
         indices = job.batches[job.done]
-        began, began_ns = time.perf_counter(), self.tl.now()
+        began, began_ns = time.perf_counter(), self.recorder.now()
         batch = self.source.gather(indices, self.jobs)
-        data_ns = self.tl.now()
+        data_ns = self.recorder.now()
         loss = self.replica.step(batch)
         job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss  # read at window end
         last = job.done + 1 == len(job.batches)
         self._settle_step(began, timed=job.done == 0 or last)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
-        self.tl.batch(began_ns, data_ns, self._batches_total)
+        self.recorder.batch(began_ns, data_ns, self._batches_total)
         job.done += 1
         job.samples += len(indices)
         self._steps_since_reduce += 1
@@ -449,7 +450,7 @@ class RankWorker:
 
     def _window_done(self, job: "_Job") -> None:
         order = job.order
-        self.tl.instant("window_end", order.window)
+        self.recorder.instant("window_end", order.window)
         self.waits.sent("WindowDone")
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
@@ -467,9 +468,9 @@ class RankWorker:
         self._reduces_seen += 1
         self.replica.rescale_lr(order.lr_factor)
         if not self.mode.is_collective:
-            began_ns = self.tl.now()
+            began_ns = self.recorder.now()
             self._send_snapshot(order.round)
-            self.tl.span("reduce.snapshot", began_ns, order.round)
+            self.recorder.span("reduce.snapshot", began_ns, order.round)
             return
         if self._last_reduce is not None and self._last_reduce[0] == order.round:
             self._undo_reduce()  # a retry after a death: start again from our own replica
@@ -478,13 +479,13 @@ class RankWorker:
             return
         outer_before = self.outer.state_dict() if self.outer.active and self.outer.prev is not None else None
         outer_before = {k: [t.clone() for t in v] for k, v in outer_before.items()} if outer_before else None
-        began_ns = self.tl.now()
+        began_ns = self.recorder.now()
         try:
             outcome = self._weighted_reduce()
         except CollectiveError as exc:
             self.channel.send(ReduceFailed(self.env.rank, order.round, str(exc)))
             return
-        averaged_ns = self.tl.now()
+        averaged_ns = self.recorder.now()
         self._last_reduce = (order.round, outcome.scratch, self._steps_since_reduce, outer_before,
                              self._start)
         if outcome.applied and self.outer.step_(self.flat.buffers):
@@ -505,10 +506,10 @@ class RankWorker:
         all-reduced (every peer arrived); average: the snapshot for a retry, the parameters'
         all-reduce and the divergence (it ends reading a result back, so the device is done);
         apply: the outer step and the next window's start."""
-        lined_up = self.tl.last_lap(began_ns)
-        self.tl.span_between("reduce.wait", began_ns, lined_up, round_)
-        self.tl.span_between("reduce.average", lined_up, averaged_ns, round_)
-        self.tl.span("reduce.apply", averaged_ns, round_)
+        lined_up = self.recorder.last_lap(began_ns)
+        self.recorder.span_between("reduce.wait", began_ns, lined_up, round_)
+        self.recorder.span_between("reduce.average", lined_up, averaged_ns, round_)
+        self.recorder.span("reduce.apply", averaged_ns, round_)
 
     def _begin_window(self) -> None:
         """The next window starts from the parameters now held: copy them into the spare
@@ -528,7 +529,7 @@ class RankWorker:
         self._collective_began = time.monotonic()
         try:
             return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken,
-                                    start=self._start, lined_up=self.tl.lap)
+                                    start=self._start, lined_up=self.recorder.lap)
         finally:
             self._collective_began = None
 
