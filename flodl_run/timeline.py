@@ -217,6 +217,7 @@ class RankTimeline:
         self.clock = ClockSync()
         self._sampler = Sampler(cuda_index) if on else None
         self._beats = 0
+        self._shipping = threading.Lock()  # a chunk drained is sent before the final one
 
     def on_beat(self, channel: Any) -> None:
         """Heartbeat thread, its own socket: clock round trips (a few on the first beat),
@@ -256,14 +257,15 @@ class RankTimeline:
                 break
         estimate = self.clock.estimate()
         offset, error = (estimate.offset_ns, estimate.uncertainty_ns) if estimate else (0, -1)
-        while True:
-            events = self.recorder.drain(MAX_CHUNK_EVENTS)
-            last = len(self.recorder.events) == 0
-            if events or (final and last):
-                channel.send(TimelineEvents(self.rank, events, offset, error, self.label,
-                                            final=final and last))
-            if last:
-                return
+        with self._shipping:
+            while True:
+                events = self.recorder.drain(MAX_CHUNK_EVENTS)
+                last = len(self.recorder.events) == 0
+                if events or (final and last):
+                    channel.send(TimelineEvents(self.rank, events, offset, error, self.label,
+                                                final=final and last))
+                if last:
+                    return
 
     def order_span(self, order: Any, began_ns: int) -> None:
         """The span of an order the rank just served, for those worth one."""
@@ -342,10 +344,14 @@ class TimelineFile(Timeline, Observer):
         track.final = track.final or message.final
 
     def await_final(self, channel: Any, ranks: List[int]) -> None:
+        """Until every rank's final shipment is in (FINAL_WAIT_S at most), then while more
+        keeps coming: a heartbeat's last chunk travels on another socket and may land after."""
         deadline = time.monotonic() + FINAL_WAIT_S
         waiting = set(ranks)
-        while waiting and time.monotonic() < deadline:
-            received = channel.recv(timeout_ms=50)
+        while time.monotonic() < deadline:
+            received = channel.recv(timeout_ms=50 if waiting else 20)
+            if received is None and not waiting:
+                return
             if received is not None and isinstance(received.message, (ClockPing, TimelineEvents)):
                 self.receive(received.message, received.identity, channel)
                 if isinstance(received.message, TimelineEvents) and received.message.final:
