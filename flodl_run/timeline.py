@@ -11,6 +11,7 @@ Everything is a no-op when the timeline is off.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -221,15 +222,20 @@ class RankTimeline:
 
     def on_beat(self, channel: Any) -> None:
         """Heartbeat thread, its own socket: clock round trips (a few on the first beat),
-        counters, then the events recorded so far. A rank that dies later keeps these."""
+        counters, then the events recorded so far. A rank that dies later keeps these. A
+        failure here is printed once and ends the timeline, never the heartbeat."""
         if self._sampler is None:
             return
-        for _ in range(PINGS_AT_START if self._beats == 0 else 1):
-            if not self._ping(channel):
-                break
-        self._beats += 1
-        self._sampler.sample(self.recorder)
-        self.ship(channel)
+        try:
+            for _ in range(PINGS_AT_START if self._beats == 0 else 1):
+                if not self._ping(channel):
+                    break
+            self._beats += 1
+            self._sampler.sample(self.recorder)
+            self.ship(channel)
+        except Exception as exc:
+            self._sampler = None
+            print(f"rank {self.rank}: timeline off: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _ping(self, channel: Any) -> bool:
         """One round trip; False when no echo came back within ECHO_WAIT_MS (a late one is
@@ -314,7 +320,6 @@ class TimelineFile(Timeline, Observer):
         self.recorder = Recording()
         self.origin_ns = time.perf_counter_ns()
         self.ranks: Dict[int, _RankTrack] = {}
-        self._last_plan: Optional[Tuple[int, str]] = None
         self._stopped = threading.Event()
         self._sampler = threading.Thread(target=self._sample, name="timeline-sampler", daemon=True)
         self._sampler.start()
@@ -363,10 +368,8 @@ class TimelineFile(Timeline, Observer):
         self.recorder.instant(kind, message)
 
     def on_reduce(self, record: ReduceRecord) -> None:
+        """The anchor as a counter (its changes, and the phase's, come as ElChe's events)."""
         self.recorder.counter("anchor", float(record.anchor))
-        if self._last_plan is not None and self._last_plan[1] != record.phase:
-            self.recorder.instant("phase", f"{self._last_plan[1]} -> {record.phase}")
-        self._last_plan = (record.anchor, record.phase)
 
     def on_epoch(self, record: EpochRecord) -> None:
         self.recorder.instant("epoch_end", f"epoch {record.epoch}: loss {record.avg_loss:.4g}"
