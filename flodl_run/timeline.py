@@ -383,6 +383,8 @@ class TimelineFile(Timeline, Observer):
         self.path.write_text(json.dumps(self.trace(summary)))
 
     def trace(self, summary: Optional[Summary] = None) -> Dict[str, Any]:
+        """The trace-event document: every track's events, each rank's clock offset and its
+        bound under `otherData.clock_offsets`, and the run's mode, world size and status."""
         own = list(self.recorder.events)
         tracks = [(COORDINATOR_PID, "coordinator", own, 0)]
         clocks = {}
