@@ -254,3 +254,26 @@ def test_bench_runs_a_mode_again_with_the_timeline_and_reports_its_cost(tmp_path
     assert plain["ratio_to_timeline_off"] is None and plain["timeline_record_share"] is None
     assert traced["ratio_to_timeline_off"] == pytest.approx(0.99)  # 99 samples/s over 100
     assert 0.0 < traced["timeline_record_share"] < 0.01  # a few microseconds of a 1 ms batch
+
+
+def test_a_dead_ranks_shipped_events_stay_in_the_trace(tmp_path):
+    """Pins what a rank death keeps: the coordinator's file holds every event a rank shipped
+    before it died, marked incomplete (no final shipment), next to a survivor's complete track;
+    a ClockPing is answered with the ping's own send time."""
+    from flodl_run.timeline import TimelineFile
+    from flodl_run.wire import ClockEcho
+
+    timeline = TimelineFile(tmp_path / "timeline.json")
+    channel = _Channel()
+    timeline.receive(ClockPing(1, 42), b"id", channel)
+    assert isinstance(channel.sent[0], ClockEcho) and channel.sent[0].sent_ns == 42
+    timeline.receive(TimelineEvents(0, [("X", "step", 5, 1, 0)], 0, 10, "h cpu", final=True), None, channel)
+    timeline.receive(TimelineEvents(1, [("X", "step", 5, 1, 0), ("i", "window_end", 6, 0, 1)],
+                                    -3, 20, "h cpu"), None, channel)
+    trace = timeline.trace()
+    timeline._stopped.set()
+    clocks = trace["otherData"]["clock_offsets"]
+    assert clocks["rank 0"]["complete"] and not clocks["rank 1"]["complete"]
+    assert clocks["rank 1"] == {"offset_ns": -3, "uncertainty_ns": 20, "complete": False}
+    dead = [e["name"] for e in trace["traceEvents"] if e["pid"] == 2 and e["ph"] != "M"]
+    assert dead == ["step", "window_end"]
