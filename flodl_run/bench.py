@@ -71,6 +71,9 @@ class BenchConfig:
     """flodl_run modes to run (default: all five)."""
     outers: List[OuterKind] = field(default_factory=lambda: [OuterKind.none])
     """Outer optimizers; each mode runs once per outer."""
+    timeline: List[Mode] = field(default_factory=list)
+    """Modes run once more with timeline=true (entry `<mode>+timeline`): the timeline's cost,
+    as its samples/s over the plain run's and as recording time per batch in its trace."""
     epochs: int = 5
     """Epochs of every run; >= 1."""
     batch_size: int = 32
@@ -247,6 +250,9 @@ def plan(cfg: BenchRunConfig, rig: Rig) -> List[Job]:
                 jobs.append(Job(name, label, "flodl_run", mode.value, outer.value, _last_wins(
                     [*rig_overrides, f"elche={mode.value}", f"outer={outer.value}",
                      *_common(b, recipe)])))
+        for mode in dict.fromkeys(b.timeline):
+            jobs.append(Job(f"{mode.value}+timeline", label, "flodl_run", mode.value, "none", _last_wins(
+                [*rig_overrides, f"elche={mode.value}", *_common(b, recipe), "timeline=true"])))
         if b.torch_localsgd:
             jobs.append(Job("torch_localsgd", label, "torch_localsgd", "torch_localsgd", "none",
                             _last_wins([*rig_overrides, *_common(b, recipe)]),

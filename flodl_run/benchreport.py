@@ -22,7 +22,8 @@ ENTRY_KEYS = ("name", "recipe", "kind", "mode", "outer", "status", "samples_per_
               "ratio_to_ideal", "ratio_to_torch_ddp", "ratio_to_torch_localsgd", "final_loss",
               "final_eval",
               "time_to_target_s", "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms",
-              "idle_fraction", "epochs", "load_average", "repeats", "run_dir", "command")
+              "idle_fraction", "epochs", "load_average", "repeats", "run_dir", "command",
+              "ratio_to_timeline_off", "timeline_record_share")
 
 
 @dataclass
@@ -169,7 +170,26 @@ def entry(outcome: RunOutcome, recipe: RecipeBench,
         "load_average": outcome.load_average, "repeats": outcome.repeats,
         "run_dir": outcome.run_dir,
         "command": outcome.command,
+        "ratio_to_timeline_off": None, "timeline_record_share": None,
     }
+
+
+TIMELINE_SUFFIX = "+timeline"
+
+
+def timeline_costs(entries: List[Dict[str, Any]]) -> None:
+    """Fill in each `<mode>+timeline` entry's cost of the timeline: its samples/s over the same
+    recipe's `<mode>` entry, and the recording time per batch over the batch time measured
+    in its own trace (`flodl_run.timeline.recording_share`)."""
+    from flodl_run.timeline import recording_share
+
+    rates = {(e["recipe"], e["name"]): e["samples_per_s"] for e in entries}
+    for e in entries:
+        if e["kind"] != "flodl_run" or not e["name"].endswith(TIMELINE_SUFFIX):
+            continue
+        e["ratio_to_timeline_off"] = _ratio(e["samples_per_s"],
+                                            rates.get((e["recipe"], e["name"][:-len(TIMELINE_SUFFIX)])))
+        e["timeline_record_share"] = recording_share(Path(e["run_dir"]) / "timeline.json")
 
 
 def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome],
@@ -181,6 +201,7 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
         recipe.ideal_samples_per_s = ideal(recipe, outcomes)
         mine = [o for o in outcomes if o.recipe == recipe.name]
         entries += [entry(o, recipe, peer_rates(mine)) for o in mine]
+    timeline_costs(entries)
     return {
         "ideal_samples_per_s": recipes[0].ideal_samples_per_s if len(recipes) == 1 else None,
         "entries": entries,
@@ -200,7 +221,8 @@ COLUMNS = (("entry", "name"), ("status", "status"), ("final loss", "final_loss")
            ("x torch DDP", "ratio_to_torch_ddp"), ("x local SGD", "ratio_to_torch_localsgd"),
            ("time to target s", "time_to_target_s"),
            ("loss drop / s", "loss_drop_per_s"), ("syncs", "syncs"),
-           ("avg sync ms", "avg_sync_ms"), ("idle per rank", "idle_fraction"))
+           ("avg sync ms", "avg_sync_ms"), ("idle per rank", "idle_fraction"),
+           ("x timeline off", "ratio_to_timeline_off"), ("timeline cost", "timeline_record_share"))
 
 
 def cell(key: str, value: Any) -> str:
@@ -208,6 +230,8 @@ def cell(key: str, value: Any) -> str:
         return "-"
     if key == "idle_fraction":
         return " ".join(f"{x:.2f}" for x in value) or "-"
+    if key == "timeline_record_share":
+        return f"{value:.3%}"
     if key.startswith("ratio_"):
         return f"{value:.2f}"
     if key in ("final_eval", "final_loss", "loss_drop_per_s"):
@@ -259,7 +283,11 @@ DEFINITIONS = (
     "loss drop / s: (first epoch's mean loss - final epoch's) / training seconds. avg sync ms: "
     "mean reduce time (not measured for the peers: timing their collectives would add host "
     "syncs). idle per rank: share of the run's training wall time a rank was not computing "
-    "(emulated slowdown counts as computing).")
+    "(emulated slowdown counts as computing). <mode>+timeline: the mode again with "
+    "timeline=true; x timeline off: its samples/s over the plain run's (run-to-run noise "
+    "included); timeline cost: the time its recording takes per batch (every event of the "
+    "trace, at the per-event cost measured in the bench process) over the mean batch time "
+    "in the trace.")
 
 
 def tables(doc: Dict[str, Any]) -> List[Table]:

@@ -32,10 +32,12 @@ from flodl_run.reduces import Reduces
 from flodl_run.saving import Saving
 from flodl_run.scalars import roll_up
 from flodl_run.summary import EpochRecord, Summary
+from flodl_run.timeline import Timeline
 from flodl_run.windows import EpochTally, Windows
 from flodl_run.wire import (
     Channel,
     CheckpointSaved,
+    ClockPing,
     Evaluate,
     Evaluated,
     Heartbeat,
@@ -49,6 +51,7 @@ from flodl_run.wire import (
     Regrouped,
     SnapshotTaken,
     Stop,
+    TimelineEvents,
     Train,
     Update,
     WindowDone,
@@ -65,8 +68,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
                  observer: Optional[Observer] = None, shm_prefix: Optional[str] = None,
-                 max_frame_bytes: int = -1):
+                 max_frame_bytes: int = -1, timeline: Optional[Timeline] = None):
         self.config, self.world_size = config, world_size
+        self.timeline = timeline or Timeline()
+        self.recorder = self.timeline.recorder  # the coordinator's own spans
         self.mode = config.elche.mode
         self.observer = observer or Observer()
         self.recipe: Optional[Recipe] = None
@@ -381,6 +386,9 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self.last_seen[rank] = time.monotonic()
             if isinstance(message, Heartbeat):
                 self._note_progress(message, self.last_seen[rank])
+            if isinstance(message, (ClockPing, TimelineEvents)):
+                self.timeline.receive(message, received.identity, self.channel)
+                continue
             if isinstance(message, WindowDone):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
                 self.observer.on_window(message.rank, message.samples, message.wall_ms,
@@ -438,6 +446,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._send(rank, Stop(self.summary.status))
             except zmq.ZMQError:
                 pass
+        self.timeline.await_final(self.channel, sorted(self.alive & set(self.identities)))
         self._close_socket()
         self.summary.wall_s = wall_s
         self.summary.syncs = len(self._sync_ms)

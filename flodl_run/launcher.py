@@ -28,6 +28,7 @@ from flodl_run.records import RecordLog
 from flodl_run.rundir import EventFile, link_latest, written
 from flodl_run.say import say, say_labelled
 from flodl_run.summary import Summary, write_summary
+from flodl_run.timeline import TimelineFile
 from flodl_run.tracking import make_tracker
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -126,14 +127,16 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
     progress = TerminalProgress(console) if show_progress else None
-    # Teardown outputs (events, record log, dashboard) finish before the tracker, which uploads
-    # them; the live dashboard's server stops after the dashboard took the summary.
+    # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker, which
+    # uploads them; the live dashboard's server stops after the dashboard took the summary.
     board = Dashboard.for_run(config, run_dir)
+    timeline = None if plan.in_process else TimelineFile.for_run(config, run_dir)
     outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir), board,
-                           live and live.start(board, console)) if o is not None]
+                           live and live.start(board, console), timeline) if o is not None]
     observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
     try:
-        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id)
+        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id,
+                                       timeline)
     finally:
         if progress is not None:
             progress.close()
@@ -161,7 +164,8 @@ def serve_dashboard(config: ExperimentConfig) -> Optional["LiveServer"]:
 
 
 def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
-           recipe: Optional["Recipe"], mlflow_run_id: Optional[str]) -> tuple:
+           recipe: Optional["Recipe"], mlflow_run_id: Optional[str],
+           timeline: Optional[TimelineFile] = None) -> tuple:
     """(summary, model or None, the exception the recipe raised or None)."""
     try:
         if plan.in_process:
@@ -170,7 +174,8 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
         from flodl_run.supervisor import launch_ranks
 
         _leave_cores_to_ranks(config, plan)
-        return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id), None, None
+        return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id,
+                            timeline), None, None
     except Exception as exc:  # the recipe raised in this process: still close the run's records
         in_process = plan.in_process
         summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",

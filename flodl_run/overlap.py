@@ -178,9 +178,10 @@ class AsyncLoop:
         # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
         # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
         # the fast rank idle at the round gate.
-        began = time.perf_counter()
+        began, began_ns = time.perf_counter(), self.c.recorder.now()
         result = self.c.averager.reduce(snapshots)
         sync_ms = (time.perf_counter() - began) * 1000.0
+        self.c.recorder.span("reduce.average", began_ns, self.c._round)
         self.c._global_step += sum(s.steps for s in snapshots)
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
         divergence = result.divergence if result else 0.0

@@ -45,6 +45,7 @@ from flodl_run.hostinfo import node_facts
 from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import CallbackFailed, load_recipe, user_traceback
 from flodl_run.replica import Replica, lr_factor
+from flodl_run.timeline import RankTimeline
 from flodl_run.wire import (
     AbortGroup,
     Channel,
@@ -119,18 +120,21 @@ class _Heartbeat(threading.Thread):
     Being a thread, it also notices a dead launcher while the main thread is busy in a step:
     then it removes the run's slabs and ends the process, so no orphan rank stays behind."""
 
-    def __init__(self, ctx: zmq.Context, env: RankEnv, progress: Callable[[], Tuple[int, bool]]):
+    def __init__(self, ctx: zmq.Context, env: RankEnv, progress: Callable[[], Tuple[int, bool]],
+                 on_beat: Callable[[Channel], None] = lambda channel: None):
         super().__init__(daemon=True, name=f"heartbeat-{env.rank}")
-        self.ctx, self.env, self.progress = ctx, env, progress
+        self.ctx, self.env, self.progress, self.on_beat = ctx, env, progress, on_beat
         self.stopped = threading.Event()
 
     def run(self) -> None:
         sock = connect_dealer(self.ctx, self.env.coord, self.env.secret, linger_ms=0)
         channel = Channel(sock, self.env.secret)
+        self.on_beat(channel)
         while not self.stopped.wait(HEARTBEAT_PERIOD_S):
             if _orphaned(self.env):
                 _leave_orphaned(self.env)
             channel.send(Heartbeat(self.env.rank, *self.progress()))
+            self.on_beat(channel)  # the timeline's clock pings, counters and shipment
         sock.close()
 
 
@@ -227,6 +231,9 @@ class RankWorker:
         # parameters would cost a good part of a short step (and sync modes take no verdicts).
         self._start = self.flat.clone() if self.mode is Mode.nccl_cadence else None
         self._spare: Optional[List[torch.Tensor]] = None
+        self.timeline = RankTimeline(env.rank, config.timeline, f"{socket.gethostname()} {self.device}",
+                                     self.device.index if self.device.type == "cuda" else None)
+        self.recorder = self.timeline.recorder
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
@@ -237,7 +244,8 @@ class RankWorker:
         collective = self.mode.is_collective
         if collective:  # the coordinator backend needs no process group (and no NCCL)
             self._join_group(0, list(range(self.env.world_size)))
-        heartbeat = _Heartbeat(self.ctx, self.env, lambda: (self._batches_total, self._training))
+        heartbeat = _Heartbeat(self.ctx, self.env, lambda: (self._batches_total, self._training),
+                               self.timeline.on_beat)
         heartbeat.start()
         listener = _Listener(self.ctx, self.env, self._abort_group, self._watch_collective)
         if collective:
@@ -344,10 +352,12 @@ class RankWorker:
     def _serve(self) -> None:
         """Batch-granular loop: handle every order that arrived, then train one batch if allowed."""
         idle_since: Optional[float] = None
+        throttled = False
         while True:
             can_train = self._can_train()
             if not can_train and idle_since is None:
                 idle_since = time.perf_counter()
+                throttled = bool(self.jobs) and not self._awaiting_update  # the overshoot cap
             received = self.channel.recv(timeout_ms=0 if can_train else 1000)
             self._training = received is None and self._can_train()  # what heartbeats report
             if received is None:
@@ -358,12 +368,18 @@ class RankWorker:
                 continue
             if isinstance(received.message, Stop):
                 self.waits.report(self.env.rank)
+                self.timeline.ship(self.channel, final=True)
                 return
-            began = time.perf_counter()
+            began, began_ns = time.perf_counter(), self.recorder.now()
             self.waits.waited(received.message, idle_since, began)
+            if idle_since is not None:  # perf_counter and perf_counter_ns read the same clock
+                self.recorder.span_between("throttled" if throttled else "wait",
+                                           int(idle_since * 1e9), began_ns,
+                                           type(received.message).__name__)
             idle_since = None
             self._handle(received.message, received.payloads)
             self.waits.handled(received.message, began)
+            self.timeline.order_span(received.message, began_ns)
 
     def _handle(self, order: Any, payloads: List[memoryview]) -> None:
         if isinstance(order, Train):
@@ -406,12 +422,15 @@ class RankWorker:
     def _train_one(self) -> None:
         job = self.jobs[0]
         indices = job.batches[job.done]
-        began = time.perf_counter()
-        loss = self.replica.step(self.source.gather(indices, self.jobs))
+        began, began_ns = time.perf_counter(), self.recorder.now()
+        batch = self.source.gather(indices, self.jobs)
+        data_ns = self.recorder.now()
+        loss = self.replica.step(batch)
         job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss  # read at window end
         last = job.done + 1 == len(job.batches)
         self._settle_step(began, timed=job.done == 0 or last)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
+        self.recorder.batch(began_ns, data_ns, self._batches_total)
         job.done += 1
         job.samples += len(indices)
         self._steps_since_reduce += 1
@@ -436,6 +455,7 @@ class RankWorker:
 
     def _window_done(self, job: "_Job") -> None:
         order = job.order
+        self.recorder.instant("window_end", order.window)
         self.waits.sent("WindowDone")
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
@@ -454,7 +474,9 @@ class RankWorker:
         self._reduces_seen += 1
         self.replica.rescale_lr(order.lr_factor)
         if not self.mode.is_collective:
+            began_ns = self.recorder.now()
             self._send_snapshot(order.round)
+            self.recorder.span("reduce.snapshot", began_ns, order.round)
             return
         if self._last_reduce is not None and self._last_reduce[0] == order.round:
             self._undo_reduce()  # a retry after a death: start again from our own replica
@@ -463,11 +485,13 @@ class RankWorker:
             return
         outer_before = self.outer.state_dict() if self.outer.active and self.outer.prev is not None else None
         outer_before = {k: [t.clone() for t in v] for k, v in outer_before.items()} if outer_before else None
+        began_ns = self.recorder.now()
         try:
             outcome = self._weighted_reduce(order.measure)
         except CollectiveError as exc:
             self.channel.send(ReduceFailed(self.env.rank, order.round, str(exc)))
             return
+        averaged_ns = self.recorder.now()
         self._last_reduce = (order.round, outcome.scratch, self._steps_since_reduce, outer_before,
                              self._start)
         if outcome.applied and self.outer.step_(self.flat.buffers):
@@ -479,9 +503,20 @@ class RankWorker:
         if not outcome.finite:
             self.replica.optimizer.state.clear()  # its moments are NaN too: restart them
         self._reduced_round = order.round
+        self._trace_reduce(order.round, began_ns, averaged_ns)
         self.waits.sent("Reduced")
         self.channel.send(Reduced(self.env.rank, order.round, outcome.divergence, outcome.weight,
                                   outcome.finite, outcome.cosine, outcome.magnitude))
+
+    def _trace_reduce(self, round_: int, began_ns: int, averaged_ns: int) -> None:
+        """Timeline: the collective reduce's phases. wait: until the cohort's weights were
+        all-reduced (every peer arrived); average: the snapshot for a retry, the parameters'
+        all-reduce and the divergence (it ends reading a result back, so the device is done);
+        apply: the outer step and the next window's start."""
+        lined_up = self.recorder.last_lap(began_ns)
+        self.recorder.span_between("reduce.wait", began_ns, lined_up, round_)
+        self.recorder.span_between("reduce.average", lined_up, averaged_ns, round_)
+        self.recorder.span("reduce.apply", averaged_ns, round_)
 
     def _begin_window(self) -> None:
         """The next window starts from the parameters now held: copy them into the spare
@@ -501,7 +536,7 @@ class RankWorker:
         self._collective_began = time.monotonic()
         try:
             return weighted_reduce_(self.flat, steps, gamma, broken=self._group_broken,
-                                    start=self._start, measure=measure)
+                                    start=self._start, measure=measure, lined_up=self.recorder.lap)
         finally:
             self._collective_began = None
 

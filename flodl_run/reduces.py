@@ -47,7 +47,7 @@ class Reduces:
         to fold a late one into)."""
         self._window += 1
         self._round += 1
-        began = time.perf_counter()
+        began, began_ns = time.perf_counter(), self.recorder.now()
         result = None
         if self.mode.is_collective:
             divergence = self._collective_round(sync_sent)
@@ -57,6 +57,7 @@ class Reduces:
             result = self._central_round(window, wait_all=final)
             divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
+        self.recorder.span("reduce", began_ns, self._round)
         window.drop(set(range(self.world_size)) - self.alive)  # the dead's work is redone
         # A rank left out of the average still owes what it trained since its last fold.
         self._since_reduce = {r: self._since_reduce.get(r, []) if r in self._late else []
@@ -160,7 +161,7 @@ class Reduces:
         the SyncNow, and once at least one is in, a rank still missing is left out of this
         average (`wait_all`: nobody is)."""
         snapshots: Dict[int, Snapshot] = {}
-        began = time.monotonic()
+        began, began_ns = time.monotonic(), self.recorder.now()
         deadline = None if wait_all else began + self.config.snapshot_timeout_secs
         self._late = set()
         while not self.alive <= set(snapshots):
@@ -176,7 +177,11 @@ class Reduces:
             if time.monotonic() - began > self._stall_ceiling_s():
                 raise ShutdownWithSave("reduce_stall", f"round {self._round}: snapshots missing")
         snapshots = [snapshots[r] for r in sorted(self.alive) if r in snapshots]  # the dead's dropped
-        return self.averager.reduce(snapshots, out=self._update_buffers(snapshots))
+        self.recorder.span("reduce.collect", began_ns, self._round)
+        averaging = self.recorder.now()
+        result = self.averager.reduce(snapshots, out=self._update_buffers(snapshots))
+        self.recorder.span("reduce.average", averaging, self._round)
+        return result
 
     def take_snapshot(self, taken: SnapshotTaken, window_batches: int,
                       allowance: int) -> Optional[Snapshot]:
@@ -243,6 +248,7 @@ class Reduces:
         """Every rank gets the result (blend 1.0 = overwrite; EASGD alpha in cpu_async): through
         the coordinator's shared-memory slab to ranks that sent theirs that way, else as frames.
         The slab is rewritten next round, after every rank has applied this one."""
+        began_ns = self.recorder.now()
         params: List[memoryview] = []
         extra: List[memoryview] = []
         dtypes: List[str] = []
@@ -270,6 +276,7 @@ class Reduces:
             self._send(rank, Update(self._round, self._global_step, mix, buffers, dtypes, stepped,
                                     trains.get(rank), reset=rank in reset, **(shared if via_shm else {})),
                        extra if via_shm else params + extra)
+        self.recorder.span("reduce.send", began_ns, self._round)
 
     def _slab_for_updates(self, params: List) -> Optional[Slab]:
         """The coordinator's slab holding `params` (copied in unless the consensus was built

@@ -29,6 +29,7 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
 from flodl_run.summary import Summary
+from flodl_run.timeline import Timeline
 from flodl_run.wire import frame_limit, new_secret
 
 log = logging.getLogger(__name__)
@@ -223,14 +224,15 @@ def _name_the_cause(summary: Summary, procs: List[RankProcess]) -> None:
 
 
 def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
-                 observer: Optional[Observer] = None, mlflow_run_id: Optional[str] = None) -> Summary:
+                 observer: Optional[Observer] = None, mlflow_run_id: Optional[str] = None,
+                 timeline: Optional[Timeline] = None) -> Summary:
     """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
     local = config.cluster.launch_ranks and plan.hosts is None
     shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
     coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
                               observer=observer, shm_prefix=shm_prefix,
-                              max_frame_bytes=frame_limit(_param_bytes(config)))
+                              max_frame_bytes=frame_limit(_param_bytes(config)), timeline=timeline)
     coordinator.mlflow_run_id = mlflow_run_id
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),

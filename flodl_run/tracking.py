@@ -311,6 +311,8 @@ class MlflowTracker(NullTracker):
             dashboard = run_dir / self.config.dashboard_html
             if dashboard.is_file():
                 self.client.log_artifact(self.run_id, str(dashboard))
+        if self.config.timeline and (run_dir / "timeline.json").is_file():
+            self.client.log_artifact(self.run_id, str(run_dir / "timeline.json"))
 
 
 def make_tracker(config: ExperimentConfig) -> NullTracker:

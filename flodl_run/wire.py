@@ -169,6 +169,27 @@ class Evaluated(Message):
     score: float
 
 
+class ClockPing(Message):
+    """Timeline: a rank's clock (perf_counter_ns) as it sent this; answered by ClockEcho."""
+
+    rank: int
+    sent_ns: int
+
+
+class TimelineEvents(Message):
+    """Timeline: a rank's recorded events since its last shipment (at most a few MB), with
+    its current estimate of the coordinator's clock minus its own (`uncertainty_ns` -1: none
+    yet). `final`: the last shipment, sent at Stop."""
+
+    rank: int
+    events: List[Tuple[str, str, int, int, Union[int, float, str]]]
+    offset_ns: int
+    uncertainty_ns: int
+    label: str = ""
+    """Where the rank runs (host, device), for its track's name."""
+    final: bool = False
+
+
 class RankFailed(Message):
     rank: int
     error: str
@@ -262,13 +283,23 @@ class SaveCheckpoint(Message):
     """The writer then runs the recipe's checkpoint_fn(epoch, model); None: it runs none."""
 
 
+class ClockEcho(Message):
+    """The answer to a ClockPing: its `sent_ns`, and the coordinator's clock when the ping was
+    received and when this was sent."""
+
+    sent_ns: int
+    received_ns: int
+    replied_ns: int
+
+
 class Stop(Message):
     reason: str
 
 
 AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated,
                    RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Train, SyncNow, Update,
-                   Evaluate, Regroup, SaveCheckpoint, Stop, Listening, AbortGroup]
+                   Evaluate, Regroup, SaveCheckpoint, Stop, Listening, AbortGroup, ClockPing,
+                   ClockEcho, TimelineEvents]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
@@ -279,9 +310,9 @@ _decoder = msgspec.msgpack.Decoder(AnyMessage)
 log = logging.getLogger(__name__)
 
 FACTS = (RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated, RankFailed,
-         CheckpointSaved, ReduceFailed, Regrouped, Listening)
+         CheckpointSaved, ReduceFailed, Regrouped, Listening, ClockPing, TimelineEvents)
 """What ranks send; only the coordinator receives these."""
-ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, Stop, AbortGroup)
+ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, Stop, AbortGroup, ClockEcho)
 """What the coordinator sends; only ranks receive these. (A type in neither list is taken by
 both sides: the per-direction keys already keep a message from being turned around.)"""
 CONTROL_FRAME_BYTES = 4 << 20

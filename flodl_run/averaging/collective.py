@@ -47,12 +47,14 @@ class ReduceOutcome:
 def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
                      group: Optional[dist.ProcessGroup] = None,
                      broken: Callable[[], bool] = lambda: False,
-                     start: Optional[List[torch.Tensor]] = None, measure: bool = True) -> ReduceOutcome:
+                     start: Optional[List[torch.Tensor]] = None, measure: bool = True,
+                     lined_up: Callable[[], None] = lambda: None) -> ReduceOutcome:
     """Replace this rank's parameters and float buffers by the cohort's consensus, in place.
     `broken()` true after the collectives completed (another thread aborted the group while
     they waited on a dead peer): their results are garbage, so the replica is restored.
     `start`: the parameters the window began from, for the divergence's cosine/magnitude.
-    `measure` False: no divergence (NaN) and no breakdown, one pass and one read fewer."""
+    `measure` False: no divergence (NaN) and no breakdown, one pass and one read fewer.
+    `lined_up()` is called once the weights' all-reduce was read back (every peer had arrived)."""
     device = flat.buffers[0].device
     finite = all_finite(flat)  # stays on the device: read once, with the all-reduced meta
     meta = torch.tensor([consensus_weight(steps, gamma), 1.0 if steps > 0 else 0.0],
@@ -63,6 +65,7 @@ def weighted_reduce_(flat: FlatParams, steps: int, gamma: float,
         # one read: the totals, this rank's own weight and its finiteness (waits for the result)
         total_weight, movers, weight, moved, ok = torch.cat([meta, mine, finite.reshape(1)]).tolist()
         ok = bool(ok)
+        lined_up()
         if broken():
             raise CollectiveError("the process group was aborted")
     except Exception as exc:  # a peer died before anything moved: the replica is untouched
