@@ -22,7 +22,6 @@ from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import validate
 from flodl_run.liveserver import LiveServer
-
 from tests.test_dashboard import _chromium, needs_chromium
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,7 +26,6 @@ from flodl_run.dockerhost import NOT_UP_EXIT, docker_command, docker_reason
 from flodl_run.hosts import plan_hosts, rank_command, rank_environment, start_hosts
 from flodl_run.probe import inventory, probe
 from flodl_run.ssh import decode_handshake
-
 from tests.test_hosts import GPUS, config, facts, fake_ask
 from tests.test_multi_host import HOSTS, sshd  # noqa: F401  (the real-sshd fixture)
 
@@ -134,7 +133,7 @@ def test_docker_key_is_validated_as_a_service_name():
                                             docker="gpu_worker-1.a"))).problems
 
 
-def test_probe_names_host_and_service_when_docker_compose_fails_for_real(sshd, tmp_path):
+def test_probe_names_host_and_service_when_docker_compose_fails_for_real(sshd, tmp_path):  # noqa: F811
     """Pins the probe's error path against the real docker client with no engine behind it
     (over real ssh): not ready, and the message names the host, the path and the service; the
     launcher's layout refuses the worker naming cluster.workers.0.docker (exit 2)."""
