@@ -83,5 +83,6 @@ def eval_fn(model: Gan, batch) -> float:
     """Mean distance of generated samples from the ring (fixed noise: comparable across epochs)."""
     (real,) = batch
     z = torch.randn(len(real), model.noise_dim, generator=torch.Generator().manual_seed(0))
-    fake = model.generator(z.to(real.device))
+    with torch.no_grad():
+        fake = model.generator(z.to(real.device))
     return float((fake.norm(dim=1) - RADIUS).abs().mean())
