@@ -188,9 +188,10 @@ def test_a_raising_loop_fails_the_run_once_per_rank_with_its_own_frame(tmp_path,
 
 
 def test_a_rank_killed_mid_window_is_survived_with_a_loop(tmp_path, pkg):
-    """Rule: with a recipe's loop, a rank SIGKILLed in the middle of a window (after its 20th
-    batch) is survived as with the built-in step: the run completes, lists the dead rank, and
-    the survivor's loop is handed the rest, so every sample of every epoch is trained."""
+    """Rule: with a recipe's loop, a rank SIGKILLed mid-run (after its 20th batch, as the
+    built-in step's fault tests do; its windows here are 10 batches or more) is survived as with
+    the built-in step: the run completes, lists the dead rank, and the survivor's loop is handed
+    the rest, so every sample of every epoch is trained."""
     proc, summary, notes = _loop_run(tmp_path, pkg, "gan_watched", "elche=nccl_cadence",
                                      env_extra={"FLODL_RUN_FAULT": "1:20:SIGKILL"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
