@@ -151,7 +151,10 @@ def _import(module: str, key: str) -> Any:
 def _named_loop(mod: Any, name: str) -> Callable[..., Any]:
     """recipe.loop: `fn` (a function of the recipe module) or `pkg.module.fn`."""
     owner, _, attr = name.rpartition(".")
-    fn = getattr(_import(owner, "recipe.loop") if owner else mod, attr, None)
+    try:
+        fn = getattr(_import(owner, "recipe.loop") if owner else mod, attr, None)
+    except RecipeError as exc:  # name the whole value, not only its module part
+        raise RecipeError("recipe.loop", name, exc.rule) from None
     if not callable(fn):
         where = owner or mod.__name__
         raise RecipeError("recipe.loop", name, f"must name a function `loop(worker)` ({attr} of {where})")
