@@ -90,9 +90,12 @@ class Recipe:
     name: str = "recipe"
 
     def call(self, fn_name: str, *args: Any, **extra: Any) -> Any:
-        """Call a recipe function with `params` (and `extra`), passing only the keywords it accepts."""
+        """Call a recipe function with `params`, passing only the keywords it accepts, and each
+        `extra` keyword only to a function that names it (a `**kwargs` that forwards the
+        params to torch must not receive the runtime's extras)."""
         fn = getattr(self, fn_name)
-        return fn(*args, **_accepted(fn, {**self.params, **extra}))
+        named = inspect.signature(fn).parameters
+        return fn(*args, **_accepted(fn, self.params), **{k: v for k, v in extra.items() if k in named})
 
     def run_callback(self, name: str, *args: Any) -> Any:
         """Call callback `name` like any recipe function (None when the recipe has none); what it

@@ -354,3 +354,16 @@ def test_recipe_loop_is_found_by_name_or_in_the_module(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as bad:
         materialize(ExperimentConfig(recipe=RecipeConfig(module="loopy", loop="elsewhere.nope")))
     assert [(p.key, p.value) for p in bad.value.problems] == [("recipe.loop", "elsewhere.nope")]
+
+
+def test_build_optimizer_gets_the_model_only_when_it_names_it():
+    """Rule: `model` reaches build_optimizer only when it declares it; a build_optimizer whose
+    **kwargs forward the params to torch (as a user's may) never receives it (SGD would raise
+    on an unexpected `model`)."""
+    def forwarding(parameters, **params):
+        return torch.optim.SGD(parameters, **params)
+
+    recipe = Recipe(build_model=lambda device: torch.nn.Linear(2, 1), build_optimizer=forwarding,
+                    train_step=None, train_dataset=None, params={"lr": 0.1})
+    assert Replica(recipe, torch.device("cpu"), seed=0).optimizer.param_groups[0]["lr"] == 0.1
+    assert isinstance(Replica(_gan_recipe(), torch.device("cpu"), seed=0).optimizer, Optimizers)
