@@ -77,7 +77,8 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.recipe: Optional[Recipe] = None
         """The recipe as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)."""
         if config.recipe is not None:
-            self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+            self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                                      config.recipe.loop)
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in bundles so a resume can link to it."""
         self.ctx = zmq.Context()  # its own: the handshake gate is one per context

@@ -240,7 +240,8 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     from flodl_run.solo import SoloTrainer
 
     if recipe is None:
-        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                             config.recipe.loop)
     trainer = SoloTrainer(config, recipe, observer)
     terms: List[int] = []
 

@@ -69,6 +69,7 @@ from flodl_run.wire import (
     WindowDone,
     connect_dealer,
 )
+from flodl_run.worker import Loss, Worker, run_loop
 
 HEARTBEAT_PERIOD_S = 1.0
 LISTEN_POLL_MS = 200
@@ -186,7 +187,8 @@ class RankWorker:
         self.device = _pick_device(env)
         if self.device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
-        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                                  config.recipe.loop)
         self.replica = Replica(self.recipe, self.device, config.seed,
                                lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
                                max_grad_norm=config.max_grad_norm)
@@ -215,6 +217,8 @@ class RankWorker:
         self._collective_limit_s = max(5.0, 2 * config.heartbeat_timeout_secs)  # the group timeout
         self._batches_total = 0
         self._training = False  # inside the train loop (not idle, not serving an order)
+        self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
+        self._stopped = False  # the coordinator's Stop arrived: the batches have ended
         self._fault = _fault_for(env.rank, os.environ.get("FLODL_RUN_FAULT", ""))
         self.waits = _Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
         self._last_reduce: Optional[tuple] = None  # (round, scratch, steps, outer state)
@@ -260,7 +264,7 @@ class RankWorker:
             self._send_snapshot(0, steps=0)  # the EASGD center starts at the initial weights
             self._awaiting_update = False
         try:
-            self._serve()
+            self._run_loop()
         finally:
             heartbeat.stopped.set()
             listener.stopped.set()
@@ -349,8 +353,20 @@ class RankWorker:
         self._join_group(order.generation, order.members)
         self.channel.send(Regrouped(self.env.rank, order.generation))
 
-    def _serve(self) -> None:
-        """Batch-granular loop: handle every order that arrived, then train one batch if allowed."""
+    def _run_loop(self) -> None:
+        """The recipe's loop (or the built-in one) over this rank's batches, to the Stop."""
+        worker = Worker(self.replica, self._serve, self._report, self.env.rank, self.env.world_size)
+        run_loop(self.recipe, worker)
+        if not self._stopped:  # the batches left untrained would stall the run
+            raise RuntimeError("the recipe's loop returned before worker.batches() ended "
+                               "(a loop must consume every batch the coordinator plans)")
+
+    def _report(self, loss: Loss) -> None:
+        self._reported = loss if self._reported is None else self._reported + loss
+
+    def _serve(self) -> Iterator[Any]:
+        """Batch-granular loop: handle every order that arrived, then hand the loop one batch to
+        train if allowed; returns at the coordinator's Stop."""
         idle_since: Optional[float] = None
         throttled = False
         while True:
@@ -362,13 +378,14 @@ class RankWorker:
             self._training = received is None and self._can_train()  # what heartbeats report
             if received is None:
                 if self._can_train():
-                    self._train_one()
+                    yield from self._train_one()
                 elif _orphaned(self.env):
                     _leave_orphaned(self.env)
                 continue
             if isinstance(received.message, Stop):
                 self.waits.report(self.env.rank)
                 self.timeline.ship(self.channel, final=True)
+                self._stopped = True
                 return
             began, began_ns = time.perf_counter(), self.recorder.now()
             self.waits.waited(received.message, idle_since, began)
@@ -419,14 +436,19 @@ class RankWorker:
                                                    self.config.seed, pass_index)}
         return self._perms[pass_index][offset:offset + size] % len(self.source)
 
-    def _train_one(self) -> None:
+    def _train_one(self) -> Iterator[Any]:
+        """Hand the loop the next batch of the window; once it comes back for another, the batch
+        was trained: account for it (and end the window after its last batch)."""
         job = self.jobs[0]
         indices = job.batches[job.done]
         began, began_ns = time.perf_counter(), self.recorder.now()
         batch = self.source.gather(indices, self.jobs)
         data_ns = self.recorder.now()
-        loss = self.replica.step(batch)
-        job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss  # read at window end
+        self._reported = None
+        yield batch
+        loss, self._reported = self._reported, None
+        if loss is not None:  # read at window end
+            job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss
         last = job.done + 1 == len(job.batches)
         self._settle_step(began, timed=job.done == 0 or last)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)

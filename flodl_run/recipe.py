@@ -1,7 +1,9 @@
 """The recipe contract: what to train, as a module of plain functions.
 
-A recipe module provides `build_model(device, **params)`, `build_optimizer(parameters, **params)`,
-`train_step(model, batch)` and `train_dataset(**params)`, optionally `eval_dataset(**params)`,
+A recipe module provides `build_model(device, **params)`, `build_optimizer(parameters, **params)`
+(it may also take `model`, and return several optimizers), `train_step(model, batch)` (or a
+`loop(worker)` that steps itself, see flodl_run.worker) and `train_dataset(**params)`,
+optionally `eval_dataset(**params)`,
 `eval_step(model, batch) -> (metric_sum, count)` (or `eval_fn(model, batch) -> float`, averaged
 per batch) and `build_scheduler(optimizer, **params)`, and callbacks: `metrics_fn(metrics)` and
 `eval_result_fn(epoch, value)` (run in the launcher), `epoch_fn(epoch, model)` and
@@ -23,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.summary import EpochRecord
 
-REQUIRED = ("build_model", "build_optimizer", "train_step", "train_dataset")
+REQUIRED = ("build_model", "build_optimizer", "train_dataset")
 CALLBACKS = ("metrics_fn", "eval_result_fn", "eval_fn", "epoch_fn", "checkpoint_fn")
-OPTIONAL = ("eval_dataset", "eval_step", "build_scheduler", *CALLBACKS)
+OPTIONAL = ("train_step", "eval_dataset", "eval_step", "build_scheduler", "loop", *CALLBACKS)
 
 
 class RecipeError(Exception):
@@ -71,7 +73,7 @@ class Recipe:
 
     build_model: Callable[..., Any]
     build_optimizer: Callable[..., Any]
-    train_step: Callable[..., Any]
+    train_step: Optional[Callable[..., Any]]
     train_dataset: Callable[..., Any]
     eval_dataset: Optional[Callable[..., Any]] = None
     eval_step: Optional[Callable[..., Any]] = None
@@ -81,14 +83,19 @@ class Recipe:
     eval_fn: Optional[Callable[..., Any]] = None
     epoch_fn: Optional[Callable[..., Any]] = None
     checkpoint_fn: Optional[Callable[..., Any]] = None
+    loop: Optional[Callable[..., Any]] = None
+    """The rank's loop body, `loop(worker)`; None = the built-in step (train_step per batch)."""
     transform: Optional[Callable[..., Any]] = None
     params: Dict[str, Any] = field(default_factory=dict)
     name: str = "recipe"
 
-    def call(self, fn_name: str, *args: Any) -> Any:
-        """Call a recipe function with `params`, passing only the keywords it accepts."""
+    def call(self, fn_name: str, *args: Any, **extra: Any) -> Any:
+        """Call a recipe function with `params`, passing only the keywords it accepts, and each
+        `extra` keyword only to a function that names it (a `**kwargs` that forwards the
+        params to torch must not receive the runtime's extras)."""
         fn = getattr(self, fn_name)
-        return fn(*args, **_accepted(fn, self.params))
+        named = inspect.signature(fn).parameters
+        return fn(*args, **_accepted(fn, self.params), **{k: v for k, v in extra.items() if k in named})
 
     def run_callback(self, name: str, *args: Any) -> Any:
         """Call callback `name` like any recipe function (None when the recipe has none); what it
@@ -129,27 +136,49 @@ def _not_found(name: str, cwd: str) -> str:
             f"directory {cwd}, then PYTHONPATH and installed packages; {hint})")
 
 
-def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
-                transform: Optional[str] = None) -> Recipe:
-    """Import `module` (current directory first, then the environment) and check the contract."""
+def _import(module: str, key: str) -> Any:
+    """Import `module` (current directory first, then the environment); RecipeError on `key`."""
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)  # `python -m` adds it; rank subprocesses and notebooks may not
     try:
-        mod = importlib.import_module(module)
+        return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and module.startswith(exc.name):
-            raise RecipeError("recipe.module", module, _not_found(exc.name, cwd)) from None
-        raise RecipeError("recipe.module", module,
-                          f"failed to import: {type(exc).__name__}: {exc}") from None
+            raise RecipeError(key, module, _not_found(exc.name, cwd)) from None
+        raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # a user module can raise anything at import
-        raise RecipeError("recipe.module", module,
-                          f"failed to import: {type(exc).__name__}: {exc}") from None
+        raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
+
+
+def _named_loop(mod: Any, name: str) -> Callable[..., Any]:
+    """recipe.loop: `fn` (a function of the recipe module) or `pkg.module.fn`."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        fn = getattr(_import(owner, "recipe.loop") if owner else mod, attr, None)
+    except RecipeError as exc:  # name the whole value, not only its module part
+        raise RecipeError("recipe.loop", name, exc.rule) from None
+    if not callable(fn):
+        where = owner or mod.__name__
+        raise RecipeError("recipe.loop", name, f"must name a function `loop(worker)` ({attr} of {where})")
+    return fn
+
+
+def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
+                transform: Optional[str] = None, loop: Optional[str] = None) -> Recipe:
+    """Import `module` (current directory first, then the environment) and check the contract.
+    `loop` (recipe.loop) names the rank's loop; None = the module's `loop`, if it has one."""
+    mod = _import(module, "recipe.module")
     missing = [name for name in REQUIRED if not callable(getattr(mod, name, None))]
     if missing:
         raise RecipeError("recipe.module", module,
                           f"must define {', '.join(missing)} (the recipe contract)")
     fns = {name: getattr(mod, name, None) for name in (*REQUIRED, *OPTIONAL)}
+    if loop is not None:
+        fns["loop"] = _named_loop(mod, loop)
+    if fns["train_step"] is None and fns["loop"] is None:
+        raise RecipeError("recipe.module", module,
+                          "must define train_step, or a loop (a `loop` function or recipe.loop)")
     if fns["eval_step"] is not None and fns["eval_fn"] is not None:
         raise RecipeError("recipe.module", module, "must define eval_step or eval_fn, not both "
                           "(eval_step -> (metric_sum, count); eval_fn -> float, averaged per batch)")

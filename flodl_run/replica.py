@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from flodl_run.data import BatchSource
-from flodl_run.recipe import Recipe
+from flodl_run.recipe import Recipe, RecipeError
 
 EVAL_BATCH_SIZE = 512  # eval has no backward pass: larger batches cost nothing in accuracy
 
@@ -24,8 +24,60 @@ def lr_factor(world_size: int, lr_scale_ratio: float) -> float:
     return 1.0 + (world_size - 1) * lr_scale_ratio
 
 
+class Optimizers:
+    """Several optimizers (a GAN's generator and discriminator) seen by the runtime as one: LR
+    scaling and the schedule reach every param group, a state reset clears every optimizer's
+    state, and a checkpoint holds each one's state dict in order."""
+
+    def __init__(self, members: Sequence[torch.optim.Optimizer]):
+        self.members = list(members)
+        self.state = _States(self.members)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return [group for member in self.members for group in member.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for member in self.members:
+            member.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for member in self.members:
+            member.step()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizers": [member.state_dict() for member in self.members]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for member, member_state in zip(self.members, state["optimizers"], strict=True):
+            member.load_state_dict(member_state)
+
+
+class _States:
+    """`Optimizers.state`: what the runtime does to an optimizer's state (clear it), for all."""
+
+    def __init__(self, members: List[torch.optim.Optimizer]):
+        self.members = members
+
+    def clear(self) -> None:
+        for member in self.members:
+            member.state.clear()
+
+
+def as_one_optimizer(built: Any) -> Any:
+    """What build_optimizer returned, as one optimizer: itself, or Optimizers over a tuple, list
+    or dict (in its order) of them."""
+    if isinstance(built, dict):
+        return Optimizers(list(built.values()))
+    if isinstance(built, (list, tuple)):
+        return Optimizers(built)
+    return built
+
+
 class Replica:
-    """Model, optimizer and scheduler of one rank, seeded identically on every rank."""
+    """Model, optimizer and scheduler of one rank, seeded identically on every rank.
+    `optimizers` is what the recipe's build_optimizer returned (one optimizer, or a tuple, list
+    or dict of them); `optimizer` is the same seen as one (Optimizers for several)."""
 
     def __init__(self, recipe: Recipe, device: torch.device, seed: int, lr_scale: float = 1.0,
                  max_grad_norm: Optional[float] = None):
@@ -34,7 +86,12 @@ class Replica:
         self.max_grad_norm = max_grad_norm
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = recipe.call("build_model", device)
-        self.optimizer = recipe.call("build_optimizer", self.model.parameters())
+        self.optimizers = recipe.call("build_optimizer", self.model.parameters(), model=self.model)
+        self.optimizer = as_one_optimizer(self.optimizers)
+        if recipe.build_scheduler and isinstance(self.optimizer, Optimizers):
+            raise RecipeError("recipe.module", recipe.name, "must not define build_scheduler when "
+                              "build_optimizer returns several optimizers (step their schedulers "
+                              "in the loop)")
         for group in self.optimizer.param_groups:
             group["lr"] *= lr_scale  # before the scheduler captures its base LRs
         self.lr_scale = lr_scale

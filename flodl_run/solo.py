@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Generator, Iterator, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from flodl_run.recipe import CallbackFailed, Recipe
 from flodl_run.replica import Replica
 from flodl_run.scalars import drain, roll_up
 from flodl_run.summary import EpochRecord, Summary
+from flodl_run.worker import Loss, Worker, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class SoloTrainer:
         self._compute_s = 0.0
         self._trained = 0  # epochs whose training the replica holds: where a resume starts
         self._samples = 0
+        self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
 
     @property
     def total_epochs(self) -> int:
@@ -88,9 +90,7 @@ class SoloTrainer:
         self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
         self._trained = first
         try:
-            for epoch in range(first, self.total_epochs):
-                self.summary.epochs.append(self._train_epoch(epoch))
-                self._close_epoch(self.summary.epochs[-1])
+            self._run_loop(first)
             self.summary.final_eval = self._final_eval()
             self.summary.status = "completed"
         except KeyboardInterrupt:
@@ -107,6 +107,24 @@ class SoloTrainer:
             except CallbackFailed as failure:
                 self._fail_callback(failure, self.total_epochs)
         return TrainResult(self.replica.model, self.summary)
+
+    def _run_loop(self, first: int) -> None:
+        """The recipe's loop (or the built-in one) over every epoch's batches; epochs close
+        (eval, callbacks, checkpoints) between two batches, as on a rank."""
+        worker = Worker(self.replica, lambda: self._epochs(first), self._report, 0, 1)
+        run_loop(self.recipe, worker)
+        if self._trained < self.total_epochs:
+            raise RuntimeError("the recipe's loop returned before worker.batches() ended "
+                               "(a loop must consume every batch of the run)")
+
+    def _report(self, loss: Loss) -> None:
+        self._reported = loss if self._reported is None else self._reported + loss
+
+    def _epochs(self, first: int) -> Iterator[Any]:
+        for epoch in range(first, self.total_epochs):
+            record = yield from self._train_epoch(epoch)
+            self.summary.epochs.append(record)
+            self._close_epoch(record)
 
     def _close_epoch(self, record: EpochRecord) -> None:
         """After the epoch's eval, in a multi-rank run's order: epoch_fn, the observers,
@@ -140,13 +158,17 @@ class SoloTrainer:
     def _batches_in_epoch(self, epoch: int) -> int:
         return num_batches(len(self._epoch_indices(epoch)), self.config.batch_size)
 
-    def _train_epoch(self, epoch: int) -> EpochRecord:
+    def _train_epoch(self, epoch: int) -> Generator[Any, None, EpochRecord]:
+        """Hand the loop each batch of the epoch; returns the epoch's record."""
         indices = self._epoch_indices(epoch)
         losses = _LossReader(self.observer, epoch)
         began = time.perf_counter()
         for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
             step_began = time.perf_counter()
-            losses.add(self.replica.step(batch))
+            self._reported = None
+            yield batch
+            if self._reported is not None:
+                losses.add(self._reported)
             self._emulate_slowdown(step_began)
         losses.flush()
         self._trained = epoch + 1

@@ -275,7 +275,8 @@ def _param_bytes(config: ExperimentConfig) -> Optional[int]:
     from flodl_run.recipe import load_recipe
 
     try:
-        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                             config.recipe.loop)
         with torch.device("meta"):
             model = recipe.call("build_model", torch.device("meta"))
         params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -6,6 +6,7 @@ is covered without editing this file.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import torch
 import yaml
 
 from flodl_run.recipe import RecipeError, load_recipe
+from flodl_run.replica import Optimizers, Replica, as_one_optimizer
+from flodl_run.worker import Worker, run_loop
 
 REPO = Path(__file__).resolve().parents[1]
 # GPU-sized recipes run the contract check at a CPU size (their own tests cover the shipped size).
@@ -43,20 +46,30 @@ def write_module(directory: Path, name: str, source: str, monkeypatch) -> str:
 
 @pytest.mark.parametrize("module,params,direction", list(_shipped()))
 def test_shipped_recipe_satisfies_the_contract(module, params, direction):
-    """Pins: a shipped recipe missing a function, or returning the wrong kind of object; an
-    accuracy-like eval (direction max) counts at most one hit per sample."""
+    """Pins: a shipped recipe missing a function, or returning the wrong kind of object; a
+    recipe with its own loop training one batch and reporting one finite loss; an accuracy-like
+    eval (direction max) counts at most one hit per sample."""
     recipe = load_recipe(module, params)
     model = recipe.call("build_model", torch.device("cpu"))
-    optimizer = recipe.call("build_optimizer", model.parameters())
+    optimizer = as_one_optimizer(recipe.call("build_optimizer", model.parameters(), model=model))
     train = recipe.call("train_dataset")
     assert isinstance(model, torch.nn.Module)
-    assert isinstance(optimizer, torch.optim.Optimizer)
+    assert isinstance(optimizer, (torch.optim.Optimizer, Optimizers))
     batch = [t[:8] for t in train.tensors] if hasattr(train, "tensors") else train[0]
-    loss = recipe.train_step(model, batch)
-    assert loss.dim() == 0 and loss.requires_grad and torch.isfinite(loss)
+    if recipe.loop is None:
+        loss = recipe.train_step(model, batch)
+        assert loss.dim() == 0 and loss.requires_grad and torch.isfinite(loss)
+    else:
+        reported: list = []
+        replica = Replica(recipe, torch.device("cpu"), seed=0)
+        run_loop(recipe, Worker(replica, lambda: iter([batch]), reported.append, 0, 1))
+        assert len(reported) == 1 and torch.isfinite(torch.as_tensor(reported[0]))
     assert recipe.has_eval, f"{module} has no held-out eval"
-    held_out = recipe.call("eval_dataset")
-    metric_sum, count = recipe.eval_step(model, [t[:8] for t in held_out.tensors])
+    held_out = [t[:8] for t in recipe.call("eval_dataset").tensors]
+    if recipe.eval_fn is not None:
+        assert math.isfinite(recipe.call("eval_fn", model, held_out))
+        return
+    metric_sum, count = recipe.eval_step(model, held_out)
     assert 0 <= float(metric_sum) and count >= 8
     if direction == "max":
         assert float(metric_sum) <= float(count) == 8

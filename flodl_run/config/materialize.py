@@ -74,7 +74,8 @@ def _resume_problems(cfg: ExperimentConfig, world_size: Optional[int]) -> List[P
 
 def _recipe_problems(cfg: ExperimentConfig) -> List[Problem]:
     try:
-        recipe = load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform)
+        recipe = load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform,
+                             cfg.recipe.loop)
     except RecipeError as exc:
         return [Problem(exc.key, exc.value, exc.rule)]
     if cfg.data.epoch_splits > 1:  # the rule needs the train set's size: load it only then

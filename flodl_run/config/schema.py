@@ -300,6 +300,9 @@ class RecipeConfig:
     """Dotted module path, importable from the current directory or the environment."""
     params: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every recipe function."""
+    loop: Optional[str] = None
+    """The rank's own loop body, `loop(worker)`: `fn` of the module or `pkg.module.fn`; null = the
+    module's `loop` if it defines one, else the built-in step (train_step on every batch)."""
     target_eval: Optional[float] = None
     """Eval score the benchmark counts as reached (time-to-target); null = none."""
     eval_direction: EvalDirection = EvalDirection.max
