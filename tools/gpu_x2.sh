@@ -7,6 +7,7 @@
 #           against the bare NCCL all-reduce of the same bytes (tools/reduce_cost.py)
 #   homog   bench on a homogeneous pair: bare solo, runner solo, torch DDP, nccl_sync,
 #           nccl_cadence, torch local SGD (synthetic_mlp, 51.4 M parameters, batch 512)
+#   homog_tl  homog, with nccl_cadence run again under timeline=true (the trace's cost)
 #   hetero  the same rig with rank 1 emulated 2.5x slower: nccl_cadence and the cpu_* modes
 #   lm      both rigs on the byte-level transformer (recipe byte_lm): ~10 min, past one call's
 #           limit with the other stages; lm_homog and lm_hetero run one rig each
@@ -42,6 +43,10 @@ for stage in "$@"; do
       ;;
     homog)
       bench homog_mlp $GPUS bench.epochs=5 bench.batch_size=512 "bench.modes=[nccl_sync,nccl_cadence]" "$MLP_RECIPE"
+      ;;
+    homog_tl)  # homog again, with nccl_cadence run a second time under timeline=true
+      bench homog_tl_mlp $GPUS bench.epochs=5 bench.batch_size=512 "bench.modes=[nccl_sync,nccl_cadence]" \
+        "bench.timeline=[nccl_cadence]" "$MLP_RECIPE"
       ;;
     hetero)
       bench hetero_mlp $GPUS "cluster.emulate_slowdown=[1.0,2.5]" bench.epochs=5 bench.batch_size=512 \
