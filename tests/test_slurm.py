@@ -302,3 +302,16 @@ def test_submit_dry_run_prints_a_script_sbatch_accepts(slurm, tmp_path):
                           text=True, timeout=60)
     assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
     assert not (tmp_path / "slurm").exists()
+
+
+def test_probe_inside_an_allocation_asks_every_node_through_srun(slurm):
+    """Pins `probe` under Slurm: inside an allocation (salloc here) it runs the inventory on
+    each allocated node as an srun step, not on the login machine alone, and says ready."""
+    done = subprocess.run(["salloc", "--ntasks=1", sys.executable, "-m", "flodl_run.probe",
+                           "cluster=slurm"], cwd=REPO, env=slurm, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    row = next(line for line in done.stdout.splitlines() if f" {host} " in line)
+    assert " srun " in row and "yes" in row
+    assert "1 host: ready" in done.stdout
