@@ -37,6 +37,7 @@ def sbatch_script(config: ExperimentConfig, overrides: Sequence[str], output: Pa
     if cluster.threads_per_rank:
         lines.append(f"#SBATCH --cpus-per-task={cluster.threads_per_rank}")
     lines.append(f"#SBATCH --time={s.time}")
+    lines.append("#SBATCH --no-kill")  # a failed node ends its ranks, not the job (the launcher)
     if s.partition:
         lines.append(f"#SBATCH --partition={s.partition}")
     lines.append(f"#SBATCH --output={output}")

@@ -92,13 +92,14 @@ def test_a_bad_slurm_block_names_its_key(slurm, key):
 
 def test_the_gpu_script_asks_one_task_per_gpu_on_every_node():
     """Pins the GPU allocation: nodes x gpus_per_node tasks, the GPUs asked per node, the
-    partition and extra options as given, and the run itself as the last line."""
+    partition and extra options as given, a node failure not ending the job (--no-kill), and
+    the run itself as the last line."""
     config = _slurm_config(nodes=2, gpus_per_node=4, time="2:00:00", partition="a100",
                            sbatch_args=["--account=ml"])
     text = sbatch_script(config, ["cluster=slurm", "elche=nccl_sync"], Path("/o/x-%j.out"),
                          Path("/srv/p"), "/srv/p/.venv/bin/python")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --time=2:00:00", "#SBATCH --partition=a100", "#SBATCH --account=ml",
+                 "#SBATCH --time=2:00:00", "#SBATCH --no-kill", "#SBATCH --partition=a100", "#SBATCH --account=ml",
                  "cd /srv/p", "exec /srv/p/.venv/bin/python -m flodl_run cluster=slurm elche=nccl_sync"):
         assert line in text.splitlines()
 
