@@ -16,7 +16,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from flodl_run.config.schema import ExperimentConfig, Topology
 

@@ -99,8 +99,10 @@ def test_the_gpu_script_asks_one_task_per_gpu_on_every_node():
     text = sbatch_script(config, ["cluster=slurm", "elche=nccl_sync"], Path("/o/x-%j.out"),
                          Path("/srv/p"), "/srv/p/.venv/bin/python")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --time=2:00:00", "#SBATCH --no-kill", "#SBATCH --partition=a100", "#SBATCH --account=ml",
-                 "cd /srv/p", "exec /srv/p/.venv/bin/python -m flodl_run cluster=slurm elche=nccl_sync"):
+                 "#SBATCH --time=2:00:00", "#SBATCH --no-kill", "#SBATCH --partition=a100",
+                 "#SBATCH --account=ml",
+                 "cd /srv/p",
+                 "exec /srv/p/.venv/bin/python -m flodl_run cluster=slurm elche=nccl_sync"):
         assert line in text.splitlines()
 
 
