@@ -139,7 +139,13 @@ def slurm_line(plan: SlurmPlan) -> str:
             f"on {nodes} node{'s' if nodes != 1 else ''} (job {alloc.job_id}: {shown}) | {kind}")
 
 
-def srun_argv(plan: SlurmPlan, python: str = sys.executable) -> List[str]:
+def cpu_threads(config: ExperimentConfig, plan: SlurmPlan) -> int:
+    """Cores per CPU rank: cluster.threads_per_rank, else the node's CPUs shared by its ranks."""
+    per_node = max(1, -(-plan.world_size // len(plan.allocation.nodes)))
+    return config.cluster.threads_per_rank or max(1, plan.allocation.cpus_on_node // per_node)
+
+
+def srun_argv(config: ExperimentConfig, plan: SlurmPlan, python: str = sys.executable) -> List[str]:
     """The step: every rank a task, a task's end never ending the others."""
     nodes = len(plan.allocation.nodes)
     argv = ["srun", f"--job-name={STEP_NAME}", f"--ntasks={plan.world_size}",
@@ -149,6 +155,8 @@ def srun_argv(plan: SlurmPlan, python: str = sys.executable) -> List[str]:
             "--label", "--unbuffered", "--input=none", "--export=ALL", f"--chdir={os.getcwd()}"]
     if plan.gpus:
         argv += [f"--ntasks-per-node={plan.allocation.gpus_per_node}", "--gpus-per-task=1"]
+    else:  # srun does not inherit the batch script's --cpus-per-task: ask for the rank's cores
+        argv.append(f"--cpus-per-task={cpu_threads(config, plan)}")
     return argv + [python, "-m", "flodl_run.slurm_task"]
 
 
@@ -165,8 +173,7 @@ def step_environment(config: ExperimentConfig, plan: SlurmPlan, coord: str, mast
     if plan.gpus:  # each task sees its own GPU (--gpus-per-task=1), so cuda:0 is its own
         env.update({"FLODL_RUN_DEVICE": "cuda:0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     else:
-        per_node = max(1, -(-plan.world_size // len(plan.allocation.nodes)))
-        threads = config.cluster.threads_per_rank or max(1, plan.allocation.cpus_on_node // per_node)
+        threads = cpu_threads(config, plan)
         env.update({"FLODL_RUN_DEVICE": "cpu", "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads)})
     return env
@@ -319,7 +326,7 @@ def start_step(config: ExperimentConfig, plan: SlurmPlan, coord: str, secret: by
     store = host_store(plan.addr, config.cluster.master_port)
     secret_file = write_secret(run_dir / "secret", secret)
     env = step_environment(config, plan, coord, store.port, secret_file, run_dir / "run.yaml")
-    process = subprocess.Popen(srun_argv(plan), env=env, stdout=subprocess.PIPE,
+    process = subprocess.Popen(srun_argv(config, plan), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, bufsize=1,
                                start_new_session=True)  # Ctrl-C reaches the launcher only
     logs = [open(log_dir / f"rank{k}.log", "w") for k in range(plan.world_size)]

@@ -22,7 +22,16 @@ import pytest
 
 from flodl_run.config.schema import ExperimentConfig, SlurmConfig, Topology
 from flodl_run.config.validate import validate
-from flodl_run.slurm import SrunStep, TaskHandle, gpu_count, task_ends
+from flodl_run.slurm import (
+    Allocation,
+    SlurmPlan,
+    SrunStep,
+    TaskHandle,
+    gpu_count,
+    srun_argv,
+    step_environment,
+    task_ends,
+)
 from flodl_run.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
 from tests.test_averaging import _free_port
@@ -104,6 +113,28 @@ def test_the_gpu_script_asks_one_task_per_gpu_on_every_node():
                  "cd /srv/p",
                  "exec /srv/p/.venv/bin/python -m flodl_run cluster=slurm elche=nccl_sync"):
         assert line in text.splitlines()
+
+
+def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeypatch):
+    """Pins the srun line: a task's or a node's end does not end the step
+    (--kill-on-bad-exit=0, --no-kill), output is labelled per task, one GPU per task on GPUs
+    and the node's cores shared on CPU; the secret is neither in argv nor in srun's
+    environment (only the 0600 file's path is)."""
+    monkeypatch.setenv("FLODL_RUN_SECRET", "deadbeef")
+    alloc = Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "n1")
+    gpu = srun_argv(_slurm_config(gpus_per_node=4), SlurmPlan(alloc, 8, True, "10.0.0.1"))
+    for option in ("--ntasks=8", "--nodes=2", "--kill-on-bad-exit=0", "--no-kill", "--label",
+                   "--ntasks-per-node=4", "--gpus-per-task=1"):
+        assert option in gpu
+    assert gpu[-3:] == [sys.executable, "-m", "flodl_run.slurm_task"]
+    cpu_plan = SlurmPlan(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "10.0.0.1")
+    assert "--cpus-per-task=2" in srun_argv(_slurm_config(), cpu_plan)
+    env = step_environment(_slurm_config(), cpu_plan, "tcp://10.0.0.1:1", 2, tmp_path / "secret",
+                           tmp_path / "run.yaml")
+    assert "FLODL_RUN_SECRET" not in env and env["FLODL_RUN_SECRET_FILE"] == str(tmp_path / "secret")
+    assert (env["MASTER_ADDR"], env["OMP_NUM_THREADS"], env["FLODL_RUN_STORE_HOSTED"]) == \
+        ("10.0.0.1", "2", "1")
+    assert not any("deadbeef" in word for word in gpu)
 
 
 def test_a_step_reports_only_the_task_srun_named_and_the_rest_as_ended_with_srun(tmp_path):
