@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig, SlurmConfig, Topology
 from flodl_run.config.validate import validate
 from flodl_run.slurm import (
@@ -28,6 +29,7 @@ from flodl_run.slurm import (
     SrunStep,
     TaskHandle,
     gpu_count,
+    plan_slurm,
     srun_argv,
     step_environment,
     task_ends,
@@ -135,6 +137,19 @@ def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeyp
     assert (env["MASTER_ADDR"], env["OMP_NUM_THREADS"], env["FLODL_RUN_STORE_HOSTED"]) == \
         ("10.0.0.1", "2", "1")
     assert not any("deadbeef" in word for word in gpu)
+
+
+def test_an_allocation_that_cannot_serve_the_config_names_the_key():
+    """Pins the allocation check: GPUs asked of a job that has none, and a batch host that
+    resolves to loopback while ranks run on other nodes, are config errors naming the key;
+    a GPU allocation gives one rank per GPU of every node."""
+    with pytest.raises(ConfigError, match="cluster.slurm.gpus_per_node: must be GPUs the allocation"):
+        plan_slurm(_slurm_config(gpus_per_node=2), Allocation("7", ["n1"], [2], 0, 4, "n1"))
+    with pytest.raises(ConfigError, match="cluster.controller.host: must be an address the other"):
+        plan_slurm(_slurm_config(), Allocation("7", ["localhost", "n2"], [1, 1], 0, 4, "localhost"))
+    plan = plan_slurm(_slurm_config(gpus_per_node=4), Allocation("7", ["n1", "n2"], [4, 4], 4, 16,
+                                                                 "10.0.0.1"))
+    assert (plan.world_size, plan.gpus, plan.addr) == (8, True, "10.0.0.1")
 
 
 def test_a_step_reports_only_the_task_srun_named_and_the_rest_as_ended_with_srun(tmp_path):
