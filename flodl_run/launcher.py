@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.hosts import HostLayout
     from flodl_run.liveserver import LiveServer
     from flodl_run.recipe import Recipe
+    from flodl_run.slurm import SlurmPlan
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class Plan:
     gpus: List[GpuInfo]
     hosts: Optional["HostLayout"] = None
     """Ranks per worker host for topology hosts."""
+    slurm: Optional["SlurmPlan"] = None
+    """The srun step for topology slurm (read from the allocation)."""
 
 
 def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None) -> Plan:
@@ -68,6 +71,11 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
 
         layout = plan_hosts(config)  # asks each host over ssh; ConfigError when one cannot serve
         return Plan(layout.world_size, False, layout.gpus, layout)
+    if cluster.topology is Topology.slurm:
+        from flodl_run.slurm import plan_slurm, read_allocation
+
+        step = plan_slurm(config, read_allocation())  # ConfigError outside an allocation
+        return Plan(step.world_size, False, [], slurm=step)
     gpus = visible_gpus() if gpus is None else gpus
     if len(gpus) >= 2:
         return Plan(len(gpus), False, gpus)
@@ -191,6 +199,10 @@ def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
         from flodl_run.hosts import hosts_line
 
         say(console, hosts_line(plan.hosts))
+    elif plan.slurm is not None:
+        from flodl_run.slurm import slurm_line
+
+        say(console, slurm_line(plan.slurm))
     else:
         say(console, hardware_line(plan.gpus, plan.world_size))
     notice = one_device_notice(config, plan)
@@ -225,7 +237,7 @@ def _leave_cores_to_ranks(config: ExperimentConfig, plan: Plan) -> None:
     what they leave, at least one thread. With torch's default of one thread per core its
     intra-op threads queue behind busy ranks: on 2 cores a 2.25 MB consensus took ~80 ms instead
     of ~6 while cpu_async ranks kept training."""
-    if plan.gpus or plan.hosts is not None or not config.cluster.launch_ranks:
+    if plan.gpus or plan.hosts is not None or plan.slurm is not None or not config.cluster.launch_ranks:
         return
     import torch
 

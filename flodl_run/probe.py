@@ -168,6 +168,14 @@ def _ask(host: str, argv: List[str], cwd: Optional[str]) -> HostReport:
     return HostReport(host, f"the inventory did not run (exit {done.returncode}): {why}")
 
 
+def inventory_slurm(node: str, full: bool = True) -> HostReport:
+    """The same inventory of one node of the allocation around us, as a one-task srun step
+    there (`--overlap`: it runs beside a training step that holds the node's CPUs)."""
+    argv = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--quiet",
+            f"--chdir={os.getcwd()}", sys.executable, "-", *(["full"] if full else [])]
+    return dataclasses.replace(_ask(node, argv, None), via="srun")
+
+
 def inventories(workers: Sequence[WorkerConfig], paths: Sequence[str], full: bool = True,
                 ask: Callable[..., HostReport] = inventory) -> List[HostReport]:
     """All workers at once (one ssh each, in parallel), in worker order."""
@@ -293,6 +301,8 @@ def _controller_problem(cluster: ClusterConfig) -> Optional[str]:
 
 def probe(cluster: ClusterConfig) -> Tuple[List[HostReport], List[List[str]], List[str]]:
     """Reports, per-host problems and cluster-wide flags for this cluster config."""
+    if cluster.topology is Topology.slurm and os.environ.get("SLURM_JOB_ID"):
+        return _probe_allocation()
     if cluster.topology is not Topology.hosts:
         reports = [inventory_local()]
         return reports, [host_problems(reports[0])], []
@@ -304,6 +314,16 @@ def probe(cluster: ClusterConfig) -> Tuple[List[HostReport], List[List[str]], Li
     if controller:
         flags.append(controller)
     return reports, problems, flags
+
+
+def _probe_allocation() -> Tuple[List[HostReport], List[List[str]], List[str]]:
+    """Every node of the Slurm allocation this runs in (inside sbatch or salloc), in parallel."""
+    from flodl_run.slurm import read_allocation
+
+    nodes = read_allocation().nodes
+    with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        reports = list(pool.map(inventory_slurm, nodes))
+    return reports, [host_problems(r) for r in reports], skew_flags(reports)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

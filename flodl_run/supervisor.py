@@ -157,6 +157,10 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    signal_rank = getattr(process, "signal_rank", None)  # a task of an srun step (slurm.TaskHandle)
+    if signal_rank is not None:
+        signal_rank(sig)
+        return
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
@@ -228,7 +232,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
                  timeline: Optional[Timeline] = None) -> Summary:
     """Run a distributed job on this host: coordinator thread plus one process per rank."""
     secret = new_secret()
-    local = config.cluster.launch_ranks and plan.hosts is None
+    slurm = getattr(plan, "slurm", None)
+    local = config.cluster.launch_ranks and plan.hosts is None and slurm is None
     shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
     coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
                               observer=observer, shm_prefix=shm_prefix,
@@ -242,7 +247,11 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     procs: List[RankProcess] = []
     try:
         thread.start()
-        if config.cluster.launch_ranks and plan.hosts is not None:
+        if slurm is not None:
+            from flodl_run.slurm import start_step
+
+            procs = start_step(config, slurm, coordinator.address, secret, run_dir, console)
+        elif config.cluster.launch_ranks and plan.hosts is not None:
             from flodl_run.hosts import start_hosts
 
             procs = start_hosts(config, plan.hosts, coordinator.address, secret, run_dir, console)
@@ -289,7 +298,10 @@ def _param_bytes(config: ExperimentConfig) -> Optional[int]:
 
 def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:
     """Loopback for ranks on this host; cluster.controller when ranks come from
-    other hosts (hosts topology, or controller-only for torchrun/srun)."""
+    other hosts (hosts topology, or controller-only for torchrun/srun); the batch host's
+    address for an srun step."""
+    if getattr(plan, "slurm", None) is not None:
+        return plan.slurm.addr, config.cluster.controller.port
     if plan.hosts is not None or not config.cluster.launch_ranks:
         return config.cluster.controller.host, config.cluster.controller.port
     return "127.0.0.1", 0

@@ -60,6 +60,7 @@ class Topology(str, enum.Enum):
     cpu = "cpu"
     local_gpus = "local_gpus"
     hosts = "hosts"
+    slurm = "slurm"
 
 
 class TrackingKind(str, enum.Enum):
@@ -229,11 +230,32 @@ class ControllerConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """The allocation `python -m flodl_run.submit` asks Slurm for (topology slurm)."""
+
+    nodes: int = 1
+    """Nodes to allocate; >= 1."""
+    gpus_per_node: int = 0
+    """GPUs per node, one rank each; 0 = CPU ranks (cluster.num_ranks of them)."""
+    time: str = "01:00:00"
+    """Wall-clock limit: minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]."""
+    partition: Optional[str] = None
+    """Partition to submit to; null = the cluster's default."""
+    job_name: str = "flodl_run"
+    """The job's name in squeue."""
+    output_dir: Optional[str] = None
+    """Where the sbatch script and the job's output go; null = outputs/slurm."""
+    sbatch_args: List[str] = field(default_factory=list)
+    """Extra `#SBATCH` options, each starting with `--` (e.g. --account=ml, --overcommit)."""
+
+
+@dataclass
 class ClusterConfig:
     """Rank topology."""
 
     topology: Topology = Topology.auto
-    """auto (1 rank per visible GPU if 2+, else in-process), solo, cpu, local_gpus or hosts."""
+    """auto (1 rank per visible GPU if 2+, else in-process), solo, cpu, local_gpus, hosts or
+    slurm (inside an allocation: ranks as one srun step)."""
     num_ranks: Optional[int] = None
     """Number of CPU ranks for topology cpu; >= 1."""
     threads_per_rank: Optional[int] = None
@@ -252,6 +274,8 @@ class ClusterConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     workers: List[WorkerConfig] = field(default_factory=list)
     """Hosts in rank order for topology hosts."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """The allocation to submit for topology slurm."""
 
 
 @dataclass

@@ -80,6 +80,9 @@ def planned_world_size(cfg: ExperimentConfig) -> Optional[int]:
         return cluster.num_ranks
     if cluster.topology is Topology.local_gpus:
         return len(cluster.devices)
+    if cluster.topology is Topology.slurm:
+        gpus = cluster.slurm.gpus_per_node
+        return cluster.slurm.nodes * gpus if gpus > 0 else cluster.num_ranks
     if cluster.topology is Topology.hosts:
         counts = [w.local_devices for w in cluster.workers]
         if any(not isinstance(c, (list, tuple)) for c in counts):
@@ -317,8 +320,35 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
                           f"must have one factor per rank (world size {world_size})")
     if c.topology is Topology.hosts:
         yield from _workers(cfg)
-    if c.num_ranks is not None and c.topology is not Topology.cpu:
+    if c.topology is Topology.slurm:
+        yield from _slurm(cfg)
+    elif c.num_ranks is not None and c.topology is not Topology.cpu:
         yield f"cluster.num_ranks has no effect with topology {c.topology.value}"
+
+
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}")
+SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _slurm(cfg: ExperimentConfig) -> Iterator[Any]:
+    """The allocation block: what sbatch would refuse, said before anything is submitted."""
+    c, s = cfg.cluster, cfg.cluster.slurm
+    yield from _at_least("cluster.slurm.nodes", s.nodes, 1, optional=False)
+    yield from _at_least("cluster.slurm.gpus_per_node", s.gpus_per_node, 0, optional=False)
+    if not SLURM_TIME.fullmatch(str(s.time)):
+        yield Problem("cluster.slurm.time", s.time,
+                      "must be a Slurm time limit: minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    for key, name in (("cluster.slurm.partition", s.partition), ("cluster.slurm.job_name", s.job_name)):
+        if name is not None and not SLURM_NAME.fullmatch(name):
+            yield Problem(key, name, "must be letters, digits, '.', '_' or '-'")
+    for i, arg in enumerate(s.sbatch_args):
+        if not arg.startswith("--") or any(ch in arg for ch in "\n\r"):
+            yield Problem(f"cluster.slurm.sbatch_args.{i}", arg, "must be one option starting with --")
+    if s.gpus_per_node == 0 and c.num_ranks is None:
+        yield Problem("cluster.num_ranks", None,
+                      "is required with topology slurm on CPU (cluster.slurm.gpus_per_node=0)")
+    if s.gpus_per_node > 0 and c.num_ranks is not None:
+        yield "cluster.num_ranks has no effect with topology slurm on GPUs (one rank per GPU)"
 
 
 def _workers(cfg: ExperimentConfig) -> Iterator[Any]:

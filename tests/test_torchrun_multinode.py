@@ -1,0 +1,81 @@
+"""Multi-node torchrun: two torchrun agents ("nodes" on loopback) meet over the c10d rendezvous
+and their ranks join one controller-only launcher, as on a cluster where torchrun runs on
+every node. Real processes: the launcher, two agents, three ranks over Gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_averaging import _free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _controller(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, dict]:
+    """A controller-only launcher waiting for 3 CPU ranks; (process, the ranks' environment)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu",
+         "cluster.num_ranks=3", "cluster.threads_per_rank=1", "cluster.launch_ranks=false",
+         "num_epochs=2", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in launcher.stdout:
+        if "controller-only" in line:
+            break
+    info = json.loads((run_dir / "controller.json").read_text())
+    env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
+               FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
+    return launcher, env
+
+
+def _agents(env: dict, second_env: dict) -> list[subprocess.Popen]:
+    """Two agents on one c10d rendezvous: 2 ranks on the first "node", 1 on the second. The
+    first hosts the rendezvous store (is_host; on a cluster: the node the endpoint names), the
+    one the survivors regroup on."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={n}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=flodl-test",
+         f"--rdzv-conf=is_host={host}", "--max-restarts=0", "-m", "flodl_run.rank"],
+        cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n, e, host in ((2, env, "true"), (1, second_env, "false"))]
+
+
+def test_two_torchrun_agents_form_one_run_over_c10d(tmp_path):
+    """Pins multi-node torchrun: agents with 2 and 1 ranks meet at one c10d endpoint, and
+    their 3 ranks (numbered by torchrun across both agents) complete one run with the
+    controller; both agents exit 0."""
+    launcher, env = _controller(tmp_path / "run")
+    agents = _agents(env, env)
+    outputs = [a.communicate(timeout=240)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    launcher.communicate(timeout=60)
+    assert launcher.returncode == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 3
+    assert summary["dead_ranks"] == []
+
+
+def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
+    """Pins what a lost node means under torchrun: the second agent's only rank is SIGKILLed
+    after 8 batches (whichever global rank torchrun gave it); that agent ends failed, the first
+    agent's two ranks carry on (the coordinator drops the silent rank after its heartbeat
+    timeout), and the run completes with exactly that rank dead. The surviving agent then
+    waits in torchrun's exit barrier for the dead one (300 s), so it is stopped here."""
+    launcher, env = _controller(tmp_path / "run", "heartbeat_timeout_secs=10")
+    doomed = dict(env, FLODL_RUN_FAULT="0:8:SIGKILL,1:8:SIGKILL,2:8:SIGKILL")
+    agents = _agents(env, doomed)
+    try:
+        out = launcher.communicate(timeout=240)[0]
+        assert launcher.returncode == 0, out[-3000:]
+        assert agents[1].wait(timeout=60) != 0
+    finally:
+        for agent in agents:
+            agent.terminate()
+            agent.communicate(timeout=60)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and len(summary["dead_ranks"]) == 1
+    assert f"rank {summary['dead_ranks'][0]} lost" in out
