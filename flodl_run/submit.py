@@ -44,7 +44,7 @@ def sbatch_script(config: ExperimentConfig, overrides: Sequence[str], output: Pa
     lines += [f"#SBATCH {arg}" for arg in s.sbatch_args]
     run = " ".join(shlex.quote(w) for w in (python, "-m", "flodl_run", *overrides))
     lines += [
-        "# Written by `python -m flodl_run.submit`. The launcher runs on the batch host (the",
+        "# Written by flodl_run.submit. The launcher runs on the batch host (the",
         "# coordinator binds its address) and starts the ranks as one srun step.",
         "set -euo pipefail",
         f"cd {shlex.quote(str(project))}",
