@@ -8,6 +8,7 @@
 #   homog   bench on a homogeneous pair: bare solo, runner solo, torch DDP, nccl_sync,
 #           nccl_cadence, torch local SGD (synthetic_mlp, 51.4 M parameters, batch 512)
 #   homog_tl  homog, with nccl_cadence run again under timeline=true (the trace's cost)
+#   lm_trace  byte_lm on the [1.0, 2.5] pair, nccl_cadence, timeline=true: the trace comes back
 #   hetero  the same rig with rank 1 emulated 2.5x slower: nccl_cadence and the cpu_* modes
 #   lm      both rigs on the byte-level transformer (recipe byte_lm): ~10 min, past one call's
 #           limit with the other stages; lm_homog and lm_hetero run one rig each
@@ -60,6 +61,14 @@ for stage in "$@"; do
         "bench.modes=[nccl_sync,nccl_cadence]" "$LM"
       [ "$stage" = lm_homog ] || bench hetero_lm $GPUS "cluster.emulate_slowdown=[1.0,2.5]" bench.epochs=3 \
         bench.batch_size=${LM_BATCH:-64} bench.runner_solo=false "bench.modes=[nccl_cadence]" "$LM"
+      ;;
+    lm_trace)  # one nccl_cadence run of byte_lm on the [1.0, 2.5] pair with timeline=true
+      python3 -m flodl_run $GPUS "cluster.emulate_slowdown=[1.0,2.5]" recipe=byte_lm \
+        recipe.params.max_bytes=4000000 batch_size=${LM_BATCH:-64} num_epochs=3 tracking=off \
+        timeline=true hydra.run.dir=/tmp/lm_trace 2>&1 | tail -8
+      grep -h "waits:" /tmp/lm_trace/ranks/*.log 2>/dev/null | cut -c1-900
+      mkdir -p "$OUT/lm_trace"
+      cp /tmp/lm_trace/timeline.json /tmp/lm_trace/summary.json /tmp/lm_trace/events.jsonl "$OUT/lm_trace/"
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
