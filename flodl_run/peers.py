@@ -12,8 +12,9 @@ Every peer trains the same data as flodl_run's ranks: the data set moved to the 
 same per-pass permutation, batches gathered on the device, an equal split among ranks, and no
 host sync per step (losses are summed on the device and read once per epoch). The rig's
 `emulate_slowdown` applies as on our ranks: a rank of factor f > 1 waits for each step and sleeps
-(f - 1) x its time. Without RANK in the environment a collective peer spawns one process per
-rank with the torchrun contract. None of flodl_run's runtime (coordinator, ElChe) is involved.
+(f - 1) x its time (the first step excepted, flodl_run/slowdown.py says why). Without RANK in
+the environment a collective peer spawns one process per rank with the torchrun contract. None
+of flodl_run's runtime (coordinator, ElChe) is involved.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.data import map_tensors, permutation, to_device
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica, lr_factor
+from flodl_run.slowdown import Slowdown, factor_for
 from flodl_run.summary import EpochRecord, Summary, write_summary
 
 PEERS = ("solo", "torch_ddp", "torch_localsgd")
@@ -87,8 +89,7 @@ class PeerRank:
         self.num_samples = len(dataset)
         self.data = on_device(dataset, device)
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
-        slow = config.cluster.emulate_slowdown
-        self.slowdown = slow[rank] if slow and rank < len(slow) else 1.0
+        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, rank))
         self.steps = 0
         self.samples = 0
 
@@ -113,10 +114,10 @@ class PeerRank:
             self.replica.scheduler.step()
         if self.averager is not None:
             self.averager.average_parameters(self.model.parameters())
-        if self.slowdown > 1.0:  # the emulated slower GPU: wait for the step, sleep in proportion
+        if self.slowdown.active:  # the emulated slower GPU: wait for the step, sleep in proportion
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+            self.slowdown.after_step(began)
         self.steps += 1
         return loss.detach()
 

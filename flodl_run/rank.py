@@ -45,6 +45,7 @@ from flodl_run.hostinfo import node_facts
 from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import CallbackFailed, load_recipe, user_traceback
 from flodl_run.replica import Replica, lr_factor
+from flodl_run.slowdown import Slowdown, factor_for
 from flodl_run.timeline import RankTimeline
 from flodl_run.wire import (
     AbortGroup,
@@ -197,8 +198,7 @@ class RankWorker:
         self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
                                 self.recipe.transform, rank=env.rank)
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
-        slow = config.cluster.emulate_slowdown
-        self.slowdown = slow[env.rank] if slow and env.rank < len(slow) else 1.0
+        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, env.rank))
         self.mode = config.elche.mode
         self._perms: Dict[int, torch.Tensor] = {}
         self._steps_since_reduce = 0
@@ -471,9 +471,9 @@ class RankWorker:
         slower rank (its sleep is a multiple of the step time). In between the host queues
         batches ahead of the GPU, so a step's host time is its launch cost and the wait at the
         window's end carries the rest: the window's total stays exact."""
-        if self.device.type == "cuda" and (timed or self.slowdown > 1.0):
+        if self.device.type == "cuda" and (timed or self.slowdown.active):
             torch.cuda.synchronize(self.device)
-        _emulate_slowdown(self.slowdown, began)
+        self.slowdown.after_step(began)
 
     def _window_done(self, job: "_Job") -> None:
         order = job.order
@@ -781,13 +781,6 @@ def _cpu(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_cpu(v) for v in state)
     return state
-
-
-def _emulate_slowdown(factor: float, began: float) -> None:
-    """Emulated heterogeneity: sleep (f - 1) x the step time so this rank acts f times slower.
-    The caller has waited for the device, so the clock covers the whole step."""
-    if factor > 1.0:
-        time.sleep((factor - 1.0) * (time.perf_counter() - began))
 
 
 def _read(total: Optional[torch.Tensor]) -> float:

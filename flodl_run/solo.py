@@ -25,6 +25,7 @@ from flodl_run.observe import Observer
 from flodl_run.recipe import CallbackFailed, Recipe
 from flodl_run.replica import Replica
 from flodl_run.scalars import drain, roll_up
+from flodl_run.slowdown import Slowdown, factor_for
 from flodl_run.summary import EpochRecord, Summary
 from flodl_run.worker import Loss, Worker, run_loop
 
@@ -63,8 +64,8 @@ class SoloTrainer:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
-        slow = config.cluster.emulate_slowdown
-        self.slowdown = slow[0] if slow else 1.0  # the bench's solo runs at each rank speed
+        # the bench's solo runs at each rank's speed
+        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, 0))
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
         self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
                                       recipe.transform)
@@ -189,11 +190,11 @@ class SoloTrainer:
         )
 
     def _emulate_slowdown(self, began: float) -> None:
-        """As on a rank: sleep (f - 1) x the step time so the run acts f times slower."""
-        if self.slowdown > 1.0:
+        """As on a rank: wait for the step, then sleep so the run acts f times slower."""
+        if self.slowdown.active:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+            self.slowdown.after_step(began)
 
     def _maybe_eval(self, epoch: int) -> Optional[float]:
         every = self.config.eval_every_epochs

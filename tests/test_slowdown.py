@@ -1,0 +1,41 @@
+"""Emulated heterogeneity: which steps sleep, and for how long (the clock and the sleep faked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_run import slowdown
+from flodl_run.slowdown import Slowdown, factor_for
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """perf_counter reads `now[0]`; sleeps are recorded, not slept."""
+    now, slept = [0.0], []
+    monkeypatch.setattr(slowdown.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(slowdown.time, "sleep", slept.append)
+    return now, slept
+
+
+def test_every_step_but_the_first_sleeps_f_minus_one_times_its_time(clock):
+    """Pins the emulation's rule: factor 2.5 sleeps 1.5 x each step's time, and the first step
+    (one-time warm-up a slower GPU does not multiply) is not slowed."""
+    now, slept = clock
+    slow = Slowdown(2.5)
+    for began, took in ((0.0, 1.7), (2.0, 0.02), (3.0, 0.04)):
+        now[0] = began + took
+        slow.after_step(began)
+    assert slept == pytest.approx([1.5 * 0.02, 1.5 * 0.04])
+
+
+def test_factor_one_never_sleeps_and_the_rig_list_is_read_per_rank(clock):
+    """Pins that a rank at full speed is never slowed, and each rank reads its own factor
+    (1.0 when the rig names none, or names fewer ranks)."""
+    now, slept = clock
+    full = Slowdown(1.0)
+    for began in (0.0, 1.0):
+        now[0] = began + 0.5
+        full.after_step(began)
+    assert slept == [] and not full.active
+    assert [factor_for([1.0, 2.5], r) for r in (0, 1, 2)] == [1.0, 2.5, 1.0]
+    assert factor_for(None, 0) == 1.0
