@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,22 +12,7 @@ from torch import nn
 
 from flodl_run.averaging.collective import CollectiveError, consensus_weight, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams, relative_distance
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5), nn.Linear(5, 3))
-    bn = model[1]
-    bn.running_mean.uniform_(-1, 1)
-    bn.running_var.uniform_(0.5, 2)
-    bn.num_batches_tracked.fill_(10 + seed)
-    return model
+from tests.support import _free_port, _model
 
 
 START_SEED = 99

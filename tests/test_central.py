@@ -15,7 +15,7 @@ from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.config.schema import OuterConfig, OuterKind
 from flodl_run.outer import OuterOptimizer
-from tests.test_averaging import _free_port, _model
+from tests.support import _free_port, _model
 
 
 def _snap(rank, steps, seed, n=30, buffers=3):

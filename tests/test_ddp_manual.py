@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_averaging import _free_port
+from tests.support import _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from flodl_run.membership import Membership, hung_limit_s
 from flodl_run.wire import Heartbeat
-from tests.test_distributed_cli import REPO, _flodl_children, _run
+from tests.support import REPO, _flodl_children, _run
 
 # Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.
 HANGING_RECIPE = """

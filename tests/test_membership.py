@@ -17,11 +17,11 @@ import zmq
 from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import read_meta
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig
 from flodl_run.coordinator import Coordinator
+from flodl_run.membership import ShutdownWithSave
 from flodl_run.wire import AbortGroup, Channel, Listening, connect_dealer, new_secret
-from tests.test_averaging import _free_port, _model
-from tests.test_distributed_cli import _run, solo_eval  # noqa: F401  (fixture)
+from tests.support import _free_port, _model, _run
 
 TRIO = ("cluster=cpu", "cluster.num_ranks=3", "cluster.threads_per_rank=1")
 NUM_TRAIN = 1437  # digits train split
@@ -32,7 +32,7 @@ def _with_fault(spec: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"])
-def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):  # noqa: F811
+def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):
     """Pins 'survivors carry on': SIGKILL rank 1 after its 12th batch; the run completes with
     two ranks, lists the dead rank, trains every sample of every epoch (exactly once where the
     consensus is synchronous) and lands within 3 points of the undisturbed solo run (measured:
@@ -103,15 +103,38 @@ def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
     assert 3.0 <= silent <= 8.0
 
 
-@pytest.mark.parametrize("limit", ["max_failure.absolute=1", "max_failure.percent=0.3"])
-def test_max_failure_stops_with_a_save(tmp_path, limit):
-    """Pins max_failure: absolute n (dead >= n) and percent p (dead >= ceil(p x world)) end the
-    run with shutdown_with_save (reason max_failure_exceeded), a bundle and a non-zero exit."""
-    proc, summary = _run(tmp_path, *TRIO, "elche=cpu_cadence", limit, "num_epochs=3",
-                         env=_with_fault("1:12:SIGKILL"))
+def test_max_failure_stops_with_a_save(tmp_path):
+    """Pins max_failure end to end: a death that reaches the limit ends the run with
+    shutdown_with_save (reason max_failure_exceeded), a bundle and a non-zero exit. (Which
+    count of deaths reaches absolute n or percent p is pinned without processes below.)"""
+    proc, summary = _run(tmp_path, *TRIO, "elche=cpu_cadence", "max_failure.absolute=1",
+                         "num_epochs=3", env=_with_fault("1:12:SIGKILL"))
     assert proc.returncode == 1
     assert summary["status"] == "shutdown_with_save"
     assert read_meta(summary["checkpoint"]).save_reason == "max_failure_exceeded"
+
+
+@pytest.mark.parametrize("limit,deaths_to_stop", [(MaxFailureConfig(absolute=1), 1),
+                                                  (MaxFailureConfig(absolute=2), 2),
+                                                  (MaxFailureConfig(percent=0.3), 1),
+                                                  (MaxFailureConfig(percent=0.5), 2)])
+def test_max_failure_counts_the_dead_against_absolute_n_or_ceil_p_of_the_world(limit, deaths_to_stop):
+    """Pins the limits on a 3-rank coordinator: absolute n stops at the n-th death, percent p
+    at the ceil(p x 3)-th (0.3 -> 1, 0.5 -> 2), with ShutdownWithSave(max_failure_exceeded);
+    fewer deaths are absorbed and the run goes on."""
+    coordinator = Coordinator(ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"),
+                                               max_failure=limit), 3, new_secret())
+    try:
+        for rank in range(1, deaths_to_stop):
+            coordinator.report_death(rank, "exited with code -9")
+            assert coordinator._absorb_deaths()
+        coordinator.report_death(deaths_to_stop, "exited with code -9")
+        with pytest.raises(ShutdownWithSave) as stop:
+            coordinator._absorb_deaths()
+        assert stop.value.reason == "max_failure_exceeded"
+        assert stop.value.detail == f"{deaths_to_stop} of 3 ranks dead"
+    finally:
+        coordinator.channel.socket.close()
 
 
 def _listeners(coordinator, secret: bytes, world: int) -> list:

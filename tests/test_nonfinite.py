@@ -17,8 +17,7 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import bundle_files, check_resume, load_tensors, read_meta
 from flodl_run.config.schema import OuterConfig
 from flodl_run.outer import OuterOptimizer
-from tests.test_averaging import _free_port, _model
-from tests.test_distributed_cli import REPO, _run
+from tests.support import REPO, _free_port, _model, _run
 
 
 def _poisoned_worker(rank: int, world: int, port: int, out_dir: str) -> None:
