@@ -15,6 +15,8 @@ import torch
 from flodl_run.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
 from tests.support import LOCKSTEP, PAIR, REPO, _flodl_children, _run
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def lockstep_bundle(lockstep_run) -> str:

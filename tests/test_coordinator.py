@@ -140,6 +140,7 @@ def _positions(ranks, epochs):
     return seen
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
 def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode):
     """Pins progressive dispatch: each sample of each epoch trained exactly once (async too,
@@ -152,6 +153,7 @@ def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
     """Pins progressive_dispatch=false in the cadence modes: each rank's share of the epoch is
@@ -163,6 +165,7 @@ def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
     assert summary.epochs[-1].per_rank_batch_share == [0.5, 0.5]
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_modes_shard_the_epoch_by_partition_ratios(mode):
     """Pins that the sync modes split each epoch by the stated partition_ratios (3:1 here, on
@@ -174,6 +177,7 @@ def test_sync_modes_shard_the_epoch_by_partition_ratios(mode):
     assert summary.epochs[-1].per_rank_batch_share == [0.75, 0.25]
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
     """Pins progressive_dispatch=true in a sync mode: ranks take their next batch from the whole
@@ -185,6 +189,7 @@ def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
@@ -198,6 +203,7 @@ def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     assert sync_orders == ([0, 0] if mode == "nccl_sync" else [per_rank_batches] * 2)
 
 
+@pytest.mark.coordinator
 def test_max_batch_diff_bounds_the_lead_within_a_sync_reduce():
     """Pins where the max_batch_diff throttle lives on the coordinator backend: in a sync mode a
     rank 2.5x faster keeps stepping while the slow one works (an extra batch per reduce without
@@ -225,6 +231,7 @@ class _Events(Observer):
         self.events.append((kind, message))
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
 def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mode):
     """Pins snapshot_timeout_secs in every cpu_* mode: a rank whose snapshot of round 2 comes
@@ -259,6 +266,7 @@ def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mo
     assert sum(weighed) == 2 * NUM_SAMPLES // 8
 
 
+@pytest.mark.coordinator
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
     """Pins where folding stops: once ElChe knows the speeds (2.5x apart) a window may give
     the fast rank more than one batch, so the reduce is ordered on its own (SyncNow), and every
@@ -269,6 +277,7 @@ def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
     assert all(r.orders.count("SyncNow") > 0 for r in ranks)
 
 
+@pytest.mark.coordinator
 def test_epochs_are_aggregated_in_order_with_eval():
     """Pins per-epoch records (ascending epochs, eval from the callback rank, shares sum to 1)."""
     summary, _ = _run("nccl_cadence", [5.0, 5.0], epochs=2)
@@ -308,6 +317,7 @@ class _KeepBundles(Observer):
             self.metas.append(read_meta(self.stem))
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_mid_epoch_checkpoint_and_resume_cover_each_sample_exactly_once(tmp_path, mode):
     """Pins checkpoint_at_epoch: the bundle lists what of the epoch its weights do not include,

@@ -14,9 +14,12 @@ import pytest
 
 from tests.support import REPO, _flodl_children, _free_port, _run
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("mode,min_fast_share", [("nccl_cadence", 0.6), ("cpu_cadence", 0.6),
                                                  ("cpu_async", 0.6), ("cpu_sync", None)])
+@pytest.mark.alone
 def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_share):
     """Pins the headline promise: on a 2.5x-skewed pair the cadence and async modes give the
     fast rank >= 0.6 of the batches, and every mode reaches the solo run's held-out accuracy
@@ -70,6 +73,7 @@ def test_outer_optimizers_complete_in_collective_modes(tmp_path, mode, outer):
     assert summary["status"] == "completed" and summary["outer"] == outer
 
 
+@pytest.mark.alone
 def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
     """Pins Ctrl-C: the launcher stops ranks and coordinator in < 10 s, exits 130, marks the
     summary interrupted and leaves no rank process behind."""

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support import REPO, _flodl_children, _run
 
+pytestmark = pytest.mark.e2e
+
 RAISES_IN_BUILD_MODEL = (
     "from recipes.digits_mlp import *  # noqa: F401,F403\n"
     "def build_model(device, **_):\n"

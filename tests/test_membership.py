@@ -31,6 +31,7 @@ def _with_fault(spec: str) -> dict:
     return dict(os.environ, FLODL_RUN_FAULT=spec)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"])
 def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):
     """Pins 'survivors carry on': SIGKILL rank 1 after its 12th batch; the run completes with
@@ -58,6 +59,8 @@ def _lost_to_end_s(run_dir: Path, rank: int) -> float:
     return (run_dir / "summary.json").stat().st_mtime - lost
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
 def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
     """Pins 'one survivor carries on alone': SIGKILL rank 1 of a pair after its 10th batch (in
@@ -77,6 +80,8 @@ def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
     assert _lost_to_end_s(tmp_path / "run", 1) <= 60 + 10
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 def test_a_stopped_rank_inside_a_collective_is_dropped_within_the_heartbeat_timeout(tmp_path):
     """Pins the hung-peer path of a collective: rank 1 of an nccl_sync pair is SIGSTOPped after
     its 8th batch while rank 0 waits for it in the reduce. It is declared dead after
@@ -92,6 +97,8 @@ def test_a_stopped_rank_inside_a_collective_is_dropped_within_the_heartbeat_time
     assert 3.0 <= silent <= 8.0
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
     """Pins liveness: a SIGSTOPped rank (alive to the OS, silent to us) is declared dead after
     heartbeat_timeout_secs=3 (within 3-8 s) and the run carries on without it."""
@@ -103,6 +110,7 @@ def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
     assert 3.0 <= silent <= 8.0
 
 
+@pytest.mark.e2e
 def test_max_failure_stops_with_a_save(tmp_path):
     """Pins max_failure end to end: a death that reaches the limit ends the run with
     shutdown_with_save (reason max_failure_exceeded), a bundle and a non-zero exit. (Which
@@ -114,6 +122,7 @@ def test_max_failure_stops_with_a_save(tmp_path):
     assert read_meta(summary["checkpoint"]).save_reason == "max_failure_exceeded"
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("limit,deaths_to_stop", [(MaxFailureConfig(absolute=1), 1),
                                                   (MaxFailureConfig(absolute=2), 2),
                                                   (MaxFailureConfig(percent=0.3), 1),
@@ -149,6 +158,7 @@ def _listeners(coordinator, secret: bytes, world: int) -> list:
     return socks
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode,notified", [("nccl_sync", True), ("cpu_sync", False)])
 def test_a_death_is_announced_to_every_survivors_listener(mode, notified):
     """Pins the abort notice: when a death is absorbed in a collective mode, each survivor's
@@ -191,6 +201,7 @@ def _aborted_reduce_worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_a_reduce_whose_group_was_aborted_meanwhile_restores_the_replica(tmp_path):
     """Pins the abort check after the collectives: NCCL collectives of an aborted group return
     garbage instead of raising, so a rank whose group was aborted while it reduced must report

@@ -66,6 +66,7 @@ def test_kill_switch_turns_shared_memory_off(monkeypatch):
     remove_run(prefix)
 
 
+@pytest.mark.e2e
 def test_shared_memory_trains_exactly_as_frames_and_cleans_up(tmp_path):
     """Pins the shm path end to end: a homogeneous cpu_sync pair (lockstep, deterministic)
     ends on the same weights through shared memory as through frames (FLODL_RUN_SHM=off), the
