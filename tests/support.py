@@ -6,6 +6,7 @@ imports another one.
 
 from __future__ import annotations
 
+import ast
 import json
 import socket
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from flodl_run.config.schema import ExperimentConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,3 +83,37 @@ def _flodl_children(launcher_pid: int) -> list[int]:
         if f"FLODL_RUN_PARENT_PID={launcher_pid}".encode() in environ and ") Z " not in stat:
             found.append(int(entry.name))
     return found
+
+
+def make(**dotted) -> ExperimentConfig:
+    """A default config with `a__b=v` meaning `cfg.a.b = v` (nested dataclasses are mutable)."""
+    cfg = ExperimentConfig()
+    for key, value in dotted.items():
+        *path, leaf = key.split("__")
+        target = cfg
+        for name in path:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+    return cfg
+
+
+# The shell: clocks, sockets, files, logging, tracking, tensors, Hydra.
+FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra", "omegaconf",
+                   "os", "pathlib", "subprocess", "threading", "asyncio", "rich",
+                   "datetime", "io", "shutil", "tempfile", "sys"}
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module a file imports, absolute (`from flodl_run import guard` -> flodl_run.guard)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(["flodl_run"] + ([base] if base else []))
+            names.append(base)
+            if base == "flodl_run":
+                names += [f"flodl_run.{alias.name}" for alias in node.names]
+    return names

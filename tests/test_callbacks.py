@@ -22,7 +22,7 @@ from flodl_run.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
 from flodl_run.replica import EVAL_BATCH_SIZE, Replica
 from flodl_run.summary import EpochRecord
 from flodl_run.wire import Evaluate, SaveCheckpoint, new_secret
-from tests.test_coordinator import FakeRank, drive
+from tests.fakes import FakeRank, drive
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,115 +1,22 @@
-"""The coordinator's window loop against scripted ranks (threads speaking the real wire format).
-
-Faults and speeds are data: each fake rank reports `ms_per_batch` of compute per batch.
-"""
+"""The coordinator's window loop against scripted ranks (tests/fakes.py: threads speaking the
+real wire format). Faults and speeds are data: each fake rank reports `ms_per_batch` of compute
+per batch."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
 from dataclasses import replace
 from typing import List
 
 import pytest
-import torch
 import zmq
 
 from flodl_run.checkpoint import read_meta, save_meta
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
-from flodl_run.wire import (
-    Channel,
-    CheckpointSaved,
-    Evaluate,
-    Evaluated,
-    Heartbeat,
-    RankJoined,
-    Reduced,
-    SaveCheckpoint,
-    SnapshotTaken,
-    Stop,
-    SyncNow,
-    Train,
-    Update,
-    WindowDone,
-    connect_dealer,
-    new_secret,
-)
-
-NUM_SAMPLES = 640
-
-
-class FakeRank(threading.Thread):
-    def __init__(self, rank: int, world: int, address: str, secret: bytes, ms_per_batch: float,
-                 batch_size: int, mode: str):
-        super().__init__(daemon=True)
-        self.rank, self.world, self.address, self.secret = rank, world, address, secret
-        self.ms_per_batch, self.batch_size = ms_per_batch, batch_size
-        self.slices: List[tuple] = []
-        self.orders: List[str] = []
-        self.steps = 0
-        self.mode = mode
-        self.sync_pending = False
-        self.held: List[Train] = []
-        self.late_rounds: dict = {}  # round -> seconds this rank sits on its snapshot
-        self.reduces_seen = 0
-
-    def run(self) -> None:
-        sock = connect_dealer(zmq.Context.instance(), self.address, self.secret)
-        ch = Channel(sock, self.secret)
-        ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
-        if self.mode == "cpu_async" and self.rank == 0:
-            self._snapshot(ch, 0)  # the EASGD center's starting point
-        while True:
-            order = ch.recv(timeout_ms=10_000).message
-            self.orders.append(type(order).__name__)
-            if isinstance(order, Stop):
-                break
-            if isinstance(order, SyncNow) and self.mode.startswith("cpu_"):
-                self.reduces_seen += 1
-                self._snapshot(ch, order.round)
-                self.sync_pending = False
-                for held in self.held:  # chunks that waited for the reduce
-                    ch.send(self._answer(held))
-                self.held = []
-            elif isinstance(order, Train) and self.sync_pending:
-                self.held.append(order)  # stay within the overshoot budget: run it after the reduce
-            elif isinstance(order, Update):
-                if order.train is not None:
-                    ch.send(self._answer(order.train))
-            else:
-                ch.send(self._answer(order))
-                if isinstance(order, Train) and order.then_sync is not None:
-                    ch.send(self._answer(order.then_sync))  # the reduce rode on the order
-        sock.close()
-
-    def _snapshot(self, ch, round_):
-        time.sleep(self.late_rounds.get(round_, 0.0))  # a stalled host, a slow link
-        params = torch.full((4,), float(self.rank))
-        ch.send(SnapshotTaken(self.rank, round_, self.steps, ["torch.float32"]),
-                [memoryview(params.numpy()).cast("B"), b""])
-        self.steps = 0
-
-    def _answer(self, order):
-        if isinstance(order, Train):
-            self.steps += order.num_batches
-            self.sync_pending = self.mode == "cpu_async"
-            self.slices.extend(order.slices)
-            samples = sum(s[2] for s in order.slices)
-            n = order.num_batches
-            time.sleep(n * self.ms_per_batch / 1000.0)  # the compute the report claims (not a sync)
-            return WindowDone(self.rank, order.window, order.epoch, n, samples,
-                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,
-                              reduces_seen=self.reduces_seen)
-        if isinstance(order, SyncNow):
-            return Reduced(self.rank, order.round, 0.01, 1.0)
-        if isinstance(order, Evaluate):
-            return Evaluated(self.rank, order.epoch, 0.5)
-        if isinstance(order, SaveCheckpoint):
-            return CheckpointSaved(self.rank, order.stem)
-        raise AssertionError(order)
+from flodl_run.wire import Channel, Heartbeat, new_secret
+from tests.fakes import NUM_SAMPLES, FakeRank, drive
 
 
 def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, observer=None, **run):
@@ -119,16 +26,6 @@ def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, obser
     coord = Coordinator(config, len(ms), secret, observer=observer)
     ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
     return drive(coord, ranks)
-
-
-def drive(coord: Coordinator, ranks: list) -> tuple:
-    """Start the scripted ranks, run the coordinator to its end, wait for the ranks."""
-    for r in ranks:
-        r.start()
-    summary = coord.run()
-    for r in ranks:
-        r.join(timeout=10)
-    return summary, ranks
 
 
 def _positions(ranks, epochs):

@@ -26,7 +26,7 @@ from flodl_run.wire import (
     frame_limit,
     new_secret,
 )
-from tests.test_config_validate import make
+from tests.support import make
 
 # A peer without the secret: it sends the byte frames it is given, as they are.
 _PEER = """
