@@ -1,11 +1,116 @@
-"""Shared fixtures."""
+"""Shared fixtures, the test tiers, and how the suite runs.
+
+Tiers (markers, registered in pyproject.toml): `e2e` tests start real processes (the CLI, rank
+processes, torchrun, sshd, an MLflow server); `coordinator` tests drive a real Coordinator in
+this process against scripted ranks; every other test is `unit` (the mark is given here).
+`-m unit` runs in seconds, `-m "not e2e"` adds the coordinator tier. A new test that starts a
+process is marked e2e (per test, or `pytestmark` when a whole module is).
+
+Running: the plain `python -m pytest` runs every test, spread over one pytest-xdist worker per
+core (`-n logical --dist loadgroup` in pyproject.toml). An end-to-end run spends most of its
+time importing torch in the launcher, then in each rank, so a lone run keeps about one core
+busy and two runs side by side use both. `-n0` runs in one process (for a debugger, or `-x` on
+one file).
+
+Cores: an e2e test marked `alone` has a bound in seconds (a hang detected within 3-8 s, a stop
+within 10 s, a share of batches that depends on relative speed). It holds a lock that keeps
+every other e2e test from running beside it; other e2e tests share that lock.
+
+Sharing across workers: a module-scoped fixture would run once per worker that gets one of its
+tests, so every test that uses one is put in one xdist group (named after its module) and runs
+on one worker. A run several modules need is a session fixture computed once for all workers
+(`shared_once`): `solo_eval`, `lockstep_run`.
+
+Helpers (running the CLI, a free port, a small model, the PAIR and LOCKSTEP overrides) live in
+tests/support.py; test modules import them from there and never from each other.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
+
+from tests.support import LOCKSTEP, _run
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups to schedule
+def pytest_collection_modifyitems(config, items):
+    """Every test outside the coordinator and e2e tiers is `unit`; every test that uses a
+    module-scoped fixture joins the xdist group of its module."""
+    for item in items:
+        if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.unit)
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = [d[-1].scope for d in defs.name2fixturedefs.values()] if defs else []
+        if "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _invocation_root(tmp_path_factory) -> Path:
+    """A folder shared by every worker of this pytest invocation (and by nothing else)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base temps are siblings in one folder per invocation
+    return root
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of an e2e test under the cores lock: exclusive for `alone`
+    tests, shared for the others (so fixtures that start runs are covered too)."""
+    if item.get_closest_marker("e2e") is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    root = _invocation_root(item.config._tmp_path_factory)
+    with open(root / "cores.lock", "w") as lock:
+        alone = item.get_closest_marker("alone") is not None
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        return (yield)
+
+
+def shared_once(tmp_path_factory, name: str, produce: Callable[[Path], object]):
+    """`produce(folder)` run once per pytest invocation, even across xdist workers: the first
+    caller runs it under a file lock and stores its JSON result, later callers read it."""
+    root = _invocation_root(tmp_path_factory)
+    folder, result = root / f"shared-{name}", root / f"shared-{name}.json"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            folder.mkdir(exist_ok=True)
+            result.write_text(json.dumps(produce(folder)))
+        return json.loads(result.read_text())
+
+
+def _solo(folder: Path) -> float:
+    solo, summary = _run(folder, "cluster=solo")
+    assert solo.returncode == 0, solo.stderr
+    return summary["final_eval"]
+
+
+@pytest.fixture(scope="session")
+def solo_eval(tmp_path_factory) -> float:
+    """Held-out accuracy of the default recipe trained in-process (the reference of the
+    distributed runs' accuracy), one run for the whole suite."""
+    return shared_once(tmp_path_factory, "solo_eval", _solo)
+
+
+def _lockstep(folder: Path) -> dict:
+    proc, summary = _run(folder, *LOCKSTEP, "num_epochs=1", env=dict(os.environ, FLODL_RUN_WAITS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"run_dir": str(folder / "run"), "summary": summary}
+
+
+@pytest.fixture(scope="session")
+def lockstep_run(tmp_path_factory) -> dict:
+    """One clean epoch of LOCKSTEP (nccl_sync on an equal pair, batch 32) with FLODL_RUN_WAITS=1,
+    once for the suite: {"run_dir", "summary"}. Tests read its counts and logs, resume from its
+    bundle, or copy the bundle to damage it; none writes into it."""
+    return shared_once(tmp_path_factory, "lockstep_run", _lockstep)
 
 
 @pytest.fixture(scope="session")

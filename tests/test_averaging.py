@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 from flodl_run.averaging.collective import CollectiveError, consensus_weight, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams, relative_distance
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5), nn.Linear(5, 3))
-    bn = model[1]
-    bn.running_mean.uniform_(-1, 1)
-    bn.running_var.uniform_(0.5, 2)
-    bn.num_batches_tracked.fill_(10 + seed)
-    return model
-
+from tests.support import _free_port, _model
 
 START_SEED = 99
 
@@ -70,6 +52,7 @@ def _reference(steps, gamma):
     return ref, models
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("steps,gamma", [([3, 7], 1.0), ([1, 10], 0.5), ([0, 4], 1.0)])
 def test_weighted_consensus_matches_float64_reference(tmp_path, steps, gamma):
     """Pins the work-weighted mean w_k = n_k**gamma (pre-scaled SUM all-reduce) to < 1e-6 relative error,
@@ -87,6 +70,7 @@ def test_weighted_consensus_matches_float64_reference(tmp_path, steps, gamma):
         assert torch.equal(results[0]["state"][name], results[1]["state"][name])
 
 
+@pytest.mark.e2e
 def test_divergence_is_distance_to_consensus(tmp_path):
     """Pins delta_k = ||theta_k_before - consensus|| / ||consensus|| over all parameters."""
     steps = [2, 6]
@@ -101,6 +85,7 @@ def test_divergence_is_distance_to_consensus(tmp_path):
         assert result["divergence"] > 0
 
 
+@pytest.mark.e2e
 def test_divergence_splits_into_cosine_and_magnitude_of_the_window_updates(tmp_path):
     """Pins the divergence's breakdown: with u = theta_k_before - start (rank k's window update)
     and v = consensus - start, the reduce reports cos(u, v) and ||u|| / ||v||, and they rebuild
@@ -124,6 +109,7 @@ def test_divergence_splits_into_cosine_and_magnitude_of_the_window_updates(tmp_p
         assert result["divergence"] == pytest.approx(rebuilt, rel=1e-4)
 
 
+@pytest.mark.e2e
 def test_all_zero_weights_skip_the_reduce(tmp_path):
     """Pins 'skip the reduce if all weights are 0': parameters stay each rank's own."""
     results = _run(tmp_path, [0, 0])
@@ -172,6 +158,7 @@ def _dying_peer_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)  # the group's peer is gone: no orderly teardown
 
 
+@pytest.mark.e2e
 def test_a_peer_dead_before_the_weights_all_reduce_is_a_collective_error(tmp_path):
     """Pins the CI failure of a SIGKILLed host: the first all-reduce of a reduce (the weights)
     failing must surface as CollectiveError (the rank reports ReduceFailed and the round is

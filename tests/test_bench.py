@@ -156,6 +156,7 @@ def test_check_reports_every_problem_with_its_key():
                     "bench.outers", "cluster"]
 
 
+@pytest.mark.e2e
 def test_bad_override_exits_2_before_any_run(tmp_path):
     """Pins: a typo in a run's overrides fails the whole bench in seconds, naming the run and
     the key, instead of after the runs before it trained."""
@@ -166,6 +167,7 @@ def test_bad_override_exits_2_before_any_run(tmp_path):
     assert not (tmp_path / "bench.json").exists()
 
 
+@pytest.mark.e2e
 def test_smallest_bench_end_to_end(tmp_path):
     """Pins the harness end to end on its smallest configuration: the bare solo loop, the
     runner's solo, torch DDP, two modes and torch local SGD on a homogeneous 2-rank CPU rig,

@@ -132,6 +132,7 @@ def test_non_finite_weights_are_never_written():
     checkpoint.require_finite({"steps": torch.tensor([3]), "w": torch.ones(2)}, "the model")
 
 
+@pytest.mark.coordinator
 def test_a_stop_deadline_never_cuts_a_save_in_half():
     """Rule: SIGTERM/SIGINT past the stop deadline aborts a wait at once, except while a bundle
     is being written: the save's answers are still taken (then the run stops)."""

@@ -131,6 +131,7 @@ def test_optimizer_decays_matrices_only():
     assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
 
 
+@pytest.mark.e2e
 def test_two_cpu_ranks_train_it_end_to_end(tmp_path):
     """Pins the recipe through the runner: two CPU ranks, one epoch of a tiny configuration,
     eval below the 8 bits of a uniform guess, and run.yaml carrying eval_direction min."""

@@ -22,7 +22,7 @@ from flodl_run.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
 from flodl_run.replica import EVAL_BATCH_SIZE, Replica
 from flodl_run.summary import EpochRecord
 from flodl_run.wire import Evaluate, SaveCheckpoint, new_secret
-from tests.test_coordinator import FakeRank, drive
+from tests.fakes import FakeRank, drive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,6 +184,7 @@ def _bare(**callbacks) -> Recipe:
                   **callbacks)
 
 
+@pytest.mark.coordinator
 def test_epoch_fn_is_ordered_every_epoch_even_without_an_eval(tmp_path):
     """Rule: with epoch_fn and no per-epoch eval (eval_every_epochs null) the callback rank alone
     is told each epoch to run epoch_fn without scoring (no eval recorded), the final eval comes
@@ -198,6 +199,7 @@ def test_epoch_fn_is_ordered_every_epoch_even_without_an_eval(tmp_path):
     assert all(isinstance(o, SaveCheckpoint) and not o.write_model for o in ranks[1].callback_orders)
 
 
+@pytest.mark.coordinator
 def test_checkpoint_fn_gets_the_last_epoch_the_saved_weights_include(tmp_path):
     """Rule: checkpoint_fn's epoch is the last epoch the bundle's weights include: the epoch in
     progress for a mid-epoch checkpoint_at_epoch save, the epoch just closed for
@@ -210,6 +212,7 @@ def test_checkpoint_fn_gets_the_last_epoch_the_saved_weights_include(tmp_path):
     assert [o.epoch for o in saves] == [1, 1, 2]  # at epoch 1 (mid), after epoch 1, at the end
 
 
+@pytest.mark.coordinator
 def test_metrics_fn_raising_in_the_launcher_fails_a_multi_rank_run_with_a_bundle(tmp_path, caplog):
     """Rule: a launcher-side callback raising ends a multi-rank run failed after its epoch, with
     a callback_failed bundle that resumes at the next epoch (saved with no checkpoint_fn), and
@@ -294,6 +297,7 @@ def pair_fails_at_epoch_1(tmp_path_factory):
     return proc.pid, proc.returncode, out, summary, _notes(log), run_dir
 
 
+@pytest.mark.e2e
 def test_pair_runs_launcher_callbacks_in_the_launcher_and_the_rest_on_the_callback_rank(
         pair_fails_at_epoch_1):
     """Rule: metrics_fn and eval_result_fn run in the launcher's process; eval_fn, epoch_fn and
@@ -310,6 +314,7 @@ def test_pair_runs_launcher_callbacks_in_the_launcher_and_the_rest_on_the_callba
     assert next(n["value"] for n in notes if n["what"] == "eval_result_fn") == summary["epochs"][0]["eval"]
 
 
+@pytest.mark.e2e
 def test_pair_epoch_fn_raising_fails_the_run_once_with_a_bundle(pair_fails_at_epoch_1):
     """Rule: a callback raising on the callback rank ends the run failed with exit 1, the
     user's exception printed once (rank 1, then its traceback with the recipe's frame), and a

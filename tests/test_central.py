@@ -15,7 +15,7 @@ from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.config.schema import OuterConfig, OuterKind
 from flodl_run.outer import OuterOptimizer
-from tests.test_averaging import _free_port, _model
+from tests.support import _free_port, _model
 
 
 def _snap(rank, steps, seed, n=30, buffers=3):
@@ -118,6 +118,7 @@ def _noise(rank, round_, n):
     return 0.01 * torch.randn(n, generator=torch.Generator().manual_seed(1000 * round_ + rank))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", [OuterKind.slowmo, OuterKind.diloco])
 def test_outer_on_the_coordinator_equals_the_collective_backend(tmp_path, kind):
     """Pins that SlowMo/DiLoCo run once on the coordinator give what the replicated collective

@@ -13,29 +13,40 @@ import pytest
 import torch
 
 from flodl_run.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
-from tests.test_distributed_cli import REPO, _flodl_children, _run
+from tests.support import LOCKSTEP, PAIR, REPO, _flodl_children, _run
 
-PAIR = ("cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1")
-LOCKSTEP = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0", "batch_size=64")
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def lockstep_bundle(lockstep_run) -> str:
+    """The bundle of the suite's clean lockstep epoch (nccl_sync, homogeneous pair): resumed
+    by two tests, copied and damaged by another."""
+    return str(Path(lockstep_run["run_dir"]) / "checkpoint")
+
+
+CADENCE = (*PAIR, "elche=nccl_cadence", "outer=slowmo", "elche.anchor=2", "elche.max_anchor=4")
 
 
 @pytest.fixture(scope="module")
-def lockstep_bundle(tmp_path_factory) -> str:
-    """The bundle of one clean lockstep epoch (nccl_sync, homogeneous pair): resumed by one
-    test, copied and damaged by another."""
-    root = tmp_path_factory.mktemp("lockstep")
-    first, _ = _run(root, *LOCKSTEP, "num_epochs=1")
-    assert first.returncode == 0, first.stdout + first.stderr
-    return str(root / "run" / "checkpoint")
+def cadence_pair(tmp_path_factory, migrated_mlflow_db) -> tuple:
+    """Two epochs of CADENCE (nccl_cadence with slowmo, an anchor that lets ElChe reach Stable)
+    tracked into a local store: (run dir, summary, the tracking.uri override). One test reads
+    its bundle, another resumes from it."""
+    root = tmp_path_factory.mktemp("cadence")
+    shutil.copyfile(migrated_mlflow_db, root / "mlflow.db")
+    db = f"tracking.uri=sqlite:///{root / 'mlflow.db'}"
+    proc, summary = _run(root, *CADENCE, "num_epochs=2", db, tracking="mlflow")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root / "run", summary, db
 
 
-def test_clean_end_writes_a_complete_bundle(tmp_path):
+def test_clean_end_writes_a_complete_bundle(cadence_pair):
     """Pins the bundle layout and meta fields of a clean end, and that the saved
     model is the consensus the run evaluated."""
-    proc, summary = _run(tmp_path, *PAIR, "elche=nccl_cadence", "outer=slowmo", "num_epochs=2")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, summary, _ = cadence_pair
     stem = summary["checkpoint"]
-    assert stem == str(tmp_path / "run" / "checkpoint")
+    assert stem == str(run_dir / "checkpoint")
     meta = read_meta(stem)
     files = bundle_files(stem, meta)
     assert all(files[k].is_file() for k in ("model", "optim", "outer"))
@@ -69,19 +80,16 @@ def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_pa
     assert resumed["syncs"] + read_meta(stem).sync_round == full["syncs"]
 
 
-def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path):
+def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path, cadence_pair):
     """Pins 'no warm-up re-run': a run that reached Stable resumes for one more epoch;
     restarted from Probe it would end in Warmup after a few reduces, continued it stays Stable
     or beyond; the new MLflow run carries resumed_from_run_id."""
-    db = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
-    common = (*PAIR, "elche=nccl_cadence", "elche.anchor=2", "elche.max_anchor=4")
-    first, before = _run(tmp_path / "a", *common, "num_epochs=2", db, tracking="mlflow")
-    assert first.returncode == 0, first.stdout + first.stderr
+    _, before, db = cadence_pair
     stem = before["checkpoint"]
     saved = read_meta(stem)
     assert saved.elche_state["phase"] in ("stable", "mature"), saved.elche_state["phase"]
     assert saved.mlflow_run_id == before["mlflow_run_id"]
-    second, after = _run(tmp_path / "b", *common, "num_epochs=3", db, f"resume_from={stem}",
+    second, after = _run(tmp_path / "b", *CADENCE, "num_epochs=3", db, f"resume_from={stem}",
                          tracking="mlflow")
     assert second.returncode == 0, second.stdout + second.stderr
     assert after["epochs"][0]["epoch"] == 2

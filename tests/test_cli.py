@@ -50,6 +50,7 @@ def table_rows(stdout: str) -> dict:
     return rows
 
 
+@pytest.mark.e2e
 def test_default_recipe_trains_and_writes_run_dir(tmp_path):
     """Pins: the README's first line (default config, solo) not reaching 0.93 held-out accuracy,
     not showing progress, or not writing summary.json (status completed) and run.yaml."""
@@ -77,6 +78,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overrides,names", MALFORMED)
 def test_malformed_override_exits_2_naming_the_key(tmp_path, overrides, names):
     """Pins: a user config error exiting with a traceback, a code other than 2, a message that
@@ -110,6 +112,7 @@ RECIPE_OUTSIDE_REPO = """
 """
 
 
+@pytest.mark.e2e
 def test_user_recipe_outside_the_repo_runs(tmp_path):
     """Pins: `recipe=custom recipe.module=my_pkg.my_recipe` failing for a module that lives
     outside the repo (found through PYTHONPATH, as a user's own package would be)."""
@@ -130,6 +133,7 @@ def test_user_recipe_outside_the_repo_runs(tmp_path):
     assert config.recipe.params == {"num_samples": 96}
 
 
+@pytest.mark.e2e
 def test_hydra_cfg_job_resolve_still_works(tmp_path):
     """Pins: our entry point breaking Hydra's own flags (`--cfg job --resolve`)."""
     # Hydra's parser takes the overrides as one run of positionals: flags go first.
@@ -143,6 +147,7 @@ def test_hydra_cfg_job_resolve_still_works(tmp_path):
 # --- python -m flodl_run.review --------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_review_shows_the_materialized_preset():
     """Pins: the review of `elche=cpu_async` losing a resolved
     value, or marking values as changed when only a preset was picked."""
@@ -158,6 +163,7 @@ def test_review_shows_the_materialized_preset():
     assert titles == list(review.SECTIONS)
 
 
+@pytest.mark.e2e
 def test_review_markdown_marks_changes_and_lists_warnings():
     """Pins: `--format markdown` not producing a pasteable table, not marking a value changed from
     its preset (including derived ones: min_anchor follows anchor), or dropping the warnings."""
@@ -173,6 +179,7 @@ def test_review_markdown_marks_changes_and_lists_warnings():
     assert any(line.startswith("- outer.lr/outer.momentum have no effect") for line in lines)
 
 
+@pytest.mark.e2e
 def test_review_against_lists_differing_fields_only():
     """Pins: `--against` missing a differing field (mode, anchor) or listing equal ones."""
     proc = run("flodl_run.review", "elche=cpu_async", "--against", "elche=nccl_sync")
@@ -183,6 +190,7 @@ def test_review_against_lists_differing_fields_only():
     assert "elche.gamma" not in rows and "seed" not in rows
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overrides,message", [
     (["elche.easgd_alpha=1.5"], EASGD_MESSAGE),
     (["elche.bogus=1"], "elche.bogus"),
@@ -201,6 +209,7 @@ def _git(repo: Path, *args: str) -> None:
                    check=True, capture_output=True)
 
 
+@pytest.mark.e2e
 def test_review_against_ref_diffs_the_conf_tree_at_a_commit(tmp_path):
     """Pins: `--against-ref` not reading conf/ at the ref (e.g. a PR's base) or diffing the wrong
     way round: working tree is `this`, the ref is `other`."""

@@ -23,18 +23,7 @@ from flodl_run.config.schema import (
     WorkerConfig,
 )
 from flodl_run.config.validate import resolve, validate
-
-
-def make(**dotted) -> ExperimentConfig:
-    """A default config with `a__b=v` meaning `cfg.a.b = v` (nested dataclasses are mutable)."""
-    cfg = ExperimentConfig()
-    for key, value in dotted.items():
-        *path, leaf = key.split("__")
-        target = cfg
-        for name in path:
-            target = getattr(target, name)
-        setattr(target, leaf, value)
-    return cfg
+from tests.support import make
 
 
 def hosts(*workers: WorkerConfig) -> dict:

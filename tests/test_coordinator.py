@@ -1,150 +1,23 @@
-"""The coordinator's window loop against scripted ranks (threads speaking the real wire format).
-
-Faults and speeds are data: each fake rank reports `ms_per_batch` of compute per batch.
-"""
+"""The coordinator's window loop against scripted ranks (tests/fakes.py: threads speaking the
+real wire format). Faults and speeds are data: each fake rank reports `ms_per_batch` of compute
+per batch."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from dataclasses import replace
-from typing import List, Optional
+from typing import List
 
 import pytest
-import torch
 import zmq
 
 from flodl_run.checkpoint import read_meta, save_meta
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
-from flodl_run.wire import (
-    Channel,
-    CheckpointSaved,
-    Evaluate,
-    Evaluated,
-    Heartbeat,
-    RankJoined,
-    Reduced,
-    ReduceFailed,
-    Regroup,
-    Regrouped,
-    SaveCheckpoint,
-    SnapshotTaken,
-    Stop,
-    SyncNow,
-    Train,
-    Update,
-    WindowDone,
-    connect_dealer,
-    new_secret,
-)
-
-NUM_SAMPLES = 640
-
-
-class FakeRank(threading.Thread):
-    def __init__(self, rank: int, world: int, address: str, secret: bytes, ms_per_batch: float,
-                 batch_size: int, mode: str):
-        super().__init__(daemon=True)
-        self.rank, self.world, self.address, self.secret = rank, world, address, secret
-        self.ms_per_batch, self.batch_size = ms_per_batch, batch_size
-        self.slices: List[tuple] = []
-        self.orders: List[str] = []
-        self.steps = 0
-        self.mode = mode
-        self.sync_pending = False
-        self.held: List[Train] = []
-        self.late_rounds: dict = {}  # round -> seconds this rank sits on its snapshot
-        self.reduces_seen = 0
-        self.ahead = 0  # Train orders sent ahead of the reduce they follow (after_round set)
-        # a collective modelled (nccl_sync): the reduce waits for every member at a barrier that
-        # a dying rank breaks; orders sent ahead wait for their reduce; a Regroup drops them
-        self.barrier: Optional[threading.Barrier] = None
-        self.die_at: Optional[int] = None  # this rank dies before the reduce of its n-th order
-        self.on_die = None
-        self.trains = 0
-        self.reduced_round = 0
-        self.held_ahead: List[Train] = []
-        self.dropped = 0
-
-    def run(self) -> None:
-        sock = connect_dealer(zmq.Context.instance(), self.address, self.secret)
-        ch = Channel(sock, self.secret)
-        ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
-        if self.mode == "cpu_async" and self.rank == 0:
-            self._snapshot(ch, 0)  # the EASGD center's starting point
-        while True:
-            order = ch.recv(timeout_ms=10_000).message
-            self.orders.append(type(order).__name__)
-            self.ahead += isinstance(order, Train) and order.after_round > 0
-            if isinstance(order, Stop):
-                break
-            if isinstance(order, Train) and order.after_round > self.reduced_round:
-                self.held_ahead.append(order)  # its reduce failed: wait for the Regroup
-                continue
-            if isinstance(order, Regroup):
-                self.dropped += len(self.held_ahead)
-                self.held_ahead, self.barrier = [], None  # alone now
-                ch.send(Regrouped(self.rank, order.generation))
-                continue
-            if isinstance(order, SyncNow) and self.mode.startswith("cpu_"):
-                self.reduces_seen += 1
-                self._snapshot(ch, order.round)
-                self.sync_pending = False
-                for held in self.held:  # chunks that waited for the reduce
-                    ch.send(self._answer(held))
-                self.held = []
-            elif isinstance(order, Train) and self.sync_pending:
-                self.held.append(order)  # stay within the overshoot budget: run it after the reduce
-            elif isinstance(order, Update):
-                if order.train is not None:
-                    ch.send(self._answer(order.train))
-            else:
-                ch.send(self._answer(order))
-                self.trains += isinstance(order, Train)
-                if isinstance(order, Train) and self.trains == self.die_at:
-                    time.sleep(0.3)  # the next orders, sent ahead, reach every rank first
-                    del self.slices[-len(order.slices):]  # never reduced: that work dies with it
-                    self.barrier.abort()
-                    self.on_die(self.rank, "killed by the test")
-                    break
-                if isinstance(order, Train) and order.then_sync is not None:
-                    ch.send(self._answer(order.then_sync))  # the reduce rode on the order
-        sock.close()
-
-    def _snapshot(self, ch, round_):
-        time.sleep(self.late_rounds.get(round_, 0.0))  # a stalled host, a slow link
-        params = torch.full((4,), float(self.rank))
-        ch.send(SnapshotTaken(self.rank, round_, self.steps, ["torch.float32"]),
-                [memoryview(params.numpy()).cast("B"), b""])
-        self.steps = 0
-
-    def _answer(self, order):
-        if isinstance(order, Train):
-            self.steps += order.num_batches
-            self.sync_pending = self.mode == "cpu_async"
-            self.slices.extend(order.slices)
-            samples = sum(s[2] for s in order.slices)
-            n = order.num_batches
-            time.sleep(n * self.ms_per_batch / 1000.0)  # the compute the report claims (not a sync)
-            return WindowDone(self.rank, order.window, order.epoch, n, samples,
-                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,
-                              reduces_seen=self.reduces_seen)
-        if isinstance(order, SyncNow):
-            try:
-                if self.barrier is not None:
-                    self.barrier.wait(timeout=10)
-            except threading.BrokenBarrierError:
-                return ReduceFailed(self.rank, order.round, "a peer died")
-            self.reduced_round = order.round
-            return Reduced(self.rank, order.round, 0.01, 1.0)
-        if isinstance(order, Evaluate):
-            return Evaluated(self.rank, order.epoch, 0.5)
-        if isinstance(order, SaveCheckpoint):
-            return CheckpointSaved(self.rank, order.stem)
-        raise AssertionError(order)
+from flodl_run.wire import Channel, Heartbeat, new_secret
+from tests.fakes import NUM_SAMPLES, FakeRank, drive
 
 
 def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, observer=None, **run):
@@ -156,16 +29,6 @@ def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, obser
     return drive(coord, ranks)
 
 
-def drive(coord: Coordinator, ranks: list) -> tuple:
-    """Start the scripted ranks, run the coordinator to its end, wait for the ranks."""
-    for r in ranks:
-        r.start()
-    summary = coord.run()
-    for r in ranks:
-        r.join(timeout=10)
-    return summary, ranks
-
-
 def _positions(ranks, epochs):
     seen = Counter()
     for r in ranks:
@@ -175,6 +38,7 @@ def _positions(ranks, epochs):
     return seen
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
 def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode):
     """Pins progressive dispatch: each sample of each epoch trained exactly once (async too,
@@ -187,6 +51,7 @@ def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
     """Pins progressive_dispatch=false in the cadence modes: each rank's share of the epoch is
@@ -198,6 +63,7 @@ def test_cadence_without_progressive_dispatch_keeps_fixed_shares(mode):
     assert summary.epochs[-1].per_rank_batch_share == [0.5, 0.5]
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_modes_shard_the_epoch_by_partition_ratios(mode):
     """Pins that the sync modes split each epoch by the stated partition_ratios (3:1 here, on
@@ -209,6 +75,7 @@ def test_sync_modes_shard_the_epoch_by_partition_ratios(mode):
     assert summary.epochs[-1].per_rank_batch_share == [0.75, 0.25]
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
     """Pins progressive_dispatch=true in a sync mode: ranks take their next batch from the whole
@@ -220,6 +87,7 @@ def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
     assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_sync", "cpu_sync"])
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
@@ -235,6 +103,7 @@ def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     assert [r.ahead for r in ranks] == ([per_rank_batches - 1] * 2 if mode == "nccl_sync" else [0, 0])
 
 
+@pytest.mark.coordinator
 def test_max_batch_diff_bounds_the_lead_within_a_sync_reduce():
     """Pins where the max_batch_diff throttle lives on the coordinator backend: in a sync mode a
     rank 2.5x faster keeps stepping while the slow one works (an extra batch per reduce without
@@ -262,6 +131,7 @@ class _Events(Observer):
         self.events.append((kind, message))
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["cpu_sync", "cpu_cadence", "cpu_async"])
 def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mode):
     """Pins snapshot_timeout_secs in every cpu_* mode: a rank whose snapshot of round 2 comes
@@ -296,6 +166,7 @@ def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mo
     assert sum(weighed) == 2 * NUM_SAMPLES // 8
 
 
+@pytest.mark.coordinator
 def test_a_death_voids_the_orders_sent_ahead_and_their_batches_are_redone():
     """Pins orders sent ahead in nccl_sync against a death: rank 1 dies after its 10th batch,
     when both ranks hold their next order, so rank 0's reduce fails with that order queued. The regroup
@@ -317,6 +188,7 @@ def test_a_death_voids_the_orders_sent_ahead_and_their_batches_are_redone():
     assert set(seen.values()) == {1} and len(seen) == NUM_SAMPLES
 
 
+@pytest.mark.coordinator
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
     """Pins where folding stops: once ElChe knows the speeds (2.5x apart) a window may give
     the fast rank more than one batch, so the reduce is ordered on its own (SyncNow), and every
@@ -327,6 +199,7 @@ def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
     assert all(r.orders.count("SyncNow") > 0 for r in ranks)
 
 
+@pytest.mark.coordinator
 def test_epochs_are_aggregated_in_order_with_eval():
     """Pins per-epoch records (ascending epochs, eval from the callback rank, shares sum to 1)."""
     summary, _ = _run("nccl_cadence", [5.0, 5.0], epochs=2)
@@ -366,6 +239,7 @@ class _KeepBundles(Observer):
             self.metas.append(read_meta(self.stem))
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_mid_epoch_checkpoint_and_resume_cover_each_sample_exactly_once(tmp_path, mode):
     """Pins checkpoint_at_epoch: the bundle lists what of the epoch its weights do not include,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.support import FORBIDDEN_ROOTS, _imports
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flodl_run"
 
@@ -14,28 +15,6 @@ CORE = ("phase", "timing", "election", "batch_counts", "autotune", "guard", "met
         "elche", "simrig")
 # What the core may import from the package: itself and the typed config schemas.
 ALLOWED_INTERNAL = {f"flodl_run.{name}" for name in CORE} | {"flodl_run", "flodl_run.config.schema"}
-# The shell: clocks, sockets, files, logging, tracking, tensors, Hydra.
-FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra", "omegaconf",
-                   "os", "pathlib", "subprocess", "threading", "asyncio", "rich",
-                   "datetime", "io", "shutil", "tempfile", "sys"}
-
-
-def _imports(path: Path) -> list[str]:
-    """Every module a file imports, absolute (`from flodl_run import guard` -> flodl_run.guard)."""
-    names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(["flodl_run"] + ([base] if base else []))
-            names.append(base)
-            if base == "flodl_run":
-                names += [f"flodl_run.{alias.name}" for alias in node.names]
-    return names
-
-
 @pytest.mark.parametrize("module", CORE)
 def test_core_module_imports_no_shell(module: str) -> None:
     """Pins the import boundary: a clock, socket, file, logger, tracker, tensor or Hydra import

@@ -59,6 +59,7 @@ def test_dashboard_is_one_offline_file_with_every_chart(tmp_path):
     assert 'data-theme="auto"' in html and "prefers-color-scheme:dark" in html
 
 
+@pytest.mark.e2e
 @needs_chromium
 def test_dashboard_renders_in_headless_chromium(tmp_path):
     """Pins that a real browser draws it without network: the rendered DOM holds the nine

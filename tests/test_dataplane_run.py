@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_two_cpu_ranks_choose_different_modes_in_one_run(tmp_path):
     """Pins the issue's done-criterion: in one real run, rank 0 (a simulated device the set fits)
     goes resident while rank 1 (too small a device) streams, and summary.json says so per rank

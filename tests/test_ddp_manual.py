@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.test_averaging import _free_port
+import pytest
+
+from tests.support import _free_port
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 

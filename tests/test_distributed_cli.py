@@ -12,48 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_averaging import _free_port
+from tests.support import REPO, _flodl_children, _free_port, _run
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
-         tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", f"tracking={tracking}", f"hydra.run.dir={run_dir}", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    summary_file = run_dir / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    return proc, summary
-
-
-def _flodl_children(launcher_pid: int) -> list[int]:
-    """PIDs of live processes started by this launcher (ranks carry FLODL_RUN_PARENT_PID)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if f"FLODL_RUN_PARENT_PID={launcher_pid}".encode() in environ and ") Z " not in stat:
-            found.append(int(entry.name))
-    return found
-
-
-@pytest.fixture(scope="module")
-def solo_eval(tmp_path_factory) -> float:
-    """Held-out accuracy of the default recipe trained in-process (the reference)."""
-    solo, summary = _run(tmp_path_factory.mktemp("solo"), "cluster=solo")
-    assert solo.returncode == 0, solo.stderr
-    return summary["final_eval"]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize("mode,min_fast_share", [("nccl_cadence", 0.6), ("cpu_cadence", 0.6),
                                                  ("cpu_async", 0.6), ("cpu_sync", None)])
+@pytest.mark.alone
 def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_share):
     """Pins the headline promise: on a 2.5x-skewed pair the cadence and async modes give the
     fast rank >= 0.6 of the batches, and every mode reaches the solo run's held-out accuracy
@@ -75,24 +41,20 @@ def test_cpu_async_with_diloco_completes(tmp_path):
     assert summary["status"] == "completed" and summary["outer"] == "diloco"
 
 
-def test_nccl_sync_on_equal_ranks_reduces_once_per_step(tmp_path):
+def test_nccl_sync_on_equal_ranks_reduces_once_per_step(lockstep_run):
     """Pins the sync gate on a homogeneous rig: one reduce per step. 1437 digits in batches of
     32 are 45 batches, split in whole batches 23/22 (the leftover batch to rank 0, the short
     last one to rank 1): 23 reduces, the last with rank 0 alone. Rank logs, cli.log and
     events.jsonl are not empty; with FLODL_RUN_WAITS=1 each rank's log ends its run with where
     its idle time went (one JSON line: waits per fact -> order, handling per order)."""
-    # elche.max_batch_diff=0 keeps the count exact: without it a rank that a loaded machine
-    # slows for a moment lets the other keep stepping (sync is not lockstep), and a CI run
-    # once counted 22 reduces
-    proc, summary = _run(tmp_path, "cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1",
-                         "elche=nccl_sync", "elche.max_batch_diff=0", "num_epochs=1",
-                         env=dict(os.environ, FLODL_RUN_WAITS="1"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The run is LOCKSTEP's (elche.max_batch_diff=0 keeps the count exact), shared with the
+    # checkpoint tests that resume from its bundle.
+    summary = lockstep_run["summary"]
     assert summary["syncs"] == 23
     assert summary["epochs"][0]["per_rank_batch_share"] == [23 / 45, 22 / 45]
     # The run dir reads on its own: each rank's log says who it was and how it ended, cli.log
     # holds the launcher's lines, events.jsonl the run's events.
-    run_dir = tmp_path / "run"
+    run_dir = Path(lockstep_run["run_dir"])
     for rank in (0, 1):
         log = (run_dir / "ranks" / f"rank{rank}.log").read_text()
         assert log.startswith(f"# rank {rank} of 2: pid ") and f"# rank {rank} exited with code 0" in log
@@ -111,27 +73,7 @@ def test_outer_optimizers_complete_in_collective_modes(tmp_path, mode, outer):
     assert summary["status"] == "completed" and summary["outer"] == outer
 
 
-def test_user_recipe_outside_the_repo_runs_distributed(tmp_path):
-    """Pins `recipe=custom recipe.module=...` for a module that lives outside the repo."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "my_recipe.py").write_text(
-        "import torch\nfrom torch.utils.data import TensorDataset\n"
-        "def train_dataset(n=256, **_):\n"
-        "    g = torch.Generator().manual_seed(0)\n"
-        "    x = torch.randn(n, 4, generator=g)\n"
-        "    return TensorDataset(x, (x.sum(1) > 0).long())\n"
-        "def build_model(device, **_):\n    return torch.nn.Linear(4, 2).to(device)\n"
-        "def build_optimizer(parameters, lr=0.1, **_):\n    return torch.optim.SGD(parameters, lr=lr)\n"
-        "def train_step(model, batch):\n"
-        "    x, y = batch\n    return torch.nn.functional.cross_entropy(model(x), y)\n")
-    env = dict(os.environ, PYTHONPATH=str(pkg))
-    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=my_recipe", "cluster=cpu_pair",
-                         "num_epochs=2", env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert summary["status"] == "completed" and summary["syncs"] > 0
-
-
+@pytest.mark.alone
 def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
     """Pins Ctrl-C: the launcher stops ranks and coordinator in < 10 s, exits 130, marks the
     summary interrupted and leaves no rank process behind."""
@@ -177,9 +119,24 @@ def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
-def test_launcher_never_touches_cuda(tmp_path):
-    """Pins 'the launcher never touches CUDA': with every torch.cuda entry point booby-trapped
-    in the launcher process, a 2-rank run still completes."""
+def test_user_recipe_outside_the_repo_runs_distributed_from_a_launcher_that_never_touches_cuda(
+        tmp_path):
+    """Pins two promises in one 2-rank run (each used to have a run of its own):
+    `recipe=custom recipe.module=...` for a module that lives outside the repo trains
+    distributed, and 'the launcher never touches CUDA': every torch.cuda entry point is
+    booby-trapped in the launcher process and the run still completes."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "my_recipe.py").write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\n"
+        "def train_dataset(n=256, **_):\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    x = torch.randn(n, 4, generator=g)\n"
+        "    return TensorDataset(x, (x.sum(1) > 0).long())\n"
+        "def build_model(device, **_):\n    return torch.nn.Linear(4, 2).to(device)\n"
+        "def build_optimizer(parameters, lr=0.1, **_):\n    return torch.optim.SGD(parameters, lr=lr)\n"
+        "def train_step(model, batch):\n"
+        "    x, y = batch\n    return torch.nn.functional.cross_entropy(model(x), y)\n")
     run_dir = tmp_path / "run"
     script = (
         "import sys, torch\n"
@@ -188,9 +145,11 @@ def test_launcher_never_touches_cuda(tmp_path):
         " 'synchronize', 'current_device', 'set_device'):\n"
         "    setattr(torch.cuda, name, boom)\n"
         f"sys.argv = ['flodl_run', 'tracking=off', 'hydra.run.dir={run_dir}', 'cluster=cpu_pair',"
-        " 'num_epochs=1']\n"
+        " 'recipe=custom', 'recipe.module=my_recipe', 'num_epochs=2']\n"
         "from flodl_run.cli import main\nmain()\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                          timeout=180)
+                          timeout=180, env=dict(os.environ, PYTHONPATH=str(pkg)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "touched CUDA" not in proc.stdout + proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["syncs"] > 0

@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-from tests.test_distributed_cli import REPO, _flodl_children, _run
+from tests.support import REPO, _flodl_children, _run
+
+pytestmark = pytest.mark.e2e
 
 RAISES_IN_BUILD_MODEL = (
     "from recipes.digits_mlp import *  # noqa: F401,F403\n"

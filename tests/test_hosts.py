@@ -248,6 +248,7 @@ def test_remote_rank_environ_keeps_the_env_blocks_pythonpath_after_the_project(t
     assert env["FLODL_RUN_PARENT_PID"] == str(os.getpid())
 
 
+@pytest.mark.e2e
 def test_remote_entry_stops_its_rank_when_the_session_stdin_closes():
     """Pins the orphan cleanup on a worker: when the ssh session's stdin closes (launcher killed,
     teardown, network loss) the entry SIGTERMs its rank's process group and reports 128 + 15."""

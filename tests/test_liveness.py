@@ -12,9 +12,11 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from flodl_run.membership import Membership, hung_limit_s
 from flodl_run.wire import Heartbeat
-from tests.test_distributed_cli import REPO, _flodl_children, _run
+from tests.support import REPO, _flodl_children, _run
 
 # Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.
 HANGING_RECIPE = """
@@ -74,6 +76,8 @@ def test_only_a_training_rank_whose_count_stands_still_is_hung():
                         r"last at batch 3\)", ranks.dead[0][1])
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path):
     """Pins hung-rank detection: rank 1 blocks in its 5th train_step while its heartbeats go
     on; with progress_timeout_secs=3 it is declared dead as hung (within 3-8 s) and the pair's
@@ -90,6 +94,7 @@ def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path
     assert all(e["samples"] == 1437 for e in summary["epochs"])
 
 
+@pytest.mark.e2e
 def test_a_sigkilled_launcher_leaves_no_rank_and_no_slab(tmp_path):
     """Pins orphan handling: SIGKILL the launcher of a cpu_sync pair mid-run (slabs in use);
     its ranks notice from their heartbeat thread, remove the run's /dev/shm directory (theirs

@@ -17,11 +17,11 @@ import zmq
 from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import read_meta
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig
 from flodl_run.coordinator import Coordinator
+from flodl_run.membership import ShutdownWithSave
 from flodl_run.wire import AbortGroup, Channel, Listening, connect_dealer, new_secret
-from tests.test_averaging import _free_port, _model
-from tests.test_distributed_cli import _run, solo_eval  # noqa: F401  (fixture)
+from tests.support import _free_port, _model, _run
 
 TRIO = ("cluster=cpu", "cluster.num_ranks=3", "cluster.threads_per_rank=1")
 NUM_TRAIN = 1437  # digits train split
@@ -31,8 +31,9 @@ def _with_fault(spec: str) -> dict:
     return dict(os.environ, FLODL_RUN_FAULT=spec)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"])
-def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):  # noqa: F811
+def test_a_killed_rank_is_survived_in_every_mode(tmp_path, solo_eval, mode):
     """Pins 'survivors carry on': SIGKILL rank 1 after its 12th batch; the run completes with
     two ranks, lists the dead rank, trains every sample of every epoch (exactly once where the
     consensus is synchronous) and lands within 3 points of the undisturbed solo run (measured:
@@ -58,6 +59,8 @@ def _lost_to_end_s(run_dir: Path, rank: int) -> float:
     return (run_dir / "summary.json").stat().st_mtime - lost
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
 def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
     """Pins 'one survivor carries on alone': SIGKILL rank 1 of a pair after its 10th batch (in
@@ -77,6 +80,8 @@ def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
     assert _lost_to_end_s(tmp_path / "run", 1) <= 60 + 10
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 def test_a_stopped_rank_inside_a_collective_is_dropped_within_the_heartbeat_timeout(tmp_path):
     """Pins the hung-peer path of a collective: rank 1 of an nccl_sync pair is SIGSTOPped after
     its 8th batch while rank 0 waits for it in the reduce. It is declared dead after
@@ -92,6 +97,8 @@ def test_a_stopped_rank_inside_a_collective_is_dropped_within_the_heartbeat_time
     assert 3.0 <= silent <= 8.0
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
 def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
     """Pins liveness: a SIGSTOPped rank (alive to the OS, silent to us) is declared dead after
     heartbeat_timeout_secs=3 (within 3-8 s) and the run carries on without it."""
@@ -103,15 +110,40 @@ def test_a_stopped_rank_is_declared_dead_by_heartbeat_timeout(tmp_path):
     assert 3.0 <= silent <= 8.0
 
 
-@pytest.mark.parametrize("limit", ["max_failure.absolute=1", "max_failure.percent=0.3"])
-def test_max_failure_stops_with_a_save(tmp_path, limit):
-    """Pins max_failure: absolute n (dead >= n) and percent p (dead >= ceil(p x world)) end the
-    run with shutdown_with_save (reason max_failure_exceeded), a bundle and a non-zero exit."""
-    proc, summary = _run(tmp_path, *TRIO, "elche=cpu_cadence", limit, "num_epochs=3",
-                         env=_with_fault("1:12:SIGKILL"))
+@pytest.mark.e2e
+def test_max_failure_stops_with_a_save(tmp_path):
+    """Pins max_failure end to end: a death that reaches the limit ends the run with
+    shutdown_with_save (reason max_failure_exceeded), a bundle and a non-zero exit. (Which
+    count of deaths reaches absolute n or percent p is pinned without processes below.)"""
+    proc, summary = _run(tmp_path, *TRIO, "elche=cpu_cadence", "max_failure.absolute=1",
+                         "num_epochs=3", env=_with_fault("1:12:SIGKILL"))
     assert proc.returncode == 1
     assert summary["status"] == "shutdown_with_save"
     assert read_meta(summary["checkpoint"]).save_reason == "max_failure_exceeded"
+
+
+@pytest.mark.coordinator
+@pytest.mark.parametrize("limit,deaths_to_stop", [(MaxFailureConfig(absolute=1), 1),
+                                                  (MaxFailureConfig(absolute=2), 2),
+                                                  (MaxFailureConfig(percent=0.3), 1),
+                                                  (MaxFailureConfig(percent=0.5), 2)])
+def test_max_failure_counts_the_dead_against_absolute_n_or_ceil_p_of_the_world(limit, deaths_to_stop):
+    """Pins the limits on a 3-rank coordinator: absolute n stops at the n-th death, percent p
+    at the ceil(p x 3)-th (0.3 -> 1, 0.5 -> 2), with ShutdownWithSave(max_failure_exceeded);
+    fewer deaths are absorbed and the run goes on."""
+    coordinator = Coordinator(ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"),
+                                               max_failure=limit), 3, new_secret())
+    try:
+        for rank in range(1, deaths_to_stop):
+            coordinator.report_death(rank, "exited with code -9")
+            assert coordinator._absorb_deaths()
+        coordinator.report_death(deaths_to_stop, "exited with code -9")
+        with pytest.raises(ShutdownWithSave) as stop:
+            coordinator._absorb_deaths()
+        assert stop.value.reason == "max_failure_exceeded"
+        assert stop.value.detail == f"{deaths_to_stop} of 3 ranks dead"
+    finally:
+        coordinator.channel.socket.close()
 
 
 def _listeners(coordinator, secret: bytes, world: int) -> list:
@@ -126,6 +158,7 @@ def _listeners(coordinator, secret: bytes, world: int) -> list:
     return socks
 
 
+@pytest.mark.coordinator
 @pytest.mark.parametrize("mode,notified", [("nccl_sync", True), ("cpu_sync", False)])
 def test_a_death_is_announced_to_every_survivors_listener(mode, notified):
     """Pins the abort notice: when a death is absorbed in a collective mode, each survivor's
@@ -168,6 +201,7 @@ def _aborted_reduce_worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_a_reduce_whose_group_was_aborted_meanwhile_restores_the_replica(tmp_path):
     """Pins the abort check after the collectives: NCCL collectives of an aborted group return
     garbage instead of raising, so a rank whose group was aborted while it reduced must report

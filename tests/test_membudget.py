@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flodl_run import membudget as mb
-from tests.test_core_imports import FORBIDDEN_ROOTS, _imports
+from tests.support import FORBIDDEN_ROOTS, _imports
 
 GB = 10**9
 

@@ -27,6 +27,8 @@ from flodl_run.config.schema import ClusterConfig, SshConfig, Topology, WorkerCo
 from flodl_run.hostinfo import metric_safe
 from flodl_run.probe import probe
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = ("127.0.0.2", "127.0.0.3")
 SECRET_LIKE = re.compile(r"\b[0-9a-f]{64}\b")  # the run secret's hex form

@@ -38,6 +38,7 @@ def cli(cwd: Path, *args: str, module: str = "flodl_run", columns: int = 200) ->
 # --- 1. a mistyped key -----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("prefix", ["", "+", "++"])
 def test_mistyped_key_exits_2_whatever_the_prefix(tmp_path, prefix):
     """Pins: `+elche.overhead_targt=0.1` (Hydra's own hint) exiting 0 with the key silently
@@ -75,6 +76,7 @@ def first_run(tmp_path_factory, migrated_mlflow_db):
     return home, proc, (home / "outputs" / "latest").resolve()
 
 
+@pytest.mark.e2e
 def test_one_device_run_says_so_and_tags_match_summary(first_run):
     """Pins: a one-device auto run silently ignoring elche/outer, and MLflow tagging it
     `mode=nccl_cadence`/`cpu_async` while summary.json says `solo`."""
@@ -89,6 +91,7 @@ def test_one_device_run_says_so_and_tags_match_summary(first_run):
     assert (tags["mode"], tags["outer"]) == (summary["mode"], summary["outer"]) == ("solo", "none")
 
 
+@pytest.mark.e2e
 def test_review_warns_on_one_device(tmp_path):
     """Pins: `review` not saying that elche/outer have no effect on this one-device host."""
     proc = cli(tmp_path, "elche=cpu_async", module="flodl_run.review")
@@ -96,6 +99,7 @@ def test_review_warns_on_one_device(tmp_path):
     assert "warning: one device: solo in-process run; elche/outer apply with 2+ ranks" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_run_dir_has_readable_logs_events_latest_link_and_final_line(first_run):
     """Pins: an empty cli.log, events.jsonl only inside MLflow, no `outputs/latest`, and a last
     line that does not say what was written (from outside the project directory)."""
@@ -110,6 +114,7 @@ def test_run_dir_has_readable_logs_events_latest_link_and_final_line(first_run):
         assert name in last, last
 
 
+@pytest.mark.e2e
 def test_in_process_run_writes_a_bundle_that_resumes(first_run):
     """Pins: an in-process run ending with `"checkpoint": null`, and a resume that retrains
     epochs the bundle already holds."""
@@ -123,6 +128,7 @@ def test_in_process_run_writes_a_bundle_that_resumes(first_run):
     assert [e["epoch"] for e in resumed["epochs"]] == [1]
 
 
+@pytest.mark.e2e
 def test_config_error_leaves_no_run_dir_and_says_what_to_type(first_run):
     """Pins: a config error leaving `.hydra/` and an empty cli.log behind, a resume error
     without the `<dir>/checkpoint` form, and an 80-column terminal cutting the value in two."""
@@ -134,6 +140,7 @@ def test_config_error_leaves_no_run_dir_and_says_what_to_type(first_run):
     assert not target.exists()
 
 
+@pytest.mark.e2e
 def test_unimportable_recipe_says_where_it_was_looked_up(tmp_path):
     """Pins: `no module named ...` without saying where modules are looked for, and the
     refused run leaving a stray outputs/ in the directory it was started from."""
@@ -143,6 +150,7 @@ def test_unimportable_recipe_says_where_it_was_looked_up(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.e2e
 def test_a_users_module_comes_from_the_current_directory_first(tmp_path):
     """Pins: the installed `recipes` package shadowing a user's own `recipes/` in the directory
     they run from."""
@@ -173,6 +181,7 @@ def test_built_in_recipes_install_with_the_package():
 # --- 7. the help pages -----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("module,groups,absent", [
     ("flodl_run", ["elche", "outer", "cluster", "data", "recipe", "tracking"], ["bench"]),
     ("flodl_run.sim", ["elche"], ["cluster", "recipe"]),

@@ -17,8 +17,7 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import bundle_files, check_resume, load_tensors, read_meta
 from flodl_run.config.schema import OuterConfig
 from flodl_run.outer import OuterOptimizer
-from tests.test_averaging import _free_port, _model
-from tests.test_distributed_cli import REPO, _run
+from tests.support import REPO, _free_port, _model, _run
 
 
 def _poisoned_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -38,6 +37,7 @@ def _poisoned_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_a_non_finite_rank_gives_weight_0_to_the_collective_and_adopts_the_consensus(tmp_path):
     """Rule: in a collective reduce a rank with NaN/inf parameters or float buffers contributes
     zeros (not 0 x NaN), reports itself non-finite, and ends with the others' consensus: here
@@ -118,6 +118,7 @@ def _nan_run(tmp_path, first: int, last: int, *overrides: str, tracking: str = "
                 "num_epochs=1", "batch_size=32", *overrides, env=env, tracking=tracking)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
 def test_one_nan_step_is_absorbed_and_logged(tmp_path, mode):
     """Rule: one NaN loss on rank 1 makes it give weight 0 once (collective: its parameters are
@@ -135,6 +136,7 @@ def test_one_nan_step_is_absorbed_and_logged(tmp_path, mode):
     assert check_resume(read_meta(stem), 2, 0, stem) == []
 
 
+@pytest.mark.e2e
 def test_a_rank_that_stays_nan_fails_the_run_and_saves_the_finite_consensus(tmp_path):
     """Rule (coordinator mode): rank 1 NaN at every step from its 3rd on gives weight 0 at each
     reduce; after max_nonfinite=2 such reduces in a row the run stops failed (exit 1), saves

@@ -31,6 +31,7 @@ def run_sim(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.e2e
 def test_cli_two_ranks_10_vs_25(tmp_path: Path) -> None:
     """Pins the headline sim case through the CLI: rank_ms=[10,25], sync_ms=5 -> Warmup
     from window 1, Stable from 5, Mature from 20; the fast rank runs 2.5x the slow one's
@@ -52,6 +53,7 @@ def test_cli_two_ranks_10_vs_25(tmp_path: Path) -> None:
     assert len(doc["summary"]["idle_fraction"]) == 2
 
 
+@pytest.mark.e2e
 def test_cli_cold_start_skew_keeps_the_slow_anchor_rank(tmp_path: Path) -> None:
     """Pins the cold-start "Done means": rank 0 reads 3x slower (30 > 25 ms) for 3 windows,
     yet the anchor rank stays rank 1 in every window, and the 2.5x ratio is reached once the
@@ -66,6 +68,7 @@ def test_cli_cold_start_skew_keeps_the_slow_anchor_rank(tmp_path: Path) -> None:
         assert r["batch_counts"][0] / r["batch_counts"][1] == pytest.approx(2.5, rel=0.10)
 
 
+@pytest.mark.e2e
 def test_cli_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     """Pins user errors: every bad value named by its dotted key at once, exit 2, no traceback;
     an unknown key (Hydra's compose error, exit 1 inside Hydra) also exits 2 naming it."""

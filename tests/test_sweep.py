@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flodl_run.compare import JobOutcome, rows, to_csv
 from flodl_run.sweep import _parent_status
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_two_job_sweep_gives_one_parent_two_children_and_the_comparison(tmp_path, mlflow_db):
     """Pins `python -m flodl_run -m a,b`: exactly one parent run holding comparison.md/.csv/.png,
     two FINISHED children tagged with its id, and the same files in the multirun directory."""

@@ -104,6 +104,7 @@ def _history(pair_run, key):
     return pair_run["client"].get_metric_history(pair_run["run"].info.run_id, key)
 
 
+@pytest.mark.e2e
 def test_local_store_gets_params_metrics_artifacts_and_status(pair_run):
     """Pins the default tracking path: one FINISHED run with the key params, per-epoch metrics
     with epoch steps, run.yaml, summary.json, events.jsonl and the dashboard as artifacts, its id
@@ -121,6 +122,7 @@ def test_local_store_gets_params_metrics_artifacts_and_status(pair_run):
     assert (pair_run["db"].parent / "mlartifacts").is_dir()
 
 
+@pytest.mark.e2e
 def test_per_reduce_metrics_follow_every_reduce(pair_run):
     """Pins the batched per-reduce metrics: one point per reduce (step = round) for anchor,
     sync_ms, divergence, phase (as a number), each rank's batch count and the divergence's
@@ -139,6 +141,7 @@ def test_per_reduce_metrics_follow_every_reduce(pair_run):
     assert {m.value for m in _history(pair_run, "reduce/phase")} <= {0.0, 1.0, 2.0, 3.0}
 
 
+@pytest.mark.e2e
 def test_user_scalars_and_sub_epoch_reports(pair_run):
     """Pins user scalars per epoch (rolled up by scalar_reductions) and reports_per_epoch
     logged at the global step of the reduce they fired at."""
@@ -150,6 +153,7 @@ def test_user_scalars_and_sub_epoch_reports(pair_run):
     assert len(reports) >= 3 and steps == sorted(steps) and steps[-1] == 32 * 3  # 1024/32 per epoch
 
 
+@pytest.mark.e2e
 def test_git_commit_comes_from_the_recipe_repo_not_the_cwd(pair_run):
     """Pins 'git commit of the recipe's repo': the job ran from the flodl_run checkout, the
     recipe lives in another repo, and the tag names the recipe repo's HEAD."""
@@ -159,6 +163,7 @@ def test_git_commit_comes_from_the_recipe_repo_not_the_cwd(pair_run):
     assert tags["git_dirty"] == "false"
 
 
+@pytest.mark.e2e
 def test_system_metrics_once_for_the_launcher_node(pair_run):
     """Pins system figures once per node: one point of CPU count and RAM for this host, though
     the launcher and both ranks (which report their node on joining) run on it."""
@@ -175,6 +180,7 @@ def test_system_metrics_once_for_the_launcher_node(pair_run):
         (socket.gethostname(), os.cpu_count(), [])]
 
 
+@pytest.mark.e2e
 def test_events_artifact_holds_elche_events(pair_run):
     """Pins events.jsonl: ElChe's events (phase changes at least) as JSON lines."""
     client, run_id = pair_run["client"], pair_run["run"].info.run_id
@@ -184,6 +190,7 @@ def test_events_artifact_holds_elche_events(pair_run):
     assert all({"time", "kind", "message"} <= set(e) for e in events)
 
 
+@pytest.mark.e2e
 def test_record_log_and_dashboard_are_written_by_a_distributed_run(pair_run):
     """Pins the launcher wiring: record_log_dir and dashboard_html are relative to the run dir
     and filled from the coordinator's hooks (reduces in root.log, per-rank files)."""

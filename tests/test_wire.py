@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import zmq
 import zmq.utils.monitor
 
@@ -25,7 +26,7 @@ from flodl_run.wire import (
     frame_limit,
     new_secret,
 )
-from tests.test_config_validate import make
+from tests.support import make
 
 # A peer without the secret: it sends the byte frames it is given, as they are.
 _PEER = """
@@ -69,6 +70,7 @@ def _coordinator_socket(secret: bytes, limit: int = -1):
     return sock, address, Channel(sock, secret), gate
 
 
+@pytest.mark.e2e
 def test_a_peer_without_the_secret_never_gets_past_the_handshake():
     """Pins 'nothing is read from a stranger': a peer without the handshake password (or with
     a wrong one) is refused at the handshake, so not even a frame of it is received (neither
@@ -95,6 +97,7 @@ def test_a_peer_without_the_secret_never_gets_past_the_handshake():
     gate.stop()
 
 
+@pytest.mark.e2e
 def test_replayed_stripped_and_reflected_frames_are_rejected():
     """Pins freshness, frame-count binding and direction: a RankJoined replayed from another
     socket, a SnapshotTaken stripped of its tensor frames (tag kept whole, or cut to the header
@@ -121,6 +124,7 @@ def test_replayed_stripped_and_reflected_frames_are_rejected():
     gate.stop()
 
 
+@pytest.mark.e2e
 def test_an_authentic_but_malformed_message_is_dropped_with_a_warning(caplog):
     """Pins 'malformed never crashes the coordinator': a SnapshotTaken whose frames do not fit
     its dtypes (correctly signed, so only a bug of ours could send it) is dropped and named in a
@@ -139,6 +143,7 @@ def test_an_authentic_but_malformed_message_is_dropped_with_a_warning(caplog):
     gate.stop()
 
 
+@pytest.mark.e2e
 def test_an_oversized_frame_is_refused_before_it_is_buffered():
     """Pins the bound on memory: the coordinator's socket has a frame limit sized from the
     model (never below what control messages need), and a peer without the secret that sends

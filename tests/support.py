@@ -1,0 +1,119 @@
+"""Helpers shared by test modules (not a test module: pytest collects nothing here).
+
+Test modules import helpers from here and fixtures come from conftest.py, so no test module
+imports another one.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flodl_run.config.schema import ExperimentConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+PAIR = ("cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1")
+"""Two equal CPU ranks of one thread each."""
+LOCKSTEP = (*PAIR, "elche=nccl_sync", "elche.max_batch_diff=0")
+"""An equal pair in lockstep: every step is a reduce, so counts and weights are exact. (Without
+elche.max_batch_diff=0 a rank that a loaded machine slows for a moment lets the other keep
+stepping: sync is not lockstep.)"""
+
+
+def _free_port() -> int:
+    """A TCP port free on loopback right now (for a Gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(seed: int) -> nn.Module:
+    """A small model with BatchNorm buffers set off their defaults (so averaging them shows)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5), nn.Linear(5, 3))
+    bn = model[1]
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    bn.num_batches_tracked.fill_(10 + seed)
+    return model
+
+
+def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
+         tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
+    """`python -m flodl_run` with its run dir at `<tmp_path>/run`: the finished process (with
+    the launcher's `pid`, to look for what it left behind) and the parsed summary.json ({} when
+    none was written)."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "flodl_run", f"tracking={tracking}", f"hydra.run.dir={run_dir}",
+            *overrides]
+    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env) as launcher:
+        try:
+            out, err = launcher.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.communicate()
+            raise
+    proc = subprocess.CompletedProcess(argv, launcher.returncode, out, err)
+    proc.pid = launcher.pid
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    return proc, summary
+
+
+def _flodl_children(launcher_pid: int) -> list[int]:
+    """PIDs of live processes started by this launcher (ranks carry FLODL_RUN_PARENT_PID)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if f"FLODL_RUN_PARENT_PID={launcher_pid}".encode() in environ and ") Z " not in stat:
+            found.append(int(entry.name))
+    return found
+
+
+def make(**dotted) -> ExperimentConfig:
+    """A default config with `a__b=v` meaning `cfg.a.b = v` (nested dataclasses are mutable)."""
+    cfg = ExperimentConfig()
+    for key, value in dotted.items():
+        *path, leaf = key.split("__")
+        target = cfg
+        for name in path:
+            target = getattr(target, name)
+        setattr(target, leaf, value)
+    return cfg
+
+
+# The shell: clocks, sockets, files, logging, tracking, tensors, Hydra.
+FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra", "omegaconf",
+                   "os", "pathlib", "subprocess", "threading", "asyncio", "rich",
+                   "datetime", "io", "shutil", "tempfile", "sys"}
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module a file imports, absolute (`from flodl_run import guard` -> flodl_run.guard)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(["flodl_run"] + ([base] if base else []))
+            names.append(base)
+            if base == "flodl_run":
+                names += [f"flodl_run.{alias.name}" for alias in node.names]
+    return names
