@@ -86,6 +86,7 @@ def live_run(tmp_path_factory):
             proc.wait(timeout=30)
 
 
+@pytest.mark.e2e
 def test_state_endpoint_moves_between_two_polls_during_the_run(live_run):
     """Pins the JSON endpoint: while the run goes, two polls see the state advance (version,
     per-rank windows), each rank with a positive throughput and its host, and status running."""
@@ -100,6 +101,7 @@ def test_state_endpoint_moves_between_two_polls_during_the_run(live_run):
     assert all(r["device_bytes"] == 0 for r in second["ranks"])  # CPU ranks hold no VRAM
 
 
+@pytest.mark.e2e
 @needs_chromium
 def test_headless_chromium_shows_rank_tabs_and_throughput_while_the_run_goes(live_run, tmp_path):
     """Pins the live page in a real browser: the DOM has a tab per rank, a throughput number in
@@ -118,6 +120,7 @@ def test_headless_chromium_shows_rank_tabs_and_throughput_while_the_run_goes(liv
     assert "status-running" in html
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_the_server_and_the_file_keeps_the_same_tabs(live_run):
     """Pins the end of a live run: Ctrl-C ends the launcher, the port refuses connections, and
     the teardown file (same renderer, no script) holds the per-rank tabs."""
@@ -133,6 +136,7 @@ def test_ctrl_c_stops_the_server_and_the_file_keeps_the_same_tabs(live_run):
     assert output.count("dashboard: http://") == 1
 
 
+@pytest.mark.e2e
 def test_port_in_use_is_a_config_error_before_anything_starts(tmp_path):
     """Pins the port rule: `dashboard.serve` on a port someone holds exits 2 with the dotted
     key, the port and the reason, no traceback, and no rank started."""
@@ -181,6 +185,7 @@ def test_dashboard_keys_are_validated_with_their_dotted_names(key, value, rule):
     assert any(p.startswith(f"dashboard.{key}: {rule}") for p in problems), problems
 
 
+@pytest.mark.e2e
 def test_the_web_stack_loads_only_when_a_dashboard_is_served():
     """Pins the lazy import: the launcher, dashboard and live server modules import without
     starlette or uvicorn (GPU hosts may run without mlflow's web dependencies)."""

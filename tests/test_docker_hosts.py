@@ -133,6 +133,7 @@ def test_docker_key_is_validated_as_a_service_name():
                                             docker="gpu_worker-1.a"))).problems
 
 
+@pytest.mark.e2e
 def test_probe_names_host_and_service_when_docker_compose_fails_for_real(sshd, tmp_path):  # noqa: F811
     """Pins the probe's error path against the real docker client with no engine behind it
     (over real ssh): not ready, and the message names the host, the path and the service; the

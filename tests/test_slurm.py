@@ -178,6 +178,7 @@ def test_a_step_reports_only_the_task_srun_named_and_the_rest_as_ended_with_srun
     assert (tmp_path / "rank2.log").read_text() == "hello from 2\n"
 
 
+@pytest.mark.e2e
 def test_cluster_slurm_outside_an_allocation_exits_2_naming_the_key(tmp_path):
     """Pins the launcher's allocation check: no SLURM_JOB_ID is a config error (exit 2, no
     traceback) that says where to run it, and no run dir is left."""
@@ -190,6 +191,7 @@ def test_cluster_slurm_outside_an_allocation_exits_2_naming_the_key(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_submit_refuses_a_config_that_is_not_slurm():
     """Pins submit's own rule: a topology other than slurm exits 2 naming cluster.topology."""
     proc = subprocess.run([sys.executable, "-m", "flodl_run.submit", "--dry-run", "cluster=cpu"],
@@ -308,6 +310,8 @@ def _wait_job(env: dict, job: str) -> None:
     raise AssertionError(f"job {job} still queued or running after {JOB_TIMEOUT_S} s")
 
 
+@pytest.mark.e2e
+@pytest.mark.xdist_group("slurm")
 def test_two_cpu_ranks_complete_under_sbatch(slurm, tmp_path):
     """Pins `cluster=slurm` end to end: a job submitted by `flodl_run.submit` runs the launcher
     on the batch host, which starts 2 CPU ranks as one srun step; the run completes with 2
@@ -323,6 +327,8 @@ def test_two_cpu_ranks_complete_under_sbatch(slurm, tmp_path):
     assert not (tmp_path / "run" / "secret").exists()
 
 
+@pytest.mark.e2e
+@pytest.mark.xdist_group("slurm")
 def test_a_killed_task_is_survived(slurm, tmp_path):
     """Pins 'a task's exit is a rank death the survivors carry on through': SIGKILL rank 2 of
     3 after its 8th batch; srun keeps the other tasks (--kill-on-bad-exit=0), the launcher
@@ -337,6 +343,8 @@ def test_a_killed_task_is_survived(slurm, tmp_path):
     assert "rank 2 lost" in text and "rank 2 exited with code 137" in text
 
 
+@pytest.mark.e2e
+@pytest.mark.xdist_group("slurm")
 def test_submit_dry_run_prints_a_script_sbatch_accepts(slurm, tmp_path):
     """Pins `--dry-run`: the printed script is what sbatch takes (`sbatch --test-only` accepts
     it on this cluster) and nothing is submitted or written."""
@@ -353,6 +361,8 @@ def test_submit_dry_run_prints_a_script_sbatch_accepts(slurm, tmp_path):
     assert not (tmp_path / "slurm").exists()
 
 
+@pytest.mark.e2e
+@pytest.mark.xdist_group("slurm")
 def test_probe_inside_an_allocation_asks_every_node_through_srun(slurm):
     """Pins `probe` under Slurm: inside an allocation (salloc here) it runs the inventory on
     each allocated node as an srun step, not on the login machine alone, and says ready."""

@@ -169,6 +169,7 @@ def _tolerance_us(trace: dict) -> float:
     return worst / 1000.0 + 1000.0
 
 
+@pytest.mark.e2e
 def test_cpu_cadence_trace_orders_every_round_coordinator_between_ranks(tmp_path, mlflow_db):
     """Pins the coordinator backend's round in aligned time: for every round, each rank's
     snapshot begins before the coordinator averages and its apply begins after the average
@@ -194,6 +195,7 @@ def test_cpu_cadence_trace_orders_every_round_coordinator_between_ranks(tmp_path
     assert "timeline.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
+@pytest.mark.e2e
 def test_nccl_cadence_reduce_spans_share_rounds_and_overlap(tmp_path):
     """Pins the collective round in aligned time: both ranks record the same round ids; each
     round's averaging spans (the parameters' all-reduce, which cannot end on one rank before
@@ -226,6 +228,7 @@ def test_clock_ping_has_a_place_on_the_wire():
 
 # ---- the bench's measurement of the overhead -------------------------------------------------
 
+@pytest.mark.e2e
 def test_bench_runs_a_mode_again_with_the_timeline_and_reports_its_cost(tmp_path):
     """Pins the overhead entry of the bench: `bench.timeline=[mode]` adds `<mode>+timeline`
     (the same run plus timeline=true), whose ratio is its samples/s over the plain entry's, and

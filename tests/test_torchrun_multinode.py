@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_averaging import _free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +46,7 @@ def _agents(env: dict, second_env: dict) -> list[subprocess.Popen]:
         for n, e, host in ((2, env, "true"), (1, second_env, "false"))]
 
 
+@pytest.mark.e2e
 def test_two_torchrun_agents_form_one_run_over_c10d(tmp_path):
     """Pins multi-node torchrun: agents with 2 and 1 ranks meet at one c10d endpoint, and
     their 3 ranks (numbered by torchrun across both agents) complete one run with the
@@ -59,6 +62,8 @@ def test_two_torchrun_agents_form_one_run_over_c10d(tmp_path):
     assert summary["dead_ranks"] == []
 
 
+@pytest.mark.e2e
+@pytest.mark.alone
 def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
     """Pins what a lost node means under torchrun: the second agent's only rank is SIGKILLed
     after 8 batches (whichever global rank torchrun gave it); that agent ends failed, the first

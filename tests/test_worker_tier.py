@@ -137,6 +137,7 @@ def _model_file(stem: str) -> Path:
     return bundle_files(stem, read_meta(stem))["model"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("recipe", ["gan_watched", "accum_watched"])
 def test_a_recipes_loop_trains_under_the_coordinator_in_every_mode(tmp_path, pkg, recipe, mode):
@@ -168,6 +169,7 @@ def test_a_recipes_loop_trains_under_the_coordinator_in_every_mode(tmp_path, pkg
         assert epoch["avg_loss"] > 0 and epoch["eval"] is not None
 
 
+@pytest.mark.e2e
 def test_a_raising_loop_fails_the_run_once_per_rank_with_its_own_frame(tmp_path, pkg):
     """Rule: a loop that raises fails the run as a raising train_step does: exit 1, status
     failed naming the user's exception, each rank prints it once with the loop's own frame,
@@ -187,6 +189,7 @@ def test_a_raising_loop_fails_the_run_once_per_rank_with_its_own_frame(tmp_path,
     assert not [n for n in notes if n["what"] == "loop_end"]
 
 
+@pytest.mark.e2e
 def test_a_rank_killed_mid_window_is_survived_with_a_loop(tmp_path, pkg):
     """Rule: with a recipe's loop, a rank SIGKILLed mid-run (after its 20th batch, as the
     built-in step's fault tests do; its windows here are 10 batches or more) is survived as with
@@ -202,6 +205,7 @@ def test_a_rank_killed_mid_window_is_survived_with_a_loop(tmp_path, pkg):
     assert ends[0]["samples"] > 512 and summary["epochs"][-1]["per_rank_batch_share"] == [1.0, 0.0]
 
 
+@pytest.mark.e2e
 def test_a_loop_run_resumes_where_its_bundle_ends(tmp_path, pkg):
     """Rule: a run of a recipe with several optimizers resumes: the bundle holds both
     optimizers' state (the generator's Adam and the discriminator's), the resumed run starts at
