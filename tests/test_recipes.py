@@ -7,9 +7,12 @@ is covered without editing this file.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -160,3 +163,22 @@ def test_params_reach_only_functions_that_take_them():
     model = recipe.call("build_model", torch.device("cpu"))
     assert model[0].out_features == 16
     assert recipe.call("build_optimizer", model.parameters()).defaults["lr"] == 0.5
+
+
+@pytest.mark.e2e
+def test_digits_are_sklearns_rows_read_without_importing_sklearn():
+    """Pins the default recipe's data path: the table read from the CSV file sklearn ships is
+    load_digits() row for row, and building both data sets imports no sklearn (its import
+    costs about 2 s of CPU in every rank process)."""
+    code = ("import sys; from recipes import digits_mlp as d; d.train_dataset(); d.eval_dataset();"
+            "print(any(m == 'sklearn' or m.startswith('sklearn.') for m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
+    from sklearn.datasets import load_digits
+
+    from recipes.digits_mlp import _digits_table
+
+    pixels, labels = _digits_table()
+    reference = load_digits()
+    assert np.array_equal(pixels, reference.data) and np.array_equal(labels, reference.target)
