@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -117,3 +118,19 @@ def _imports(path: Path) -> list[str]:
             if base == "flodl_run":
                 names += [f"flodl_run.{alias.name}" for alias in node.names]
     return names
+
+
+def start_controller(run_dir: Path, num_ranks: int, *overrides: str) -> tuple:
+    """A controller-only launcher (`cluster.launch_ranks=false`) for `num_ranks` CPU ranks, read
+    up to its announcement; (the launcher process, the environment its ranks need)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu",
+         f"cluster.num_ranks={num_ranks}", "cluster.launch_ranks=false", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in launcher.stdout:
+        if "controller-only" in line:
+            break
+    info = json.loads((run_dir / "controller.json").read_text())
+    env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
+               FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
+    return launcher, env

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, _flodl_children, _free_port, _run
+from tests.support import REPO, _flodl_children, _free_port, _run, start_controller
 
 pytestmark = pytest.mark.e2e
 
@@ -99,16 +99,7 @@ def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     """Pins the torchrun contract: `cluster.launch_ranks=false` starts only the coordinator and
     `torchrun -m flodl_run.rank` with the announced environment completes the run."""
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu",
-         "cluster.num_ranks=2", "cluster.launch_ranks=false", "num_epochs=1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in launcher.stdout:
-        if "controller-only" in line:
-            break
-    info = json.loads((run_dir / "controller.json").read_text())
-    env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
-               FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
+    launcher, env = start_controller(run_dir, 2, "num_epochs=1")
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                             f"--master-port={_free_port()}", "-m", "flodl_run.rank"],
                            cwd=REPO, env=env, capture_output=True,

@@ -5,32 +5,14 @@ every node. Real processes: the launcher, two agents, three ranks over Gloo."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.test_averaging import _free_port
+from tests.support import REPO, _free_port, start_controller
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _controller(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, dict]:
-    """A controller-only launcher waiting for 3 CPU ranks; (process, the ranks' environment)."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu",
-         "cluster.num_ranks=3", "cluster.threads_per_rank=1", "cluster.launch_ranks=false",
-         "num_epochs=2", *overrides],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in launcher.stdout:
-        if "controller-only" in line:
-            break
-    info = json.loads((run_dir / "controller.json").read_text())
-    env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
-               FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
-    return launcher, env
+RANKS = ("cluster.threads_per_rank=1", "num_epochs=2")
 
 
 def _agents(env: dict, second_env: dict) -> list[subprocess.Popen]:
@@ -51,7 +33,7 @@ def test_two_torchrun_agents_form_one_run_over_c10d(tmp_path):
     """Pins multi-node torchrun: agents with 2 and 1 ranks meet at one c10d endpoint, and
     their 3 ranks (numbered by torchrun across both agents) complete one run with the
     controller; both agents exit 0."""
-    launcher, env = _controller(tmp_path / "run")
+    launcher, env = start_controller(tmp_path / "run", 3, *RANKS)
     agents = _agents(env, env)
     outputs = [a.communicate(timeout=240)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-2000:] for o in outputs)
@@ -70,7 +52,7 @@ def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
     agent's two ranks carry on (the coordinator drops the silent rank after its heartbeat
     timeout), and the run completes with exactly that rank dead. The surviving agent then
     waits in torchrun's exit barrier for the dead one (300 s), so it is stopped here."""
-    launcher, env = _controller(tmp_path / "run", "heartbeat_timeout_secs=10")
+    launcher, env = start_controller(tmp_path / "run", 3, *RANKS, "heartbeat_timeout_secs=10")
     doomed = dict(env, FLODL_RUN_FAULT="0:8:SIGKILL,1:8:SIGKILL,2:8:SIGKILL")
     agents = _agents(env, doomed)
     try:
