@@ -114,10 +114,7 @@ class PeerRank:
             self.replica.scheduler.step()
         if self.averager is not None:
             self.averager.average_parameters(self.model.parameters())
-        if self.slowdown.active:  # the emulated slower GPU: wait for the step, sleep in proportion
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.slowdown.after_step(began)
+        self.slowdown.after_step(began, self.device)  # an emulated slower GPU sleeps in proportion
         self.steps += 1
         return loss.detach()
 

@@ -12,6 +12,9 @@ peers.
 from __future__ import annotations
 
 import time
+from typing import Optional
+
+import torch
 
 
 class Slowdown:
@@ -25,10 +28,13 @@ class Slowdown:
     def active(self) -> bool:
         return self.factor > 1.0
 
-    def after_step(self, began: float) -> None:
-        """`began`: time.perf_counter() at the step's start; the caller waited for the device."""
+    def after_step(self, began: float, device: Optional[torch.device] = None) -> None:
+        """`began`: time.perf_counter() at the step's start. Given a CUDA `device`, the step is
+        waited for here; without one the caller has waited for it (a rank does, for its clock)."""
         if not self.active:
             return
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
         if not self._warm:
             self._warm = True
             return

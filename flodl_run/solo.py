@@ -170,7 +170,7 @@ class SoloTrainer:
             yield batch
             if self._reported is not None:
                 losses.add(self._reported)
-            self._emulate_slowdown(step_began)
+            self.slowdown.after_step(step_began, self.device)
         losses.flush()
         self._trained = epoch + 1
         if self.device.type == "cuda":
@@ -188,13 +188,6 @@ class SoloTrainer:
             scalars=roll_up(drain(), self.config.scalar_reductions),
             **self.train_source.stats.take_epoch(),
         )
-
-    def _emulate_slowdown(self, began: float) -> None:
-        """As on a rank: wait for the step, then sleep so the run acts f times slower."""
-        if self.slowdown.active:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.slowdown.after_step(began)
 
     def _maybe_eval(self, epoch: int) -> Optional[float]:
         every = self.config.eval_every_epochs
