@@ -44,7 +44,12 @@ sock.connect(address)
 if password:
     monitor.poll(30000)
 for frames in messages:
-    sock.send_multipart([bytes.fromhex(f) for f in frames])
+    # a refused handshake tears the pipe down, and a DEALER without a pipe would block on send
+    # forever: what cannot be queued is not sent, which is the point
+    try:
+        sock.send_multipart([bytes.fromhex(f) for f in frames], flags=zmq.NOBLOCK)
+    except zmq.Again:
+        break
 sock.close()
 """
 
