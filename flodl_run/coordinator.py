@@ -8,32 +8,38 @@ runs the eval callback. It never touches a device; ranks do the training and the
 from __future__ import annotations
 
 import logging
-import math
-import queue
-import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import zmq
 
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
-from flodl_run.averaging.shm import Mapper, Slab
 from flodl_run.config.schema import ExperimentConfig, Mode
 from flodl_run.datametrics import DataTally
 from flodl_run.dispatch import EpochPool, EpochSpan, epoch_span
 from flodl_run.elche import ElChe, Plan
 from flodl_run.hostinfo import merge_nodes
-from flodl_run.membership import Membership, RunAborted, ShutdownWithSave
+from flodl_run.membership import Membership
 from flodl_run.observe import Observer
 from flodl_run.outer import OuterOptimizer
+from flodl_run.overlap import AsyncLoop
 from flodl_run.recipe import CallbackFailed, Recipe, load_recipe
 from flodl_run.reduces import Reduces
+from flodl_run.runstate import (
+    POLL_MS,
+    Balance,
+    Holdings,
+    RunAborted,
+    ShutdownWithSave,
+    StopRequest,
+)
 from flodl_run.saving import Saving
 from flodl_run.scalars import roll_up
 from flodl_run.summary import EpochRecord, Summary
+from flodl_run.tallies import EpochTally
 from flodl_run.timeline import Timeline
-from flodl_run.windows import EpochTally, Windows
+from flodl_run.windows import Windows
 from flodl_run.wire import (
     Channel,
     CheckpointSaved,
@@ -58,12 +64,18 @@ from flodl_run.wire import (
     bind_router,
 )
 
-POLL_MS = 200
-STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
 
-class Coordinator(Membership, Saving, Windows, Reduces):
-    """Runs on a thread of the launcher; `run()` returns the Summary of the whole run."""
+
+class Coordinator:
+    """Runs on a thread of the launcher; `run()` returns the Summary of the whole run.
+
+    Owns the control socket and the message pump (`_send`, `_next`: deferred answers, the
+    frames of the last message), the ranks' identities and join reports, the summary and the
+    epoch records, and its parts, each holding its own state: `stop` (the stop request),
+    `balance` (ElChe and its plan), `holdings` (work since the last fold), `members`
+    (membership), `reduces`, `windows`, `saving`, and in cpu_async the `async_loop`. The parts
+    get what they use, and call back only through the bound methods handed to them."""
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
@@ -79,15 +91,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         if config.recipe is not None:
             self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
                                       config.recipe.loop)
-        self.mlflow_run_id: Optional[str] = None
-        """The tracked run, recorded in bundles so a resume can link to it."""
         self.ctx = zmq.Context()  # its own: the handshake gate is one per context
         sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
         self.channel = Channel(sock, secret)
         self.identities: Dict[int, bytes] = {}
-        self.listeners: Dict[int, bytes] = {}
-        """Each collective rank's listener socket (AbortGroup goes there, see Membership)."""
-        self.last_seen: Dict[int, float] = {}
         self.joined: Dict[int, RankJoined] = {}
         self.num_samples = 0
         self.summary = Summary(mode=self.mode.value, outer=config.outer.kind.value,
@@ -95,66 +102,95 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.averager = CentralAverager(OuterOptimizer(config.outer), config.elche.gamma,
                                         config.elche.easgd_alpha if self.mode is Mode.cpu_async else None)
         self._payloads: List[memoryview] = []
-        self._shm_prefix = shm_prefix
-        """Where this run's shared-memory slabs live (ranks on the launcher's host), or None."""
-        self._shm = Mapper(shm_prefix)
-        self._shm_ranks: Set[int] = set()  # ranks whose last snapshot came through shared memory
-        self._update_slab: Optional[Slab] = None
         self._deferred: List[Received] = []
-        self.elche: Optional[ElChe] = None
-        self.plan: Optional[Plan] = None
-        self._stop = threading.Event()
-        self._stop_reason = ""
-        self._stop_deadline = float("inf")
         self._failure: Optional[RunAborted] = None
-        self._saving = False  # a bundle is being written: a stop deadline waits for it
-        self._raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
-        self._nonfinite: Dict[int, str] = {}  # rank -> "loss" | "parameters", since the last reduce
-        # rank -> (cosine, magnitude) of its window update against the consensus, this reduce
-        self._alignment: Dict[int, Tuple[Optional[float], Optional[float]]] = {}
-        self._pending_events: List[Tuple[str, str]] = []
-        self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
-        self._reset_next: Set[int] = set()  # non-finite ranks the next update replaces
-        self._resetting: Set[int] = set()  # ... until their next snapshot (NaN windows in flight)
-        self._window = 0
-        self._round = 0
-        self._global_step = 0
-        self._sync_ms: List[float] = []
+        self._pending_events: List[tuple] = []
         self._compute_ms = [0.0] * world_size
         self._data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
-        self.alive: Set[int] = set(range(world_size))
-        self._deaths: "queue.Queue[tuple]" = queue.Queue()
-        self._batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when), from heartbeats
-        self._liveness_checked = 0.0
-        self._stopped: Set[int] = set()
         self.on_rank_dead: Optional[Callable[[int], None]] = None
-        self._since_reduce: Dict[int, List[tuple]] = {r: [] for r in range(world_size)}
-        self._pools: List[EpochPool] = []  # where work of a dead rank goes back
-        self._pool_epoch = 0
-        self._generation = 0
-        self._regroup_needed = False
-        # nccl_sync on an even rig: each rank's next order, sent ahead of the reduce it follows
-        # (rank -> (when sent, the pool it came from, the order))
-        self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
-        # snapshot_timeout_secs: ranks left out of a round's average (rank -> that round), the
-        # steps their late snapshots carried (folded into their next snapshot), and the ranks
-        # left out of the round just finished (they get a no-op update).
-        self._left_out: Dict[int, int] = {}
-        self._owed: Dict[int, int] = {}
-        self._late: Set[int] = set()
+        self.async_loop: Optional[AsyncLoop] = None
+        self._compose(shm_prefix)
+
+    def _compose(self, shm_prefix: Optional[str]) -> None:
+        """Build the parts; each gets what it uses (see their docstrings)."""
+        config, world, mode = self.config, self.world_size, self.mode
+        self.stop, self.balance, self.holdings = StopRequest(), Balance(), Holdings(world)
+        self.members = Membership(
+            world, mode.is_collective, self.channel, self._send, self._next, self.balance.smoothed_ms,
+            self._on_lost, self.observer, heartbeat_timeout_s=config.heartbeat_timeout_secs,
+            progress_factor=config.progress_factor, progress_floor_s=config.progress_timeout_secs,
+            max_failure=config.max_failure)
+        self.reduces = Reduces(
+            world, mode, config, self.members, self.balance, self.holdings, self.averager,
+            self.recorder, self.summary, self.observer, self._send, self._next, lambda: self._payloads,
+            shm_prefix, self._regroup, self.save_bundle, self._uncovered_now, self._epoch_batches)
+        self.saving = Saving(
+            config, mode, world, self.members, self.balance, self.averager, self.stop, self._send,
+            self._next, self._callback_rank, lambda: (self.reduces.global_step, self.reduces.round),
+            self.summary, self.observer)
+        self.windows = Windows(
+            world, mode, config, self.members, self.reduces, self.balance, self.stop, self.holdings,
+            self._send, self._next, self.observer, self.save_bundle, self.saving.graceful_stop)
+
+    # ---- what the parts share, through the coordinator ---------------------------------------
+
+    @property
+    def alive(self):
+        return self.members.alive
+
+    @property
+    def elche(self) -> Optional[ElChe]:
+        return self.balance.elche
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        return self.balance.plan
+
+    @property
+    def mlflow_run_id(self) -> Optional[str]:
+        """The tracked run, recorded in bundles so a resume can link to it."""
+        return self.saving.run_id
+
+    @mlflow_run_id.setter
+    def mlflow_run_id(self, run_id: Optional[str]) -> None:
+        self.saving.run_id = run_id
+
+    def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
+        return self.saving.save_bundle(reason, epoch, uncovered)
+
+    def fail_callback(self, failure: CallbackFailed, epoch: int, uncovered: List[List[int]]):
+        return self.saving.fail_callback(failure, epoch, uncovered)
+
+    def _regroup(self) -> None:
+        """Void the orders sent ahead (their batches back to the pool), then rebuild the group."""
+        self.windows.cancel_ahead()
+        self.members.regroup()
+
+    def _on_lost(self, rank: int, reason: str) -> None:
+        """A rank was declared dead: record it, kill it, give its work back and re-plan."""
+        self.summary.dead_ranks.append(rank)
+        self.observer.on_event("rank_lost", f"rank {rank} lost: {reason}")
+        log.warning("rank %d lost: %s", rank, reason)
+        if self.on_rank_dead is not None:
+            self.on_rank_dead(rank)
+        for epoch, slices in self.holdings.lose(rank):  # what it trained since its last fold
+            if not self.windows.give_back(epoch, slices) and self.async_loop is not None:
+                self.async_loop.give_back(epoch, slices)
+        self.balance.forget_rank(rank)
+
+    def _uncovered_now(self) -> List[List[int]]:
+        """What of the current epoch the survivors' weights may not include."""
+        return self.windows.uncovered() + self.holdings.uncovered(self.windows.pool_epoch)
 
     # ---- thread-safe controls ---------------------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
         """Stop at the next reduce boundary and save (SIGINT/SIGTERM); a second request, or no
         boundary within STOP_GRACE_S, stops at once without saving."""
-        now = time.monotonic()
-        self._stop_deadline = now if self._stop.is_set() else now + STOP_GRACE_S
-        self._stop_reason = reason
-        self._stop.set()
+        self.stop.request(reason)
 
     def report_failure(self, status: str, reason: str) -> None:
         """Something the run cannot survive (not a rank death): abort."""
@@ -162,11 +198,11 @@ class Coordinator(Membership, Saving, Windows, Reduces):
 
     def report_death(self, rank: int, reason: str) -> None:
         """A rank process ended without being told to (seen by the launcher)."""
-        self._deaths.put((rank, reason))
+        self.members.report_death(rank, reason)
 
     def stopped(self, rank: int) -> bool:
         """The rank was sent Stop: its exit is clean, never a death."""
-        return rank in self._stopped
+        return rank in self.members.stopped
 
     # ---- the run ----------------------------------------------------------------------------
 
@@ -178,12 +214,12 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self.summary.status = "completed"
         except ShutdownWithSave as exc:
             if self.elche is None:  # lost before training began: nothing to save
-                self.summary.status, self.summary.message = "failed", self._failed_ranks(exc.detail)
+                self.summary.status, self.summary.message = "failed", self.members.failed_ranks(exc.detail)
             else:
                 self._shutdown_with_save(exc.reason, exc.detail)
-                if self._raised:  # the cohort shrank because ranks raised: a failure
+                if self.members.raised:  # the cohort shrank because ranks raised: a failure
                     self.summary.status = "failed"
-                    self.summary.message = f"{self._failed_ranks('')}; {self.summary.message}"
+                    self.summary.message = f"{self.members.failed_ranks('')}; {self.summary.message}"
         except RunAborted as exc:
             self.summary.status, self.summary.message = exc.status, exc.reason
         except Exception as exc:  # a bug of ours: fail the run loudly, never report success
@@ -202,10 +238,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
             message = self._next(expect=(RankJoined, SnapshotTaken))
             if message is None:
-                raise RunAborted("failed", self._failed_ranks(f"a rank died before all {self.world_size} "
-                                                              f"joined"))
+                raise RunAborted("failed", self.members.failed_ranks(
+                    f"a rank died before all {self.world_size} joined"))
             if isinstance(message, SnapshotTaken):  # cpu_async: rank 0's initial weights
-                self.averager.seed_center(self._snapshot(message).params)
+                self.averager.seed_center(self.reduces.snapshot(message).params)
                 seeded = True
         sizes = {j.num_samples for j in self.joined.values()}
         if len(sizes) != 1:
@@ -215,11 +251,17 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         nodes = merge_nodes(self.joined[r].node for r in range(self.world_size) if self.joined[r].node)
         self.summary.nodes = [node.record() for node in nodes]
         self.observer.on_nodes(nodes)
-        self.elche = ElChe(self.config.elche, self.world_size, epoch_batches=self._epoch_batches(0),
-                           reduce_ms=self._reduce_ms())
+        self.balance.elche = ElChe(self.config.elche, self.world_size,
+                                   epoch_batches=self._epoch_batches(0), reduce_ms=self._reduce_ms())
         if self.config.resume_from:
             self._restore(self.config.resume_from)
-        self.plan = self.elche.plan()
+        self.balance.plan = self.balance.elche.plan()
+
+    def _restore(self, stem: str) -> None:
+        """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
+        meta = self.saving.restore(stem, self._epoch_batches(0))
+        self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
+        self.reduces.resume(meta.global_step, meta.sync_round)
 
     def _reduce_ms(self) -> Optional[float]:
         """The slowest rank's view of one reduce timed before training (collective modes)."""
@@ -244,12 +286,10 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self.observer.on_event(kind, message)
         self._train_started = time.perf_counter()
         if self.mode is Mode.cpu_async:
-            from flodl_run.overlap import AsyncLoop
-
-            AsyncLoop(self, total, self._start_epoch).run()
+            self._run_async(total)
         else:
             for epoch in range(self._start_epoch, total):
-                self.close_epoch(epoch, self._run_epoch(epoch, self._epoch_pool(epoch)))
+                self.close_epoch(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
         last = self.summary.epochs[-1] if self.summary.epochs else None
         if last is not None and last.eval is None and self.config.recipe is not None:
             try:
@@ -263,6 +303,17 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             self.summary.final_eval = last.eval
         self.save_bundle("checkpoint", total, [])
 
+    def _run_async(self, total: int) -> None:
+        """cpu_async: the async loop trains every epoch from the resume point on."""
+        start = self._start_epoch
+        self.async_loop = AsyncLoop(
+            self.world_size, self.config, [self._span(e) for e in range(total)],
+            [self._epoch_pool(e) if e >= start else EpochPool(0, []) for e in range(total)], start,
+            self.members, self.balance, self.windows, self.reduces, self.holdings, self.averager,
+            self.recorder, self.stop, self._send, self._next, self.close_epoch,
+            self.saving.graceful_stop)
+        self.async_loop.run()
+
     def _epoch_pool(self, epoch: int) -> EpochPool:
         """The whole epoch, or only what a resumed mid-epoch bundle left uncovered."""
         span = self._span(epoch)
@@ -270,7 +321,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             return EpochPool(span.pass_index, [(s, e) for _, s, e in self._resume_uncovered])
         return EpochPool.whole(span)
 
-    def close_epoch(self, epoch: int, tally: "EpochTally") -> None:
+    def close_epoch(self, epoch: int, tally: EpochTally) -> None:
         """Aggregate a finished epoch (callbacks included), publish it, and checkpoint_every.
         A recipe callback that raises fails the run, saving the epoch's consensus first."""
         for rank, ms in enumerate(tally.wall_ms):
@@ -341,7 +392,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
     def _send(self, rank: int, message: Message, payloads: Sequence[memoryview] = ()) -> None:
         order = message.train if isinstance(message, Update) else message
         if isinstance(order, Train) and order.slices:
-            self._since_reduce.setdefault(rank, []).append((order.epoch, list(order.slices)))
+            self.holdings.note(rank, order.epoch, order.slices)
         self.channel.send(message, payloads, identity=self.identities[rank])
 
     def _next(self, expect: type | tuple, deadline: Optional[float] = None,
@@ -351,7 +402,7 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         what they wait for); heartbeats and failures are handled on the way.
         Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async, or the
         answers to orders sent ahead) are kept, in order, for the call that expects them."""
-        if self._absorb_deaths():
+        if self.members.absorb():
             return None
         for i, waiting in enumerate(self._deferred):
             if getattr(waiting.message, "rank", None) not in self.alive and \
@@ -364,15 +415,13 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         while True:
             if self._failure is not None:
                 raise self._failure
-            if self._stop.is_set() and not self._saving and time.monotonic() > self._stop_deadline:
-                raise RunAborted("interrupted", f"{self._stop_reason or 'stopped'} (no reduce "
-                                                f"boundary within {STOP_GRACE_S:.0f}s: not saved)")
-            self._check_liveness()  # also while messages flow: a busy socket must not hide a hang
-            if not self._deaths.empty() and self._absorb_deaths():
+            self.stop.check()
+            self.members.check_liveness()  # also while messages flow: a busy socket must not hide a hang
+            if self.members.deaths_pending() and self.members.absorb():
                 return None
             received = self.channel.recv(timeout_ms=POLL_MS)
             if received is None:
-                if self._absorb_deaths():
+                if self.members.absorb():
                     return None  # membership changed: the caller re-plans what it waits for
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
@@ -381,12 +430,11 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             rank = getattr(message, "rank", None)
             if rank is not None and rank not in self.alive:
                 if isinstance(message, RankFailed):  # why it died (its exit may be seen first)
-                    self._raised.setdefault(rank, message.error)
+                    self.members.note_raised(message)
                 continue  # a rank declared dead does not speak for the run any more
             if rank is not None:
-                self.last_seen[rank] = time.monotonic()
-            if isinstance(message, Heartbeat):
-                self._note_progress(message, self.last_seen[rank])
+                self.members.heard(rank, time.monotonic(),
+                                   message if isinstance(message, Heartbeat) else None)
             if isinstance(message, (ClockPing, TimelineEvents)):
                 self.timeline.receive(message, received.identity, self.channel)
                 continue
@@ -394,19 +442,18 @@ class Coordinator(Membership, Saving, Windows, Reduces):
                 self._data.add(message)  # each WindowDone passes here once, deferred or not
                 self.observer.on_window(message.rank, message.samples, message.wall_ms,
                                         message.device_bytes)
-                if not math.isfinite(message.loss_sum) and message.rank not in self._resetting:
-                    self._nonfinite.setdefault(message.rank, "loss")
+                self.reduces.note_window(message)
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity
                 self.joined[message.rank] = message
             elif isinstance(message, Listening):
-                self.listeners[message.rank] = received.identity
+                self.members.listeners[message.rank] = received.identity
             elif isinstance(message, RankFailed) and message.callback:  # the rank lives on
                 raise CallbackFailed(message.callback, message.error, message.rank)
             elif isinstance(message, RankFailed):
-                self._raised.setdefault(message.rank, message.error)
+                self.members.note_raised(message)
                 self.report_death(message.rank, f"failed: {message.error}")
-                self._absorb_deaths()
+                self.members.absorb()
                 return None
             if isinstance(message, expect) and (accept is None or accept(message)):
                 self._payloads = received.payloads
@@ -417,32 +464,22 @@ class Coordinator(Membership, Saving, Windows, Reduces):
             elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
 
-    def _failed_ranks(self, fallback: str) -> str:
-        """`rank k failed: <its exception>` for the ranks that raised (their RankFailed may
-        trail their exit: wait for it briefly), else `fallback`."""
-        deadline = time.monotonic() + 1.0
-        while len(self._raised) < self.world_size - len(self.alive) and time.monotonic() < deadline:
-            received = self.channel.recv(timeout_ms=100)
-            if received is not None and isinstance(received.message, RankFailed):
-                self._raised.setdefault(received.message.rank, received.message.error)
-        if not self._raised:
-            return fallback
-        first = min(self._raised)
-        others = sorted(r for r, e in self._raised.items() if r != first and e == self._raised[first])
-        also = f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" \
-            if others else ""
-        return f"rank {first} failed: {self._raised[first]}{also}"
-
-    def _check_heartbeats(self) -> None:
-        now = time.monotonic()
-        timeout = self.config.heartbeat_timeout_secs
-        for rank, seen in self.last_seen.items():
-            if rank in self.alive and now - seen > timeout:
-                self.report_death(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+    def _shutdown_with_save(self, reason: str, detail: str) -> None:
+        """Save from a survivor (when any), then stop with status shutdown_with_save."""
+        self.summary.status = "shutdown_with_save"
+        stem = None
+        if self.alive:
+            try:
+                stem = self.save_bundle(reason, self.windows.pool_epoch, self._uncovered_now())
+            except (RunAborted, zmq.ZMQError) as exc:
+                detail = f"{detail}; the save failed: {exc}"
+        saved = f"bundle {stem}" if stem else "no bundle"
+        self.summary.message = f"{reason}: {detail}; {saved}"
+        self.observer.on_event("shutdown", self.summary.message)
 
     def _finish(self, wall_s: float) -> None:
         for rank in list(self.identities):
-            self._stopped.add(rank)
+            self.members.stopped.add(rank)
             try:
                 self._send(rank, Stop(self.summary.status))
             except zmq.ZMQError:
@@ -450,13 +487,14 @@ class Coordinator(Membership, Saving, Windows, Reduces):
         self.timeline.await_final(self.channel, sorted(self.alive & set(self.identities)))
         self._close_socket()
         self.summary.wall_s = wall_s
-        self.summary.syncs = len(self._sync_ms)
-        self.summary.avg_sync_ms = sum(self._sync_ms) / len(self._sync_ms) if self._sync_ms else 0.0
+        sync_ms = self.reduces.sync_ms
+        self.summary.syncs = len(sync_ms)
+        self.summary.avg_sync_ms = sum(sync_ms) / len(sync_ms) if sync_ms else 0.0
         if self.plan is not None:
             self.summary.phase = self.plan.phase.name.lower()
         self.summary.samples_per_s = self._samples_per_s()
         if not self.mode.is_collective:
-            self.summary.param_transport = ["shm" if r in self._shm_ranks else "frames"
+            self.summary.param_transport = ["shm" if r in self.reduces.shm_ranks else "frames"
                                             for r in range(self.world_size)]
         if self._train_started is not None:
             train_ms = (time.perf_counter() - self._train_started) * 1000.0

@@ -1,45 +1,27 @@
-"""Membership of a distributed run: deaths shrink the cohort, a dead rank's work
-returns to the pool, collective survivors regroup, and the failure policy may end the run with
-a save. A mixin of the Coordinator: it acts on the coordinator's state and messaging.
+"""Membership of a distributed run: who is alive, how a rank is found dead (heartbeat timeout,
+hung while training, its exit or exception), what a death does (the cohort shrinks, the
+survivors' process group is aborted and later rebuilt), and the failure policy that may end
+the run with a save. What the dead rank's work becomes is the caller's (`on_lost`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import time
-from typing import List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import zmq
 
-from flodl_run.wire import (
-    AbortGroup,
-    Heartbeat,
-    Regroup,
-    Regrouped,
-)
+from flodl_run.config.schema import MaxFailureConfig
+from flodl_run.runstate import Next, RunAborted, Send, ShutdownWithSave
+from flodl_run.wire import AbortGroup, Channel, Heartbeat, RankFailed, Regroup, Regrouped
 
-POLL_MS = 200
+__all__ = ["Membership", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
+
 LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
-STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
-
-
-class RunAborted(Exception):
-    """The run cannot go on (a rank failed or died, or a stop was requested)."""
-
-    def __init__(self, status: str, reason: str):
-        super().__init__(reason)
-        self.status, self.reason = status, reason
-
-
-class ShutdownWithSave(Exception):
-    """Membership broke the failure policy: a survivor saves, then the run stops."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
-
 
 
 def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) -> float:
@@ -49,64 +31,114 @@ def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) ->
 
 
 class Membership:
-    """Coordinator mixin: who is alive and what their loss means."""
+    """Who is alive and what their loss means.
+
+    Owns: `alive`, the queue of reported deaths, when each rank was last heard (`last_seen`)
+    and its progress clock, the ranks told to stop, the exceptions ranks reported (`raised`),
+    each collective rank's listener socket, and the process-group `generation` with whether a
+    regroup is due (`regroup_needed`).
+    Given: the world size and the limits (heartbeat timeout, progress factor and floor,
+    max_failure), the channel (abort notices go straight to listeners), `send`/`next` to
+    order a regroup, the smoothed batch times (`smoothed_ms`), and `on_lost(rank, reason)`,
+    called for each death before the failure policy is applied (the caller gives the rank's
+    work back and re-plans)."""
+
+    def __init__(self, world_size: int, collective: bool, channel: Channel, send: Send, next: Next,
+                 smoothed_ms: Callable[[], List[Optional[float]]],
+                 on_lost: Callable[[int, str], None], observer, heartbeat_timeout_s: float,
+                 progress_factor: float, progress_floor_s: float, max_failure: MaxFailureConfig):
+        self.world_size, self.collective = world_size, collective
+        self.channel, self._send, self._next = channel, send, next
+        self._smoothed_ms, self._on_lost, self.observer = smoothed_ms, on_lost, observer
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.progress_factor, self.progress_floor_s = progress_factor, progress_floor_s
+        self.max_failure = max_failure
+        self.alive: Set[int] = set(range(world_size))
+        self._deaths: "queue.Queue[Tuple[int, str]]" = queue.Queue()
+        self.last_seen: Dict[int, float] = {}
+        self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
+        self.liveness_checked = 0.0
+        self.stopped: Set[int] = set()
+        self.raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
+        self.listeners: Dict[int, bytes] = {}  # each collective rank's listener (AbortGroup goes there)
+        self.generation = 0
+        self.regroup_needed = False
+
+    # ---- what the coordinator hears ----------------------------------------------------------
+
+    def report_death(self, rank: int, reason: str) -> None:
+        """A rank is gone (thread-safe: the launcher reports exits from its own thread)."""
+        self._deaths.put((rank, reason))
+
+    def deaths_pending(self) -> bool:
+        return not self._deaths.empty()
+
+    def heard(self, rank: int, now: float, beat: Optional[Heartbeat] = None) -> None:
+        """A live rank spoke; a heartbeat also carries its progress."""
+        self.last_seen[rank] = now
+        if beat is not None:
+            self.note_progress(beat, now)
+
+    def note_raised(self, failed: RankFailed) -> None:
+        """Why the rank failed (the first report wins; its exit may be seen first)."""
+        self.raised.setdefault(failed.rank, failed.error)
 
     # ---- liveness: heartbeats and progress ---------------------------------------------------
 
-    def _note_progress(self, beat: Heartbeat, now: float) -> None:
+    def note_progress(self, beat: Heartbeat, now: float) -> None:
         """Restart the rank's progress clock when it finished a batch since the last beat, or
         is not training (idle, or in an ordered reduce, eval or save: never hung)."""
-        last = self._batch_clock.get(beat.rank)
+        last = self.batch_clock.get(beat.rank)
         if last is None or last[0] != beat.batches or not beat.training:
-            self._batch_clock[beat.rank] = (beat.batches, now)
+            self.batch_clock[beat.rank] = (beat.batches, now)
 
-    def _check_liveness(self) -> None:
+    def check_liveness(self) -> None:
         """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S."""
         now = time.monotonic()
-        if now - self._liveness_checked < LIVENESS_EVERY_S:
+        if now - self.liveness_checked < LIVENESS_EVERY_S:
             return
-        self._liveness_checked = now
-        self._check_heartbeats()
-        smoothed = self.elche.smoothed_ms() if self.elche is not None else []
-        for rank, (batches, since) in self._batch_clock.items():
+        self.liveness_checked = now
+        self._check_heartbeats(now)
+        smoothed = self._smoothed_ms()
+        for rank, (batches, since) in self.batch_clock.items():
             ms = smoothed[rank] if rank < len(smoothed) else None
-            limit = hung_limit_s(ms, self.config.progress_factor, self.config.progress_timeout_secs)
+            limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
             if rank in self.alive and now - since > limit:
                 self.report_death(rank, f"hung: no batch finished for {now - since:.1f}s while "
                                         f"training (limit {limit:g}s; last at batch {batches})")
 
-    def _absorb_deaths(self) -> bool:
-        """Turn reported deaths into a smaller membership: forget the rank's timing, give its
-        unfinished work back, re-plan, then apply the failure policy. True when it changed."""
-        changed = False
+    def _check_heartbeats(self, now: float) -> None:
+        timeout = self.heartbeat_timeout_s
+        for rank, seen in self.last_seen.items():
+            if rank in self.alive and now - seen > timeout:
+                self.report_death(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+
+    # ---- deaths ------------------------------------------------------------------------------
+
+    def absorb(self) -> bool:
+        """Turn reported deaths into a smaller membership (`on_lost` for each), abort the
+        survivors' group, then apply the failure policy. True when the membership changed."""
         dead: List[int] = []
+        reason = ""
         while not self._deaths.empty():
             rank, reason = self._deaths.get()
             if rank not in self.alive:
                 continue
             self.alive.discard(rank)
             dead.append(rank)
-            self.summary.dead_ranks.append(rank)
-            self.observer.on_event("rank_lost", f"rank {rank} lost: {reason}")
-            log.warning("rank %d lost: %s", rank, reason)
-            if self.on_rank_dead is not None:
-                self.on_rank_dead(rank)
-            self._give_back(rank)
-            if self.elche is not None:
-                self.plan = self.elche.forget_rank(rank)
-            self._regroup_needed = self.mode.is_collective
-            changed = True
-        if dead and self.mode.is_collective:
+            self._on_lost(rank, reason)
+            self.regroup_needed = self.collective
+        if dead and self.collective:
             self._abort_groups(dead)
         if dead:
             self._apply_failure_policy(reason)
-        return changed
+        return bool(dead)
 
     def _abort_groups(self, dead: List[int]) -> None:
         """Tell every survivor's listener at once that its process group lost members: a
         survivor blocked in a collective with the dead aborts the group and leaves it, instead
         of waiting for a collective timeout or NCCL's watchdog. The regroup follows."""
-        notice = AbortGroup(self._generation, sorted(dead))
+        notice = AbortGroup(self.generation, sorted(dead))
         for rank in sorted(self.alive):
             identity = self.listeners.get(rank)
             if identity is not None:
@@ -115,18 +147,9 @@ class Membership:
                 except zmq.ZMQError as exc:  # that rank is going too: its death comes next
                     log.warning("abort notice to rank %d not sent: %s", rank, exc)
 
-    def _give_back(self, rank: int) -> None:
-        """Everything the rank trained since the last reduce is lost with it: redo it."""
-        for epoch, slices in self._since_reduce.pop(rank, []):
-            if epoch == self._pool_epoch and self._pools:
-                target = min((p for p in self._pools if p is not None), key=lambda p: p.remaining)
-                target.give_back(slices)
-            elif hasattr(self, "async_loop"):
-                self.async_loop.give_back(epoch, slices)
-
     def _apply_failure_policy(self, reason: str) -> None:
         dead = self.world_size - len(self.alive)
-        limit = self.config.max_failure
+        limit = self.max_failure
         if not self.alive:
             raise ShutdownWithSave("all_ranks_lost", reason)
         if (limit.absolute is not None and dead >= limit.absolute) or \
@@ -134,40 +157,36 @@ class Membership:
             raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")
         # One survivor carries on alone (its reduce is the identity) and takes the pool's work.
 
-    def _regroup(self) -> None:
+    def regroup(self) -> None:
         """Collective modes: survivors rebuild the process group (new store prefix, new ranks
-        by ascending old rank) before the next reduce."""
-        self.cancel_ahead()
-        self._generation += 1
+        by ascending old rank) before the next reduce. The caller voids the orders sent ahead
+        first."""
+        self.generation += 1
         members = sorted(self.alive)
         for rank in members:
-            self._send(rank, Regroup(self._generation, members))
+            self._send(rank, Regroup(self.generation, members))
         joined: Set[int] = set()
         while joined < self.alive:
             msg = self._next(expect=Regrouped)
             if msg is None:  # another death while regrouping: start over with fewer members
-                return self._regroup()
-            if msg.generation == self._generation:
+                return self.regroup()
+            if msg.generation == self.generation:
                 joined.add(msg.rank)
-        self._regroup_needed = False
-        self.observer.on_event("regroup", f"generation {self._generation}: ranks {members}")
+        self.regroup_needed = False
+        self.observer.on_event("regroup", f"generation {self.generation}: ranks {members}")
 
-    def _shutdown_with_save(self, reason: str, detail: str) -> None:
-        """Save from a survivor (when any), then stop with status shutdown_with_save."""
-        self.summary.status = "shutdown_with_save"
-        stem = None
-        if self.alive:
-            try:
-                stem = self.save_bundle(reason, self._pool_epoch, self._uncovered_now())
-            except (RunAborted, zmq.ZMQError) as exc:
-                detail = f"{detail}; the save failed: {exc}"
-        saved = f"bundle {stem}" if stem else "no bundle"
-        self.summary.message = f"{reason}: {detail}; {saved}"
-        self.observer.on_event("shutdown", self.summary.message)
-
-    def _uncovered_now(self) -> List[List[int]]:
-        """What of the current epoch the survivors' weights may not include."""
-        ranges = [r for p in self._pools if p is not None for r in p.uncovered()]
-        for chunks in self._since_reduce.values():
-            ranges += [list(s) for epoch, slices in chunks if epoch == self._pool_epoch for s in slices]
-        return ranges
+    def failed_ranks(self, fallback: str) -> str:
+        """`rank k failed: <its exception>` for the ranks that raised (their RankFailed may
+        trail their exit: wait for it briefly), else `fallback`."""
+        deadline = time.monotonic() + 1.0
+        while len(self.raised) < self.world_size - len(self.alive) and time.monotonic() < deadline:
+            received = self.channel.recv(timeout_ms=100)
+            if received is not None and isinstance(received.message, RankFailed):
+                self.note_raised(received.message)
+        if not self.raised:
+            return fallback
+        first = min(self.raised)
+        others = sorted(r for r, e in self.raised.items() if r != first and e == self.raised[first])
+        also = f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" \
+            if others else ""
+        return f"rank {first} failed: {self.raised[first]}{also}"

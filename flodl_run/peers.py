@@ -36,10 +36,10 @@ from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
 from flodl_run.config.compose import experiment_from_yaml
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.schema import ExperimentConfig, lr_factor
 from flodl_run.data import map_tensors, permutation, to_device
 from flodl_run.recipe import load_recipe
-from flodl_run.replica import Replica, lr_factor
+from flodl_run.replica import Replica
 from flodl_run.slowdown import Slowdown, factor_for
 from flodl_run.summary import EpochRecord, Summary, write_summary
 

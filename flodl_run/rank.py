@@ -38,13 +38,13 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
 from flodl_run.averaging.shm import PREFIX_ENV, Mapper, Slab, remove_run
 from flodl_run.config.compose import experiment_from_yaml
-from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind
+from flodl_run.config.schema import ExperimentConfig, Mode, OuterKind, lr_factor
 from flodl_run.data import permutation
 from flodl_run.dataplane import DataPlane
 from flodl_run.hostinfo import node_facts
 from flodl_run.outer import OuterOptimizer
 from flodl_run.recipe import CallbackFailed, load_recipe, user_traceback
-from flodl_run.replica import Replica, lr_factor
+from flodl_run.replica import Replica
 from flodl_run.slowdown import Slowdown, factor_for
 from flodl_run.timeline import RankTimeline
 from flodl_run.wire import (

@@ -19,11 +19,6 @@ from flodl_run.recipe import Recipe, RecipeError
 EVAL_BATCH_SIZE = 512  # eval has no backward pass: larger batches cost nothing in accuracy
 
 
-def lr_factor(world_size: int, lr_scale_ratio: float) -> float:
-    """Linear LR scaling: 1 + (world_size - 1) * ratio (linear scaling at ratio 1)."""
-    return 1.0 + (world_size - 1) * lr_scale_ratio
-
-
 class Optimizers:
     """Several optimizers (a GAN's generator and discriminator) seen by the runtime as one: LR
     scaling and the schedule reach every param group, a state reset clears every optimizer's

@@ -1,17 +1,18 @@
-"""Checkpoint orchestration on the coordinator: which rank writes what and when,
-the meta it records, and the trajectory a resume restores. The bundle format itself lives in
-`flodl_run.checkpoint`. A mixin of the Coordinator.
+"""Checkpoint orchestration on the coordinator: which rank writes what and when, the meta it
+records, and the trajectory a resume restores. The bundle format itself lives in
+`flodl_run.checkpoint`; what a run does after a save that ends it is the coordinator's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, List, NoReturn, Optional, Set, Tuple
+from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 import zmq
 
 from flodl_run import checkpoint
+from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
 from flodl_run.checkpoint import (
     BundleMeta,
@@ -22,22 +23,42 @@ from flodl_run.checkpoint import (
     save_tensors,
 )
 from flodl_run.config.compose import dotted_items
-from flodl_run.config.schema import Mode
+from flodl_run.config.schema import ExperimentConfig, Mode
 from flodl_run.elche import ElChe
-from flodl_run.membership import RunAborted
 from flodl_run.recipe import CallbackFailed
-from flodl_run.wire import (
-    CheckpointSaved,
-    SaveCheckpoint,
-)
+from flodl_run.runstate import Balance, Next, RunAborted, Send, StopRequest
+from flodl_run.summary import Summary
+from flodl_run.wire import CheckpointSaved, SaveCheckpoint
 
-POLL_MS = 200
-STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
 
 
 class Saving:
-    """Coordinator mixin: bundles out (save) and in (restore)."""
+    """Bundles out (save) and in (restore).
+
+    Owns: the writing of bundle generations (which rank writes the model, which only its
+    optimizer, the outer state written here, the meta and the pruning of older generations),
+    and the tracked run's id recorded in them (`run_id`).
+    Given: the config, mode and world size; the membership (who is alive); the balance
+    (ElChe's state goes into the meta; a restore seats a restored ElChe there); the central
+    averager (outer state, EASGD center); the stop request (a deadline waits for a save);
+    `send`/`next`; `callback_rank()` (the writer); `trajectory()` (global step and round);
+    and the summary and observer."""
+
+    def __init__(self, config: ExperimentConfig, mode: Mode, world_size: int, members,
+                 balance: Balance, averager: CentralAverager, stop: StopRequest, send: Send,
+                 next: Next, callback_rank: Callable[[], int],
+                 trajectory: Callable[[], Tuple[int, int]], summary: Summary, observer):
+        self.config, self.mode, self.world_size = config, mode, world_size
+        self.members, self.balance, self.averager, self.stop = members, balance, averager, stop
+        self._send, self._next, self._callback_rank = send, next, callback_rank
+        self._trajectory, self.summary, self.observer = trajectory, summary, observer
+        self.run_id: Optional[str] = None
+        """The tracked run, recorded in bundles so a resume can link to it."""
+
+    @property
+    def alive(self) -> Set[int]:
+        return self.members.alive
 
     def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
         """Write a new generation (the callback rank the model and optimizer, every rank its
@@ -47,8 +68,7 @@ class Saving:
         stem = self.config.save_path
         if not stem:
             return None
-        self._saving = True
-        try:
+        with self.stop.while_saving():
             try:  # checkpoint_fn: the epoch the saved weights end with
                 hook = (epoch if uncovered else epoch - 1) if reason == "checkpoint" else None
                 generation, files = self._write_generation(stem, hook)
@@ -60,8 +80,6 @@ class Saving:
                 outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
                 files[outer.name] = save_tensors(outer, state)
             save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
-        finally:
-            self._saving = False
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
@@ -108,18 +126,18 @@ class Saving:
         data = self.config.data
         coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
                             [list(u) for u in uncovered])
-        return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, self._global_step, self._round,
-                          self.world_size, reason, self.elche.export_state(), coverage,
+        global_step, round_ = self._trajectory()
+        return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, global_step, round_,
+                          self.world_size, reason, self.balance.elche.export_state(), coverage,
                           json.loads(json.dumps(dotted_items(self.config), default=str)),
-                          self.mlflow_run_id, generation, files)
+                          self.run_id, generation, files)
 
-    def _restore(self, stem: str) -> None:
-        """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
+    def restore(self, stem: str, epoch_batches: int) -> BundleMeta:
+        """Continue a bundle's trajectory: ElChe (no warm-up re-run) and the outer state here;
+        the caller resumes epoch, step and round from the meta returned."""
         meta = read_meta(stem)
-        self.elche = ElChe.from_state(self.config.elche, meta.elche_state, world_size=self.world_size,
-                                      epoch_batches=self._epoch_batches(0))
-        self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
-        self._global_step, self._round = meta.global_step, meta.sync_round
+        self.balance.elche = ElChe.from_state(self.config.elche, meta.elche_state,
+                                              world_size=self.world_size, epoch_batches=epoch_batches)
         outer_file = checkpoint.bundle_files(stem, meta)["outer"]
         if not self.mode.is_collective and outer_file.is_file():
             state = load_tensors(outer_file)
@@ -128,6 +146,7 @@ class Saving:
                 self.averager.center = state["center"]
         self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
                                          f"({meta.elche_state.get('phase')}, step {meta.global_step})")
+        return meta
 
     def fail_callback(self, failure: CallbackFailed, epoch: int, uncovered: List[List[int]]) -> NoReturn:
         """A recipe callback raised: save what the ranks hold (resume at `epoch`; no callback
@@ -142,7 +161,7 @@ class Saving:
             saved = f"the save failed: {exc}"
         raise RunAborted("failed", f"{failure}; {saved}")
 
-    def _graceful_stop(self, epoch: int, uncovered: List[List[int]]) -> None:
+    def graceful_stop(self, epoch: int, uncovered: List[List[int]]) -> None:
         """SIGINT/SIGTERM at a reduce boundary: save what the consensus holds, then stop."""
         stem = self.save_bundle("graceful_shutdown", epoch, uncovered)
-        raise RunAborted("interrupted", f"{self._stop_reason}; saved {stem}" if stem else self._stop_reason)
+        raise RunAborted("interrupted", f"{self.stop.reason}; saved {stem}" if stem else self.stop.reason)

@@ -1,102 +1,87 @@
-"""Windows of the sync and cadence modes: per-window and per-epoch tallies,
-equal-split sync epochs (fast ranks keep stepping until the gate opens) and progressive cadence
-epochs (throughput-sized chunks). A mixin of the Coordinator.
+"""Windows of the sync and cadence modes: equal-split sync epochs (fast ranks keep stepping
+until the gate opens), progressive cadence epochs (throughput-sized chunks), and nccl_sync's
+orders sent ahead of the reduce they follow. Which samples go where is `flodl_run.dispatch`'s;
+the reduce itself is the reduces' part.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
-from flodl_run.config.schema import Mode
+from flodl_run.config.schema import ExperimentConfig, Mode
 from flodl_run.dispatch import EpochPool, equal_split, window_samples
-from flodl_run.scalars import merge
-from flodl_run.wire import (
-    SyncNow,
-    Train,
-    WindowDone,
-)
+from flodl_run.runstate import Balance, Holdings, Next, Send, StopRequest
+from flodl_run.tallies import EpochTally, WindowTally
+from flodl_run.wire import SyncNow, Train, WindowDone
 
 FOLD_SPREAD = 1.3
 """nccl_sync folds SyncNow into the Train orders while the ranks' ms/batch stay within this ratio."""
-POLL_MS = 200
-STOP_GRACE_S = 8.0  # SIGINT -> save at a reduce boundary; ranks are gone within 15 s either way
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class WindowTally:
-    """What each rank did since the last reduce."""
-
-    batches: List[int]
-    samples: List[int]
-    wall_ms: List[float]
-    fill_ms: List[float]
-    loss_sum: List[float]
-    lr: List[Optional[float]]
-    scalars: Dict[str, List[float]] = field(default_factory=dict)
-
-    @classmethod
-    def empty(cls, n: int) -> "WindowTally":
-        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n)
-
-    def drop(self, ranks: Set[int]) -> None:
-        """Dead ranks contributed nothing that survives: their work is redone."""
-        for r in ranks:
-            self.batches[r], self.samples[r], self.wall_ms[r], self.loss_sum[r] = 0, 0, 0.0, 0.0
-
-    def add(self, done: WindowDone) -> None:
-        r = done.rank
-        if self.batches[r] == 0:
-            self.fill_ms[r] = done.fill_ms
-        self.batches[r] += done.batches
-        self.samples[r] += done.samples
-        self.wall_ms[r] += done.wall_ms
-        self.loss_sum[r] += done.loss_sum
-        self.lr[r] = done.lr
-        merge(self.scalars, done.scalars)
-
-
-@dataclass
-class EpochTally:
-    batches: List[int]
-    samples: List[int]
-    wall_ms: List[float]
-    loss_sum: List[float]
-    scalars: Dict[str, List[float]] = field(default_factory=dict)
-    reported_batches: int = 0
-    reported_loss: float = 0.0
-    reports: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def empty(cls, n: int) -> "EpochTally":
-        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n)
-
-    def add_done(self, done: WindowDone) -> None:
-        """cpu_async: windows straddle epochs, so epochs count WindowDone messages directly."""
-        r = done.rank
-        self.batches[r] += done.batches
-        self.samples[r] += done.samples
-        self.wall_ms[r] += done.wall_ms
-        self.loss_sum[r] += done.loss_sum
-        merge(self.scalars, done.scalars)
-
-    def add(self, window: WindowTally) -> None:
-        for r in range(len(self.batches)):
-            self.batches[r] += window.batches[r]
-            self.samples[r] += window.samples[r]
-            self.wall_ms[r] += window.wall_ms[r]
-            self.loss_sum[r] += window.loss_sum[r]
-        merge(self.scalars, window.scalars)
-
-
 class Windows:
-    """Coordinator mixin: hand out data and collect windows until the reduce gate opens."""
+    """Hands out data and collects windows until the reduce gate opens (sync and cadence).
 
-    def _run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
+    Owns: the epoch's pools (where a dead rank's work goes back, `give_back`), the window
+    number Train orders carry, and nccl_sync's orders sent ahead of the reduce they follow
+    (`orders_ahead`; `cancel_ahead` voids them on a regroup and gives their batches back).
+    Given: the world size, mode and config; the membership (who is alive, whether a regroup
+    is due); the reduces (`reduce`, `sync_now`, the round and step counters, whether a
+    non-finite rank waits); the balance (plan, smoothed batch times); the stop request; the
+    holdings (a voided order is forgotten there); `send`/`next`; the observer (progress); and
+    `save_bundle` / `graceful_stop` for the checkpoints taken between windows."""
+
+    def __init__(self, world_size: int, mode: Mode, config: ExperimentConfig, members, reduces,
+                 balance: Balance, stop: StopRequest, holdings: Holdings, send: Send, next: Next,
+                 observer, save_bundle: Callable[..., Optional[str]],
+                 graceful_stop: Callable[[int, List[List[int]]], NoReturn]):
+        self.world_size, self.mode, self.config = world_size, mode, config
+        self.members, self.reduces, self.balance = members, reduces, balance
+        self.stop, self.holdings, self._send, self._next = stop, holdings, send, next
+        self.observer, self.save_bundle, self._graceful_stop = observer, save_bundle, graceful_stop
+        self.pools: List[EpochPool] = []  # where work of a dead rank goes back
+        self.pool_epoch = 0
+        self.window = 0
+        # nccl_sync on an even rig: each rank's next order, sent ahead of the reduce it follows
+        # (rank -> (when sent, the pool it came from, the order))
+        self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
+
+    @property
+    def alive(self) -> Set[int]:
+        return self.members.alive
+
+    def give_back(self, epoch: int, slices: list) -> bool:
+        """A dead rank's chunk of the epoch under way goes back to the pool with the least
+        left; False when `epoch` is not that epoch (nothing taken)."""
+        if epoch != self.pool_epoch or not self.pools:
+            return False
+        target = min((p for p in self.pools if p is not None), key=lambda p: p.remaining)
+        target.give_back(slices)
+        return True
+
+    def uncovered(self) -> List[List[int]]:
+        """What of the epoch under way is not handed out yet."""
+        return [r for p in self.pools if p is not None for r in p.uncovered()]
+
+    def orders_ahead(self) -> Dict[int, Train]:
+        """The orders sent ahead, by rank: they belong to the next window."""
+        return {rank: order for rank, (_, _, order) in self._ahead.items()}
+
+    def next_window(self) -> None:
+        """A reduce begins: orders from now on belong to the next window."""
+        self.window += 1
+
+    def _reduce(self, *args, **kwargs) -> Dict[int, Train]:
+        self.next_window()
+        return self.reduces.reduce(*args, ahead=self.orders_ahead, **kwargs)
+
+    def _sync_after(self, rounds: int, steps: int = 0) -> SyncNow:
+        """The reduce order `rounds` past the last one, `steps` past the global step."""
+        return self.reduces.sync_now(self.reduces.round + rounds, self.reduces.global_step + steps)
+
+    def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
         epoch_tally = EpochTally.empty(self.world_size)
         if self.mode.is_sync:
             self._run_sync_epoch(epoch, pool, epoch_tally)
@@ -111,10 +96,10 @@ class Windows:
         with progressive_dispatch off every rank's share is fixed up front (equal, or by
         partition_ratios) and a rank whose share ran out sits the rest of the epoch out."""
         parts = None if self._progressive else self._partition(pool)
-        self._pools, self._pool_epoch = ([pool] if parts is None else parts), epoch
+        self.pools, self.pool_epoch = ([pool] if parts is None else parts), epoch
 
         def plan_window() -> Dict[int, Train]:
-            counts = [c if r in self.alive else 0 for r, c in enumerate(self.plan.batch_counts)]
+            counts = [c if r in self.alive else 0 for r, c in enumerate(self.balance.plan.batch_counts)]
             if parts is None:
                 sizes = window_samples(pool.remaining, counts, self.config.batch_size)
                 cut = [pool.take(size) if rank in self.alive else [] for rank, size in enumerate(sizes)]
@@ -125,12 +110,9 @@ class Windows:
             # so a rank enters the collective the moment its count is done (no coordinator
             # round trip between the window and the reduce; the collective waits for the last).
             fold = self.mode.is_collective and all(cut[r] for r in self.alive)
-            then_sync = self._sync_now(self._round + 1, self._global_step) if fold else None
-            return {rank: self._train_order(epoch, slices, then_sync=then_sync)
+            then_sync = self._sync_after(1) if fold else None
+            return {rank: self.train_order(epoch, slices, then_sync=then_sync)
                     for rank, slices in enumerate(cut) if slices}
-
-        def uncovered() -> list:
-            return [r for part in self._pools for r in part.uncovered()]
 
         trains = plan_window()
         for rank, order in trains.items():
@@ -144,16 +126,16 @@ class Windows:
             window = WindowTally.empty(self.world_size)
             self._collect_windows(set(trains), window, epoch, epoch_tally)
             folded = all(order.then_sync is not None for order in trains.values())
-            more = self._pools_remaining() and not self._stop.is_set()
+            more = self._pools_remaining() and not self.stop.is_set()
             trains = self._reduce(window, epoch_tally, epoch, plan_window if more else None,
                                   final=self._is_last_round(epoch),
                                   sync_sent=folded and self.alive <= set(trains))
             reduces += 1
             in_flight = [s for order in trains.values() for s in order.slices]
-            if self._stop.is_set():
-                self._graceful_stop(epoch, uncovered())
+            if self.stop.is_set():
+                self._graceful_stop(epoch, self.uncovered())
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
-                self.save_bundle("checkpoint", epoch, uncovered() + [list(s) for s in in_flight])
+                self.save_bundle("checkpoint", epoch, self.uncovered() + [list(s) for s in in_flight])
 
     @property
     def _progressive(self) -> bool:
@@ -168,7 +150,7 @@ class Windows:
         return epoch == last and not self._pools_remaining()
 
     def _pools_remaining(self) -> int:
-        return sum(part.remaining for part in self._pools)
+        return sum(part.remaining for part in self.pools)
 
     def _partition(self, pool: EpochPool) -> List[EpochPool]:
         """Per-rank shares of the epoch, fixed up front: equal, or by partition_ratios."""
@@ -183,7 +165,7 @@ class Windows:
         more of it."""
         shared = self._progressive
         parts = [pool] * self.world_size if shared else self._partition(pool)
-        self._pools, self._pool_epoch = ([pool] if shared else parts), epoch
+        self.pools, self.pool_epoch = ([pool] if shared else parts), epoch
         while any(part.remaining for part in parts) or self._ahead:
             if not shared and not self._ahead:
                 self._rehome_parts(parts)
@@ -191,8 +173,8 @@ class Windows:
             folded = self._sync_window(epoch, parts, window, epoch_tally)
             final = self._is_last_round(epoch) and not self._ahead
             self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=final)
-            if self._stop.is_set() and not self._ahead:  # orders sent ahead run to their reduce first
-                self._graceful_stop(epoch, [r for part in self._pools for r in part.uncovered()])
+            if self.stop.is_set() and not self._ahead:  # orders sent ahead run to their reduce first
+                self._graceful_stop(epoch, self.uncovered())
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
         """A dead rank's share of a sync epoch is split evenly among the survivors, so the
@@ -215,10 +197,10 @@ class Windows:
         ahead, self._ahead = self._ahead, {}
         in_flight = {rank: sent for rank, (sent, _, _) in ahead.items()}  # rank -> when sent
         fold = bool(ahead) or (self.mode.is_collective and self._folds(parts))
-        then_sync = self._sync_now(self._round + 1, self._global_step) if fold else None
+        then_sync = self._sync_after(1) if fold else None
 
         def give(rank: int) -> None:
-            self._send(rank, self._train_order(epoch, parts[rank].take(self.config.batch_size),
+            self._send(rank, self.train_order(epoch, parts[rank].take(self.config.batch_size),
                                                then_sync=then_sync))
             in_flight[rank] = time.perf_counter()
 
@@ -231,15 +213,15 @@ class Windows:
                 del in_flight[rank]
             if not in_flight:
                 break
-            done = self._next(expect=WindowDone, accept=lambda m: m.window <= self._window)
-            if done is None or done.window < self._window:  # a cancelled order's report
+            done = self._next(expect=WindowDone, accept=lambda m: m.window <= self.window)
+            if done is None or done.window < self.window:  # a cancelled order's report
                 continue
             del in_flight[done.rank]
             window.add(done)
-            self._progress(epoch, epoch_tally, window, done)
+            self.progress(epoch, epoch_tally, window, done)
             if fold:
                 queue = self._queue_ahead(parts) if queue is None else queue
-                if queue and not self._regroup_needed:
+                if queue and not self.members.regroup_needed:
                     self._send_ahead(epoch, parts[done.rank], done.rank, given)
             elif parts[done.rank].remaining and self._keeps_stepping(done.rank, window, in_flight):
                 give(done.rank)
@@ -250,15 +232,16 @@ class Windows:
         rank has a batch, speeds even) and nothing is to happen between the two windows: no
         stop asked for, no regroup pending, no non-finite rank to act on. The coordinator's
         bookkeeping of a reduce then overlaps the ranks' next step instead of delaying it."""
-        return (self.mode is Mode.nccl_sync and not self._stop.is_set() and not self._nonfinite
-                and not self._regroup_needed and self._folds(parts))
+        return (self.mode is Mode.nccl_sync and not self.stop.is_set()
+                and not self.reduces.nonfinite_pending() and not self.members.regroup_needed
+                and self._folds(parts))
 
     def _send_ahead(self, epoch: int, part: EpochPool, rank: int, given: int) -> None:
         """The rank's order of the next window (window and round one past this one's), to be
         trained once its reduce of this window completed (`after_round`)."""
-        then_sync = self._sync_now(self._round + 2, self._global_step + given)
-        order = self._train_order(epoch, part.take(self.config.batch_size), then_sync=then_sync,
-                                  ahead_of=self._round + 1)
+        then_sync = self._sync_after(2, given)
+        order = self.train_order(epoch, part.take(self.config.batch_size), then_sync=then_sync,
+                                  ahead_of=self.reduces.round + 1)
         self._send(rank, order)
         self._ahead[rank] = (time.perf_counter(), part, order)
 
@@ -272,11 +255,9 @@ class Windows:
         for rank, (_, part, order) in self._ahead.items():
             if rank in self.alive:  # a dead rank's share went back with its death
                 part.give_back(order.slices)
-                chunks = self._since_reduce.get(rank, [])
-                if (order.epoch, list(order.slices)) in chunks:
-                    chunks.remove((order.epoch, list(order.slices)))
+                self.holdings.forget(rank, order.epoch, order.slices)
         self._ahead = {}
-        self._window += 1
+        self.window += 1
 
     def _folds(self, parts: List[EpochPool]) -> bool:
         """nccl_sync sends the reduce order with the batch when the window is one batch per rank
@@ -288,7 +269,7 @@ class Windows:
         shared = len({id(parts[r]) for r in self.alive}) < len(self.alive)
         if shared and parts[min(self.alive)].remaining <= (len(self.alive) - 1) * self.config.batch_size:
             return False  # progressive sync: not every rank would get a batch of its own
-        ms = [m for r, m in enumerate(self.elche.smoothed_ms()) if r in self.alive]
+        ms = [m for r, m in enumerate(self.balance.smoothed_ms()) if r in self.alive]
         if all(m is None for m in ms):
             return True
         return None not in ms and max(ms) <= FOLD_SPREAD * min(ms)
@@ -300,7 +281,7 @@ class Windows:
         laggards = [r for r in in_flight if window.batches[r] == 0]
         if not laggards:
             return False
-        ms = self.elche.smoothed_ms()
+        ms = self.balance.smoothed_ms()
         if ms[rank] is None:
             return False
         now = time.perf_counter()
@@ -310,11 +291,11 @@ class Windows:
         limit = self.config.elche.max_batch_diff
         return limit is None or window.batches[rank] < limit + min(window.batches)
 
-    def _train_order(self, epoch: int, slices: list, overshoot: int = 0,
+    def train_order(self, epoch: int, slices: list, overshoot: int = 0,
                      then_sync: Optional[SyncNow] = None, ahead_of: int = 0) -> Train:
         """`ahead_of`: an order of the next window, sent before the reduce of round `ahead_of`."""
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
-        return Train(self._window + (1 if ahead_of else 0), epoch, slices, batches, overshoot, then_sync,
+        return Train(self.window + (1 if ahead_of else 0), epoch, slices, batches, overshoot, then_sync,
                      after_round=ahead_of)
 
     def _collect_windows(self, waiting: Set[int], window: WindowTally, epoch: int,
@@ -328,9 +309,9 @@ class Windows:
                 continue
             waiting.discard(done.rank)
             window.add(done)
-            self._progress(epoch, epoch_tally, window, done)
+            self.progress(epoch, epoch_tally, window, done)
 
-    def _progress(self, epoch: int, epoch_tally: EpochTally, window: WindowTally,
+    def progress(self, epoch: int, epoch_tally: EpochTally, window: WindowTally,
                   done: WindowDone) -> None:
         batches = sum(epoch_tally.batches) + sum(window.batches)
         self.observer.on_batch(epoch, batches, done.loss_sum / max(done.batches, 1))

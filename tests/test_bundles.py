@@ -141,12 +141,12 @@ def test_a_stop_deadline_never_cuts_a_save_in_half():
     rank = connect_dealer(zmq.Context.instance(), coord.address, secret, linger_ms=0)
     try:
         coord.request_stop("interrupted by SIGTERM")
-        coord._stop_deadline = time.monotonic() - 1.0
+        coord.stop.deadline = time.monotonic() - 1.0
         Channel(rank, secret).send(CheckpointSaved(0, "stem"))
-        coord._saving = True
+        coord.stop.saving = True
         saved = coord._next(expect=CheckpointSaved)
         assert isinstance(saved, CheckpointSaved) and saved.rank == 0
-        coord._saving = False
+        coord.stop.saving = False
         with pytest.raises(RunAborted, match="SIGTERM"):
             coord._next(expect=CheckpointSaved)
     finally:

@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from flodl_run.membership import Membership, hung_limit_s
+from flodl_run.config.schema import MaxFailureConfig
+from flodl_run.membership import Membership, ShutdownWithSave, hung_limit_s
+from flodl_run.observe import Observer
 from flodl_run.wire import Heartbeat
 from tests.support import REPO, _flodl_children, _run
 
@@ -32,19 +33,23 @@ def train_step(model, batch):
 """
 
 
-class _Ranks(Membership):
-    """The liveness part of the coordinator, over plain state (no sockets)."""
+class _Deaths:
+    """Stands in for what a death does: records (rank, reason)."""
 
     def __init__(self):
-        self.config = SimpleNamespace(progress_factor=20.0, progress_timeout_secs=10.0)
-        self.elche = SimpleNamespace(smoothed_ms=lambda: [2000.0, None])
-        self.alive, self._batch_clock, self._liveness_checked, self.dead = {0, 1}, {}, 0.0, []
+        self.dead = []
 
-    def _check_heartbeats(self):
-        pass
-
-    def report_death(self, rank, reason):
+    def __call__(self, rank, reason):
         self.dead.append((rank, reason))
+
+
+def _membership(on_lost, smoothed=lambda: [2000.0, None], world=2, **limits):
+    """A Membership driven alone: no coordinator, no socket (the channel, send and next are
+    never reached by liveness and death handling in the coordinator backend)."""
+    limits = dict(dict(heartbeat_timeout_s=1e9, progress_factor=20.0, progress_floor_s=10.0,
+                       max_failure=MaxFailureConfig()), **limits)
+    return Membership(world, False, channel=None, send=None, next=None, smoothed_ms=smoothed,
+                      on_lost=on_lost, observer=Observer(), **limits)
 
 
 def test_the_hung_limit_is_a_multiple_of_the_batch_time_with_a_floor():
@@ -60,20 +65,43 @@ def test_only_a_training_rank_whose_count_stands_still_is_hung():
     ordered reduce, eval or save) restarts the clock; a training rank stuck on the same count
     past its limit (rank 0: 20 x 2 s = 40 s; rank 1: the 10 s floor) is reported, once per
     check, with the reason."""
-    ranks = _Ranks()
+    lost = _Deaths()
+    ranks = _membership(lost)
     now = time.monotonic()
-    ranks._note_progress(Heartbeat(0, 7, True), now - 30)   # 30 s < 40 s: fine
-    ranks._note_progress(Heartbeat(1, 3, True), now - 60)
-    ranks._note_progress(Heartbeat(1, 3, False), now - 5)   # then it went into an eval
-    ranks._check_liveness()
-    assert ranks.dead == []
-    ranks._note_progress(Heartbeat(0, 7, True), now - 20)   # same count: the clock keeps running
-    ranks._batch_clock[1] = (3, now - 11)
-    ranks._liveness_checked = 0.0
-    ranks._check_liveness()
-    assert [r for r, _ in ranks.dead] == [1]
+    ranks.note_progress(Heartbeat(0, 7, True), now - 30)   # 30 s < 40 s: fine
+    ranks.note_progress(Heartbeat(1, 3, True), now - 60)
+    ranks.note_progress(Heartbeat(1, 3, False), now - 5)   # then it went into an eval
+    ranks.check_liveness()
+    assert not ranks.absorb() and lost.dead == []
+    ranks.note_progress(Heartbeat(0, 7, True), now - 20)   # same count: the clock keeps running
+    ranks.batch_clock[1] = (3, now - 11)
+    ranks.liveness_checked = 0.0
+    ranks.check_liveness()
+    assert ranks.absorb() and ranks.alive == {0}
+    assert [r for r, _ in lost.dead] == [1]
     assert re.fullmatch(r"hung: no batch finished for 1\d\.\ds while training \(limit 10s; "
-                        r"last at batch 3\)", ranks.dead[0][1])
+                        r"last at batch 3\)", lost.dead[0][1])
+
+
+def test_a_silent_rank_dies_once_and_the_last_death_ends_the_run_with_a_save():
+    """Pins membership's own rules, driven alone: a rank silent past heartbeat_timeout_secs is
+    reported with its silence, a death is absorbed once (a second report of the same rank
+    changes nothing), and losing every rank raises ShutdownWithSave(all_ranks_lost)."""
+    lost = _Deaths()
+    ranks = _membership(lost, heartbeat_timeout_s=5.0)
+    now = time.monotonic()
+    ranks.heard(0, now)
+    ranks.heard(1, now - 7.5)
+    ranks.check_liveness()
+    assert ranks.absorb() and ranks.alive == {0}
+    assert lost.dead == [(1, "silent for 7.5s (heartbeat timeout 5s)")]
+    ranks.report_death(1, "exited with code -9")
+    assert not ranks.absorb() and len(lost.dead) == 1
+    ranks.report_death(0, "exited with code 1")
+    with pytest.raises(ShutdownWithSave) as stop:
+        ranks.absorb()
+    assert (stop.value.reason, stop.value.detail) == ("all_ranks_lost", "exited with code 1")
+    assert ranks.alive == set() and [r for r, _ in lost.dead] == [1, 0]
 
 
 @pytest.mark.alone

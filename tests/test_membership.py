@@ -136,10 +136,10 @@ def test_max_failure_counts_the_dead_against_absolute_n_or_ceil_p_of_the_world(l
     try:
         for rank in range(1, deaths_to_stop):
             coordinator.report_death(rank, "exited with code -9")
-            assert coordinator._absorb_deaths()
+            assert coordinator.members.absorb()
         coordinator.report_death(deaths_to_stop, "exited with code -9")
         with pytest.raises(ShutdownWithSave) as stop:
-            coordinator._absorb_deaths()
+            coordinator.members.absorb()
         assert stop.value.reason == "max_failure_exceeded"
         assert stop.value.detail == f"{deaths_to_stop} of 3 ranks dead"
     finally:
@@ -170,7 +170,7 @@ def test_a_death_is_announced_to_every_survivors_listener(mode, notified):
     socks = _listeners(coordinator, secret, 3)
     try:
         coordinator.report_death(1, "exited with code -9")
-        assert coordinator._absorb_deaths()
+        assert coordinator.members.absorb()
         assert coordinator.alive == {0, 2}
         for rank, sock in enumerate(socks):
             got = Channel(sock, secret).recv(timeout_ms=500 if rank != 1 and notified else 100)

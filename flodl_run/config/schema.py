@@ -422,3 +422,10 @@ class ExperimentConfig(DdpRunConfig):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def lr_factor(world_size: int, lr_scale_ratio: float) -> float:
+    """What `lr_scale_ratio` means for a cohort of `world_size` ranks: the ranks' LR is
+    scaled by 1 + (world_size - 1) * ratio (linear scaling at ratio 1). Ranks apply it; the
+    coordinator recomputes it for the survivors after a death."""
+    return 1.0 + (world_size - 1) * lr_scale_ratio
