@@ -14,11 +14,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import zmq
 
 from flodl_run.averaging.central import CentralAverager
-from flodl_run.averaging.frames import as_frame, dtype_names
 from flodl_run.config.schema import ExperimentConfig, Mode
-from flodl_run.datametrics import DataTally
 from flodl_run.dispatch import EpochPool, EpochSpan, epoch_span
 from flodl_run.elche import ElChe, Plan
+from flodl_run.epochs import Epochs
 from flodl_run.hostinfo import merge_nodes
 from flodl_run.membership import Membership
 from flodl_run.observe import Observer
@@ -35,16 +34,13 @@ from flodl_run.runstate import (
     StopRequest,
 )
 from flodl_run.saving import Saving
-from flodl_run.scalars import roll_up
-from flodl_run.summary import EpochRecord, Summary
-from flodl_run.tallies import EpochTally
+from flodl_run.summary import Summary
 from flodl_run.timeline import Timeline
 from flodl_run.windows import Windows
 from flodl_run.wire import (
     Channel,
     CheckpointSaved,
     ClockPing,
-    Evaluate,
     Evaluated,
     Heartbeat,
     Listening,
@@ -86,11 +82,6 @@ class Coordinator:
         self.recorder = self.timeline.recorder  # the coordinator's own spans
         self.mode = config.elche.mode
         self.observer = observer or Observer()
-        self.recipe: Optional[Recipe] = None
-        """The recipe as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)."""
-        if config.recipe is not None:
-            self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                                      config.recipe.loop)
         self.ctx = zmq.Context()  # its own: the handshake gate is one per context
         sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
         self.channel = Channel(sock, secret)
@@ -105,16 +96,18 @@ class Coordinator:
         self._deferred: List[Received] = []
         self._failure: Optional[RunAborted] = None
         self._pending_events: List[tuple] = []
-        self._compute_ms = [0.0] * world_size
-        self._data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
         self.on_rank_dead: Optional[Callable[[int], None]] = None
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
         self.async_loop: Optional[AsyncLoop] = None
-        self._compose(shm_prefix)
+        recipe = None  # as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)
+        if config.recipe is not None:
+            recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                                 config.recipe.loop)
+        self._compose(shm_prefix, recipe)
 
-    def _compose(self, shm_prefix: Optional[str]) -> None:
+    def _compose(self, shm_prefix: Optional[str], recipe: Optional[Recipe]) -> None:
         """Build the parts; each gets what it uses (see their docstrings)."""
         config, world, mode = self.config, self.world_size, self.mode
         self.stop, self.balance, self.holdings = StopRequest(), Balance(), Holdings(world)
@@ -123,13 +116,16 @@ class Coordinator:
             self._on_lost, self.observer, heartbeat_timeout_s=config.heartbeat_timeout_secs,
             progress_factor=config.progress_factor, progress_floor_s=config.progress_timeout_secs,
             max_failure=config.max_failure)
+        self.epochs = Epochs(
+            config, mode, world, recipe, self.members, self.balance, self.averager, self.summary,
+            self.observer, self._send, self._next, self.save_bundle, self.fail_callback)
         self.reduces = Reduces(
             world, mode, config, self.members, self.balance, self.holdings, self.averager,
             self.recorder, self.summary, self.observer, self._send, self._next, lambda: self._payloads,
             shm_prefix, self._regroup, self.save_bundle, self._uncovered_now, self._epoch_batches)
         self.saving = Saving(
             config, mode, world, self.members, self.balance, self.averager, self.stop, self._send,
-            self._next, self._callback_rank, lambda: (self.reduces.global_step, self.reduces.round),
+            self._next, self.epochs.callback_rank, lambda: (self.reduces.global_step, self.reduces.round),
             self.summary, self.observer)
         self.windows = Windows(
             world, mode, config, self.members, self.reduces, self.balance, self.stop, self.holdings,
@@ -140,6 +136,15 @@ class Coordinator:
     @property
     def alive(self):
         return self.members.alive
+
+    @property
+    def recipe(self) -> Optional[Recipe]:
+        """The recipe whose callbacks run in this process (the epochs' part)."""
+        return self.epochs.recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Optional[Recipe]) -> None:
+        self.epochs.recipe = recipe
 
     @property
     def elche(self) -> Optional[ElChe]:
@@ -289,18 +294,8 @@ class Coordinator:
             self._run_async(total)
         else:
             for epoch in range(self._start_epoch, total):
-                self.close_epoch(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
-        last = self.summary.epochs[-1] if self.summary.epochs else None
-        if last is not None and last.eval is None and self.config.recipe is not None:
-            try:
-                last_eval = self._evaluate(total - 1)
-                if last_eval is not None:
-                    self.recipe.run_callback("eval_result_fn", total - 1, last_eval)
-            except CallbackFailed as failure:
-                self.fail_callback(failure, total, [])
-            self.summary.final_eval = last_eval
-        elif last is not None:
-            self.summary.final_eval = last.eval
+                self.epochs.close(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
+        self.epochs.final_eval(total)
         self.save_bundle("checkpoint", total, [])
 
     def _run_async(self, total: int) -> None:
@@ -310,7 +305,7 @@ class Coordinator:
             self.world_size, self.config, [self._span(e) for e in range(total)],
             [self._epoch_pool(e) if e >= start else EpochPool(0, []) for e in range(total)], start,
             self.members, self.balance, self.windows, self.reduces, self.holdings, self.averager,
-            self.recorder, self.stop, self._send, self._next, self.close_epoch,
+            self.recorder, self.stop, self._send, self._next, self.epochs.close,
             self.saving.graceful_stop)
         self.async_loop.run()
 
@@ -320,72 +315,6 @@ class Coordinator:
         if epoch == self._start_epoch and self._resume_uncovered:
             return EpochPool(span.pass_index, [(s, e) for _, s, e in self._resume_uncovered])
         return EpochPool.whole(span)
-
-    def close_epoch(self, epoch: int, tally: EpochTally) -> None:
-        """Aggregate a finished epoch (callbacks included), publish it, and checkpoint_every.
-        A recipe callback that raises fails the run, saving the epoch's consensus first."""
-        for rank, ms in enumerate(tally.wall_ms):
-            self._compute_ms[rank] += ms
-        try:
-            record = self._epoch_record(epoch, tally)
-            self.summary.epochs.append(record)
-            self.observer.on_epoch(record)
-            if self.recipe is not None:
-                self.recipe.report_epoch(record)  # eval_result_fn, metrics_fn: in this process
-        except CallbackFailed as failure:
-            self.fail_callback(failure, epoch + 1, [])
-        every = self.config.checkpoint_every
-        total = self.config.num_epochs * self.config.data.epoch_splits
-        if every and (epoch + 1) % every == 0 and epoch + 1 < total:
-            self.save_bundle("checkpoint", epoch + 1, [])
-
-    # ---- epoch records and callbacks --------------------------------------------------------
-
-    def _epoch_record(self, epoch: int, tally: EpochTally) -> EpochRecord:
-        total_batches = max(sum(tally.batches), 1)
-        every = self.config.eval_every_epochs
-        eval_began = time.perf_counter()
-        due = bool(every) and (epoch + 1) % every == 0
-        epoch_fn = self.recipe is not None and self.recipe.epoch_fn is not None
-        score = self._evaluate(epoch, due, epoch_fn) if due or epoch_fn else None
-        eval_ms = (time.perf_counter() - eval_began) * 1000.0
-        return EpochRecord(
-            epoch=epoch,
-            avg_loss=sum(tally.loss_sum) / total_batches,  # work-weighted: per batch, all ranks
-            eval=score,
-            epoch_ms=(time.perf_counter() - tally.started) * 1000.0,
-            eval_ms=eval_ms,
-            per_rank_throughput=[s / (w / 1000.0) if w > 0 else 0.0
-                                 for s, w in zip(tally.samples, tally.wall_ms)],
-            per_rank_batch_share=[b / total_batches for b in tally.batches],
-            scalars=roll_up(tally.scalars, self.config.scalar_reductions),
-            samples=sum(tally.samples),
-            **self._data.epoch_fields(epoch),
-        )
-
-    def _callback_rank(self) -> int:
-        policy = self.config.epoch_callback_policy
-        if policy.startswith("rank:") and int(policy.split(":", 1)[1]) in self.alive:
-            return int(policy.split(":", 1)[1])
-        known = [(ms, rank) for rank, ms in enumerate(self.elche.smoothed_ms() if self.elche else [])
-                 if ms is not None and rank in self.alive]
-        return min(known)[1] if known else min(self.alive)
-
-    def _evaluate(self, epoch: int, score: bool = True, epoch_fn: bool = False) -> Optional[float]:
-        """The eval on the callback rank (`score`), then the recipe's epoch_fn there (`epoch_fn`)."""
-        rank = self._callback_rank()
-        center = self.averager.center if self.mode is Mode.cpu_async else None
-        if center is not None:  # under EASGD, eval scores the center, not a replica
-            self._send(rank, Evaluate(epoch, dtype_names(center), score, epoch_fn),
-                       [as_frame(p) for p in center])
-        else:
-            self._send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
-        result = self._next(expect=Evaluated)
-        while result is None or result.rank not in self.alive:
-            if rank not in self.alive:  # the callback rank died: ask another
-                return self._evaluate(epoch, score, epoch_fn)
-            result = self._next(expect=Evaluated)
-        return result.score if score and result.score == result.score else None  # NaN: no eval set
 
     # ---- messaging --------------------------------------------------------------------------
 
@@ -439,7 +368,7 @@ class Coordinator:
                 self.timeline.receive(message, received.identity, self.channel)
                 continue
             if isinstance(message, WindowDone):
-                self._data.add(message)  # each WindowDone passes here once, deferred or not
+                self.epochs.data.add(message)  # each WindowDone passes here once, deferred or not
                 self.observer.on_window(message.rank, message.samples, message.wall_ms,
                                         message.device_bytes)
                 self.reduces.note_window(message)
@@ -498,7 +427,7 @@ class Coordinator:
                                             for r in range(self.world_size)]
         if self._train_started is not None:
             train_ms = (time.perf_counter() - self._train_started) * 1000.0
-            self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self._compute_ms]
+            self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self.epochs.compute_ms]
 
     def _close_socket(self) -> None:
         """Close the control plane now (the Stop orders still go out, within LINGER), not when
