@@ -31,7 +31,7 @@ from flodl_run.checkpoint import (
 )
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
-from flodl_run.membership import RunAborted
+from flodl_run.runstate import RunAborted
 from flodl_run.wire import Channel, CheckpointSaved, connect_dealer, new_secret
 
 

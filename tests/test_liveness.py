@@ -14,8 +14,9 @@ import time
 import pytest
 
 from flodl_run.config.schema import MaxFailureConfig
-from flodl_run.membership import Membership, ShutdownWithSave, hung_limit_s
+from flodl_run.membership import Membership, hung_limit_s
 from flodl_run.observe import Observer
+from flodl_run.runstate import ShutdownWithSave
 from flodl_run.wire import Heartbeat
 from tests.support import REPO, _flodl_children, _run
 

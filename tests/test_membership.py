@@ -19,7 +19,7 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.checkpoint import read_meta
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig
 from flodl_run.coordinator import Coordinator
-from flodl_run.membership import ShutdownWithSave
+from flodl_run.runstate import ShutdownWithSave
 from flodl_run.wire import AbortGroup, Channel, Listening, connect_dealer, new_secret
 from tests.support import _free_port, _model, _run
 

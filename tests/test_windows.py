@@ -11,8 +11,8 @@ from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.dispatch import EpochPool
 from flodl_run.observe import Observer
 from flodl_run.runstate import Balance, Holdings, StopRequest
-from flodl_run.wire import SyncNow, Train, WindowDone
 from flodl_run.windows import Windows
+from flodl_run.wire import SyncNow, Train, WindowDone
 
 BATCH = 4
 
