@@ -1,8 +1,9 @@
 """The coordinator: the control plane of a distributed run.
 
-Owns the window loop: hands out data (equal split for sync, throughput-sized chunks for
-cadence), opens the reduce gate, orders reduces, feeds ElChe, aggregates epochs in order and
-runs the eval callback. It never touches a device; ranks do the training and the averaging.
+Owns the control socket, the message pump and the order of a run (ranks join, epochs train,
+the run finishes or stops), and composes the parts that do the rest: membership, windows
+(sync/cadence dispatch), reduces, saving, epochs (records, evals, callbacks) and, in
+cpu_async, the async loop. It never touches a device; ranks do the training and the averaging.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ class Coordinator:
     """Runs on a thread of the launcher; `run()` returns the Summary of the whole run.
 
     Owns the control socket and the message pump (`_send`, `_next`: deferred answers, the
-    frames of the last message), the ranks' identities and join reports, the summary and the
-    epoch records, and its parts, each holding its own state: `stop` (the stop request),
+    frames of the last message), the ranks' identities and join reports, the summary, where a
+    resume starts, and its parts, each holding its own state: `stop` (the stop request),
     `balance` (ElChe and its plan), `holdings` (work since the last fold), `members`
-    (membership), `reduces`, `windows`, `saving`, and in cpu_async the `async_loop`. The parts
-    get what they use, and call back only through the bound methods handed to them."""
+    (membership), `reduces`, `windows`, `saving`, `epochs`, and in cpu_async the `async_loop`.
+    The parts get what they use, and call back only through the bound methods handed to them."""
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
