@@ -122,11 +122,11 @@ class Coordinator:
             self.observer, self._send, self._next, self.save_bundle, self.fail_callback)
         self.reduces = Reduces(
             world, mode, config, self.members, self.balance, self.holdings, self.averager,
-            self.recorder, self.summary, self.observer, self._send, self._next, lambda: self._payloads,
+            self.recorder, self.summary, self.observer, self._send, self._next, self._frames,
             shm_prefix, self._regroup, self.save_bundle, self._uncovered_now, self._epoch_batches)
         self.saving = Saving(
             config, mode, world, self.members, self.balance, self.averager, self.stop, self._send,
-            self._next, self.epochs.callback_rank, lambda: (self.reduces.global_step, self.reduces.round),
+            self._next, self.epochs.callback_rank, self.reduces.trajectory,
             self.summary, self.observer)
         self.windows = Windows(
             world, mode, config, self.members, self.reduces, self.balance, self.stop, self.holdings,
@@ -324,6 +324,10 @@ class Coordinator:
         if isinstance(order, Train) and order.slices:
             self.holdings.note(rank, order.epoch, order.slices)
         self.channel.send(message, payloads, identity=self.identities[rank])
+
+    def _frames(self) -> List[memoryview]:
+        """The frames that came with the message `_next` returned last."""
+        return self._payloads
 
     def _next(self, expect: type | tuple, deadline: Optional[float] = None,
               accept: Optional[Callable[[Message], bool]] = None) -> Optional[Message]:

@@ -90,6 +90,10 @@ class Reduces:
         """Continue a bundle's counters."""
         self.global_step, self.round = global_step, round_
 
+    def trajectory(self) -> Tuple[int, int]:
+        """(global step, round): where the run stands, as a bundle records it."""
+        return self.global_step, self.round
+
     def begin_round(self) -> int:
         """A reduce begins (the async loop's gate opened): its round number."""
         self.round += 1
