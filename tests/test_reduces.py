@@ -1,0 +1,80 @@
+"""The reduces part of the coordinator driven alone: snapshots handed in as messages with
+their frames, no Coordinator, socket or averaging involved."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flodl_run.averaging.frames import as_frame
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.observe import Observer
+from flodl_run.reduces import Reduces
+from flodl_run.runstate import Balance, Holdings, RunAborted
+from flodl_run.summary import Summary
+from flodl_run.wire import SnapshotTaken, WindowDone
+
+
+class _Events(Observer):
+    def __init__(self):
+        self.events = []
+
+    def on_event(self, kind, message):
+        self.events.append(kind)
+
+
+def _reduces(**config):
+    """Reduces of a cpu_cadence pair, with the frames of one small snapshot as `payloads()`."""
+    frames = [as_frame(torch.ones(3)), as_frame(torch.zeros(1))]  # parameters, float buffers
+    observer = _Events()
+    reduces = Reduces(2, ElCheConfig.preset("cpu_cadence").mode,
+                      ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"), **config),
+                      SimpleNamespace(alive={0, 1}, regroup_needed=False), Balance(), Holdings(2),
+                      averager=None, recorder=None, summary=Summary(), observer=observer, send=None,
+                      next=None, payloads=lambda: frames, shm_prefix=None, regroup=None,
+                      save_bundle=None, uncovered_now=None, epoch_batches=None)
+    return reduces, observer
+
+
+def _taken(rank, round_, steps):
+    return SnapshotTaken(rank, round_, steps, ["torch.float32"])
+
+
+def test_a_rank_left_out_of_a_round_folds_its_late_steps_into_its_next_snapshot():
+    """Pins the snapshot-timeout rule reduces own: a rank left out of round 3 has its late
+    round-3 snapshot set aside (not averaged), its 5 steps owed, and its round-4 snapshot
+    carries them (2 + 5 = 7 steps of weight); the budget check applies to what it trained in
+    its window (2 steps), and a snapshot past its window plus allowance aborts the run."""
+    reduces, observer = _reduces()
+    reduces.resume(global_step=40, round_=3)
+    reduces.leave_out({1})
+    assert reduces.late == {1} and observer.events == ["snapshot_late"]
+    assert reduces.begin_round() == 4
+    assert reduces.take_snapshot(_taken(1, 3, 5), window_batches=2, allowance=0) is None
+    folded = reduces.take_snapshot(_taken(1, 4, 2), window_batches=2, allowance=0)
+    assert (folded.rank, folded.steps) == (1, 7) and observer.events[-1] == "snapshot_folded"
+    on_time = reduces.take_snapshot(_taken(0, 4, 2), window_batches=2, allowance=0)
+    assert on_time.steps == 2 and torch.equal(on_time.params[0], torch.ones(3))
+    with pytest.raises(RunAborted, match="rank 0 round 4: 4 steps since the last reduce, budget 2 \\+ 1"):
+        reduces.take_snapshot(_taken(0, 4, 4), window_batches=2, allowance=1)
+
+
+def test_non_finite_reduces_in_a_row_stop_the_run_at_max_nonfinite():
+    """Pins the non-finite rule reduces own: a NaN window loss marks its rank for the next
+    reduce (logged in the summary with the round, weight 0); max_nonfinite reduces in a row
+    with such a rank ask the run to stop, and a clean reduce between them restarts the count."""
+    reduces, observer = _reduces(max_nonfinite=2)
+
+    def reduce_with(loss):
+        reduces.begin_round()
+        reduces.note_window(WindowDone(1, reduces.round, 0, 1, 8, 1.0, 0.0, loss, 0.1))
+        return reduces.tally_nonfinite()
+
+    assert reduce_with(float("nan")) is False
+    assert reduce_with(0.5) is False  # a clean reduce: the streak starts over
+    assert reduce_with(float("inf")) is False
+    assert reduce_with(float("nan")) is True
+    assert reduces.summary.nonfinite == [{"round": r, "rank": 1, "what": "loss"} for r in (1, 3, 4)]
+    assert observer.events.count("rank_nonfinite") == 3
