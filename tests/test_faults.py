@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from flodl_run.faults import Fault, FaultPlan, FaultSpecError
+from flodl_run.rank_env import RankEnv
 
 
 def test_a_single_signal_fault_is_parsed_as_the_docs_write_it():
@@ -55,3 +56,19 @@ def test_after_batch_hangs_through_the_ranks_callback_and_signals_through_the_os
     plan.after_batch(1, 3, lambda: hung.append(3))
     plan.after_batch(1, 4, lambda: hung.append(4))
     assert hung == [3] and sent == [signal.SIGSTOP]
+
+
+def _rank_environ(**extra: str) -> dict:
+    return dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                FLODL_RUN_COORD="tcp://127.0.0.1:5555", FLODL_RUN_SECRET="ab",
+                FLODL_RUN_FILE="run.yaml", **extra)
+
+
+def test_the_rank_reads_its_fault_plan_once_at_its_process_edge():
+    """Pins where parsing happens: RankEnv carries the parsed plan, and a malformed spec stops
+    the rank before any setup with the spec's own message (not a traceback mid-setup)."""
+    env = RankEnv.from_environ(_rank_environ(FLODL_RUN_FAULT="1:30:SIGKILL"))
+    assert env.faults.due(1, 30) == Fault(1, 30, "SIGKILL")
+    assert RankEnv.from_environ(_rank_environ()).faults == FaultPlan()
+    with pytest.raises(SystemExit, match=r"FLODL_RUN_FAULT='1:30': .*<rank>:<after batches>"):
+        RankEnv.from_environ(_rank_environ(FLODL_RUN_FAULT="1:30"))
