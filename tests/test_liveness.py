@@ -123,6 +123,25 @@ def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path
     assert all(e["samples"] == 1437 for e in summary["epochs"])
 
 
+@pytest.mark.alone
+@pytest.mark.e2e
+def test_an_injected_hang_is_declared_dead_by_heartbeat_timeout(tmp_path):
+    """Pins the `hang` fault end to end: rank 1 of a cpu_cadence pair stops after its 8th batch,
+    sends no more heartbeats and does not exit; it is declared dead as silent after
+    heartbeat_timeout_secs=3 (within 3-8 s), the launcher kills it, none of the run's processes
+    is left, and the survivor completes the run with every sample."""
+    env = dict(os.environ, FLODL_RUN_FAULT="1:8:hang")
+    proc, summary = _run(tmp_path, "cluster=cpu_pair", "elche=cpu_cadence", "num_epochs=2",
+                         "heartbeat_timeout_secs=3", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
+    assert "rank 1: hanging (injected fault)" in proc.stdout + proc.stderr
+    silent = float(re.search(r"rank 1 lost: silent for ([0-9.]+)s", proc.stdout)[1])
+    assert 3.0 <= silent <= 8.0
+    assert all(e["samples"] == 1437 for e in summary["epochs"])
+    assert _flodl_children(proc.pid) == []
+
+
 @pytest.mark.e2e
 def test_a_sigkilled_launcher_leaves_no_rank_and_no_slab(tmp_path):
     """Pins orphan handling: SIGKILL the launcher of a cpu_sync pair mid-run (slabs in use);

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from flodl_run.config.schema import DataConfig, ExperimentConfig, RecipeConfig
 from flodl_run.config.validate import epoch_splits_problem
 from flodl_run.dispatch import epoch_span
 from flodl_run.picks import PickKey, PickSpace, Work, epoch_of, slice_works
-from flodl_run.rank import RankWorker
+from flodl_run.rank_jobs import BatchCutter
 from flodl_run.wire import Train
 
 
@@ -82,15 +81,12 @@ def test_seed_value_is_stable_and_spreads():
 
 
 def _rank_batches(num_samples: int, augment: int, batch_size: int, order: Train):
-    """The rank's own cut of a Train order into batches (RankWorker._order_batches)."""
-    config = ExperimentConfig(batch_size=batch_size, seed=3, data=DataConfig(augment=augment))
-    fake = SimpleNamespace(config=config, _perms={}, source=range(num_samples))
-    fake._indices = lambda p, o, s: RankWorker._indices(fake, p, o, s)
-    return RankWorker._order_batches(fake, order)
+    """The rank's own cut of a Train order into batches (what RankWorker queues)."""
+    return BatchCutter(num_samples, augment, seed=3, batch_size=batch_size).cut(order)
 
 
 def test_slice_works_match_the_ranks_cut_of_a_train_order():
-    """Pins slice_works against RankWorker._order_batches: each slice is cut on its own into
+    """Pins slice_works against the rank's BatchCutter: each slice is cut on its own into
     batch_size batches, so the data plane keys and prefetches exactly the rank's batches."""
     order = Train(window=0, epoch=0, slices=[(0, 5, 70), (1, 0, 33)], num_batches=5)
     batches = _rank_batches(50, 2, 32, order)
