@@ -4,13 +4,12 @@ Owns the layout (ranks in worker order; `local_devices: all` and every other lis
 against the host's inventory), each remote rank's torchrun environment, starting one `ssh`
 per rank into `python -m flodl_run.ssh` with the secret and run.yaml on its stdin, and
 forwarding output with host and rank prefixes. Watching and stopping the ssh processes is
-`supervisor`'s, as for local ranks; what a lost host means is the coordinator's.
+`supervisor`'s, as for local ranks (the `RankProcess` record is `rankproc`'s); what a lost host means is the coordinator's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -32,8 +31,8 @@ from flodl_run.probe import (
     resolve_devices,
     worker_path,
 )
+from flodl_run.rankproc import RankProcess, forward, host_store, is_loopback
 from flodl_run.ssh import encode_handshake, remote_command, ssh_argv
-from flodl_run.supervisor import RankProcess, forward, host_store
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, for controller-only layouts (never probed)
 
@@ -65,15 +64,6 @@ class HostLayout:
     @property
     def gpus(self) -> List[GpuInfo]:
         return [g for w in self.workers for g in w.gpus]
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def plan_hosts(config: ExperimentConfig,

@@ -240,7 +240,7 @@ def spawn(config: ExperimentConfig, argv: List[str]) -> int:
     """Start one process per rank of the rig (the launcher's topology plan) and wait for all;
     if one fails, stop the rest."""
     from flodl_run.launcher import plan_topology
-    from flodl_run.supervisor import free_port
+    from flodl_run.rankproc import free_port
 
     plan = plan_topology(config)
     port = config.cluster.master_port or free_port(config.cluster.master_addr)

@@ -29,9 +29,8 @@ from rich.markup import escape
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import Problem, validate
-from flodl_run.hosts import is_loopback
+from flodl_run.rankproc import RankProcess, host_store, is_loopback
 from flodl_run.slurm_task import expand_counts
-from flodl_run.supervisor import RankProcess, host_store
 
 STEP_NAME = "flodl_run-ranks"
 _TASK_LINE = re.compile(r"(\d+): ?(.*)")

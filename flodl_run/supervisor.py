@@ -12,66 +12,26 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, TextIO
+from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
-from rich.markup import escape
 
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run, run_prefix
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
+from flodl_run.rankproc import RankProcess, forward, host_store
 from flodl_run.summary import Summary
 from flodl_run.timeline import Timeline
 from flodl_run.wire import frame_limit, new_secret
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class RankProcess:
-    rank: int
-    process: subprocess.Popen
-    log: TextIO
-    forwarder: Optional[threading.Thread] = None
-    host: Optional[str] = None
-    """Worker host of a rank started over ssh (`hosts`); None for a local rank."""
-    store: Any = None
-    """The rendezvous store these ranks share (kept alive as long as the processes)."""
-
-
-def host_store(addr: str, port: int) -> Any:
-    """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
-    rebuild their process group on it after a death. It listens on `addr` only
-    (port 0: the kernel picks; `.port` says which): left to itself, torch's store listens on
-    every interface whatever host it is given, so we bind the socket and hand it over."""
-    import torch.distributed as dist
-
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(sockaddr)
-        listener.listen()
-    except OSError:
-        listener.close()
-        raise
-    return dist.TCPStore(addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=300), master_listen_fd=listener.detach())
 
 
 def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
@@ -100,15 +60,6 @@ def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord
         threads = config.cluster.threads_per_rank or 1
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
     return env
-
-
-def forward(proc: RankProcess, console: Console, label: str) -> None:
-    """Copy a rank's output to its log file and to the terminal, prefixed by `label`."""
-    prefix = f"[dim]\\[{escape(label)}][/] "
-    for line in proc.process.stdout:
-        proc.log.write(line)
-        proc.log.flush()
-        console.print(prefix + escape(line.rstrip()), highlight=False, soft_wrap=True)
 
 
 def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: bytes,

@@ -13,7 +13,8 @@ import zmq
 import zmq.utils.monitor
 
 from flodl_run.config.schema import Mode
-from flodl_run.supervisor import _param_bytes, host_store
+from flodl_run.rankproc import host_store
+from flodl_run.supervisor import _param_bytes
 from flodl_run.wire import (
     Channel,
     Heartbeat,
