@@ -4,7 +4,8 @@ Owns the layout (ranks in worker order; `local_devices: all` and every other lis
 against the host's inventory), each remote rank's torchrun environment, starting one `ssh`
 per rank into `python -m flodl_run.ssh` with the secret and run.yaml on its stdin, and
 forwarding output with host and rank prefixes. Watching and stopping the ssh processes is
-`supervisor`'s, as for local ranks (the `RankProcess` record is `rankproc`'s); what a lost host means is the coordinator's.
+`supervisor`'s, as for local ranks (the `RankProcess` record is `rankproc`'s); what a lost
+host means is the coordinator's.
 """
 
 from __future__ import annotations
