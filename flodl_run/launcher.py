@@ -28,6 +28,7 @@ from flodl_run.records import RecordLog
 from flodl_run.rundir import EventFile, link_latest, written
 from flodl_run.say import say, say_labelled
 from flodl_run.summary import Summary, write_summary
+from flodl_run.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.timeline import TimelineFile
 from flodl_run.tracking import make_tracker
 
@@ -131,15 +132,15 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     _check_run(config, plan, recipe)
     live = serve_dashboard(config)  # before anything starts: a port in use is a config error
     _say_plan(config, plan, console)
-    tracker = make_tracker(config)
+    tracker = make_tracker(config.tracking, _uploads(config))
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
     progress = TerminalProgress(console) if show_progress else None
     # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker, which
     # uploads them; the live dashboard's server stops after the dashboard took the summary.
-    board = Dashboard.for_run(config, run_dir)
-    timeline = None if plan.in_process else TimelineFile.for_run(config, run_dir)
-    outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir), board,
+    board = _dashboard(config, run_dir)
+    timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
+    outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
                            live and live.start(board, console), timeline) if o is not None]
     observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
     try:
@@ -168,7 +169,32 @@ def serve_dashboard(config: ExperimentConfig) -> Optional["LiveServer"]:
         return None
     from flodl_run.liveserver import LiveServer
 
-    return LiveServer.bind(config)
+    return LiveServer.bind(config.dashboard)
+
+
+def _dashboard(config: ExperimentConfig, run_dir: Path) -> Optional[Dashboard]:
+    """The run's dashboard, or None when neither `dashboard_html` (relative to the run dir)
+    nor `dashboard.serve` asks for one."""
+    if not config.dashboard_html and config.dashboard.serve is None:
+        return None
+    details = {"mode": config.elche.mode.value, "outer": config.outer.kind.value,
+               "recipe": config.recipe.module, "run dir": str(run_dir)}
+    path = Path(run_dir) / config.dashboard_html if config.dashboard_html else None
+    return Dashboard(path, config.dashboard_theme.value, config.run_name or "flodl_run", details,
+                     config.cluster)
+
+
+def _record_log(config: ExperimentConfig, run_dir: Path) -> Optional[RecordLog]:
+    """The run's record log, or None when `record_log_dir` is unset (relative to the run dir)."""
+    if not config.record_log_dir:
+        return None
+    return RecordLog(Path(run_dir) / config.record_log_dir, config.max_log_size, config.cluster)
+
+
+def _uploads(config: ExperimentConfig) -> List[str]:
+    """Files of the run dir the tracker uploads at the end, when the run wrote them: the
+    dashboard page and the timeline."""
+    return [name for name in (config.dashboard_html, config.timeline and TIMELINE_FILE) if name]
 
 
 def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
