@@ -13,13 +13,13 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 from rich.console import Console
 
 from flodl_run.config.materialize import ConfigError
-from flodl_run.config.schema import ExperimentConfig, Topology
-from flodl_run.config.validate import Problem
+from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
+from flodl_run.config.validate import Problem, validate
 from flodl_run.dashboard import Dashboard
 from flodl_run.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.observe import Observer, Observers
@@ -70,12 +70,14 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     if cluster.topology is Topology.hosts:
         from flodl_run.hosts import plan_hosts
 
-        layout = plan_hosts(config)  # asks each host over ssh; ConfigError when one cannot serve
+        # Asks each host over ssh; ConfigError when one cannot serve.
+        layout = plan_hosts(cluster, config.elche.mode, _world_problems(config))
         return Plan(layout.world_size, False, layout.gpus, layout)
     if cluster.topology is Topology.slurm:
         from flodl_run.slurm import plan_slurm, read_allocation
 
-        step = plan_slurm(config, read_allocation())  # ConfigError outside an allocation
+        # ConfigError outside an allocation.
+        step = plan_slurm(cluster, read_allocation(), _world_problems(config))
         return Plan(step.world_size, False, [], slurm=step)
     gpus = visible_gpus() if gpus is None else gpus
     if len(gpus) >= 2:
@@ -83,14 +85,20 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     return Plan(1, True, gpus)
 
 
+def _world_problems(config: ExperimentConfig) -> Callable[[Optional[int]], List[Problem]]:
+    """The config's rules that need the world size (partition_ratios, emulate_slowdown,
+    rank:<n>), for the planners that find it out (hosts, slurm)."""
+    return lambda world_size: validate(config, world_size).problems
+
+
 ONE_DEVICE_NOTICE = ("one device: solo in-process run; elche/outer apply with 2+ ranks, "
                      "e.g. cluster=cpu_pair")
 
 
-def one_device_notice(config: ExperimentConfig, plan: Plan) -> Optional[str]:
+def one_device_notice(topology: Topology, plan: Plan) -> Optional[str]:
     """The line that says a `cluster=auto` run fell back to one in-process replica, where the
     mode and outer optimizer have nothing to act on; None otherwise (`cluster=solo` asked)."""
-    if plan.in_process and config.cluster.topology is Topology.auto:
+    if plan.in_process and topology is Topology.auto:
         return ONE_DEVICE_NOTICE
     return None
 
@@ -100,7 +108,7 @@ def one_device_warning(config: ExperimentConfig) -> Optional[str]:
     back to in-process, and only this host's GPU count decides it."""
     if config.cluster.topology is not Topology.auto:
         return None
-    return one_device_notice(config, plan_topology(config))
+    return one_device_notice(config.cluster.topology, plan_topology(config))
 
 
 @dataclass
@@ -130,8 +138,8 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
-    live = serve_dashboard(config)  # before anything starts: a port in use is a config error
-    _say_plan(config, plan, console)
+    live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
+    _say_plan(config.cluster.topology, plan, console)
     tracker = make_tracker(config.tracking, _uploads(config))
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
@@ -162,14 +170,14 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
                      tracker.run_id, model)
 
 
-def serve_dashboard(config: ExperimentConfig) -> Optional["LiveServer"]:
+def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
     """The live dashboard's server, bound but not started, when `dashboard.serve` is set
     (ConfigError when its address cannot be had); the web stack loads only then."""
-    if config.dashboard.serve is None:
+    if dashboard.serve is None:
         return None
     from flodl_run.liveserver import LiveServer
 
-    return LiveServer.bind(config.dashboard)
+    return LiveServer.bind(dashboard)
 
 
 def _dashboard(config: ExperimentConfig, run_dir: Path) -> Optional[Dashboard]:
@@ -207,7 +215,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
             return summary, model, None
         from flodl_run.supervisor import launch_ranks
 
-        _leave_cores_to_ranks(config, plan)
+        _leave_cores_to_ranks(config.cluster, plan)
         return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id,
                             timeline), None, None
     except Exception as exc:  # the recipe raised in this process: still close the run's records
@@ -219,7 +227,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
         return summary, None, exc
 
 
-def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
+def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
     """The hardware (or hosts) line, and the one-device notice when it applies."""
     if plan.hosts is not None:
         from flodl_run.hosts import hosts_line
@@ -231,7 +239,7 @@ def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
         say(console, slurm_line(plan.slurm))
     else:
         say(console, hardware_line(plan.gpus, plan.world_size))
-    notice = one_device_notice(config, plan)
+    notice = one_device_notice(topology, plan)
     if notice:
         say_labelled(console, "note", notice, "cyan")
 
@@ -258,16 +266,16 @@ def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"])
                            for r in reasons])
 
 
-def _leave_cores_to_ranks(config: ExperimentConfig, plan: Plan) -> None:
+def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
     """CPU ranks on this host own its cores: the coordinator's CPU averaging (cpu_* modes) gets
     what they leave, at least one thread. With torch's default of one thread per core its
     intra-op threads queue behind busy ranks: on 2 cores a 2.25 MB consensus took ~80 ms instead
     of ~6 while cpu_async ranks kept training."""
-    if plan.gpus or plan.hosts is not None or plan.slurm is not None or not config.cluster.launch_ranks:
+    if plan.gpus or plan.hosts is not None or plan.slurm is not None or not cluster.launch_ranks:
         return
     import torch
 
-    busy = plan.world_size * (config.cluster.threads_per_rank or 1)
+    busy = plan.world_size * (cluster.threads_per_rank or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - busy))
 
 

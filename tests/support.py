@@ -98,6 +98,23 @@ def make(**dotted) -> ExperimentConfig:
     return cfg
 
 
+def world_rules(config: ExperimentConfig):
+    """The config's rules that need the world size, as the launcher hands them to the hosts and
+    slurm planners."""
+    from flodl_run.config.validate import validate
+
+    return lambda world_size: validate(config, world_size).problems
+
+
+def plan_layout(config: ExperimentConfig, ask=None):
+    """`hosts.plan_hosts` as the launcher calls it for `config` (`ask`: a stand-in for the
+    inventory over ssh; None asks the real hosts)."""
+    from flodl_run.hosts import plan_hosts
+
+    extra = {} if ask is None else {"ask": ask}
+    return plan_hosts(config.cluster, config.elche.mode, world_rules(config), **extra)
+
+
 # The shell: clocks, sockets, files, logging, tracking, tensors, Hydra.
 FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra", "omegaconf",
                    "os", "pathlib", "subprocess", "threading", "asyncio", "rich",
