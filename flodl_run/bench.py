@@ -33,7 +33,7 @@ from flodl_run.benchreport import (
     tables,
     to_markdown,
 )
-from flodl_run.cli import fail_config, run_hydra_app, typed_or_exit
+from flodl_run.config.app import fail_config, run_hydra_app, typed_or_exit
 from flodl_run.config.compose import compose, experiment_to_yaml
 from flodl_run.config.schema import (
     ClusterConfig,
