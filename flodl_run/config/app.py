@@ -18,6 +18,8 @@ from flodl_run.config.compose import conf_dir, register_schemas
 from flodl_run.config.materialize import ConfigError
 
 EXIT_CONFIG = 2
+JOB_MODULE = "flodl_run.cli"
+"""Hydra's job name comes from this module's last part: `cli`, hence `cli.log`."""
 
 
 def fail_config(message: str, console: Console, prog: str = "flodl_run") -> NoReturn:
@@ -58,13 +60,16 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
     check_overrides(config_name)
     status: list = []
 
-    @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=config_name)
     def _app(cfg: Any) -> None:
         status.append(0)
         status[-1] = job(cfg) or 0
 
+    # Hydra names the job, and so its log file in the run dir, after the module of the function
+    # it runs: every command's log is cli.log, as it was when this edge lived in flodl_run.cli.
+    _app.__module__ = JOB_MODULE
+    app = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=config_name)(_app)
     try:
-        _app()
+        app()
     except SystemExit as exc:
         if exc.code == 1 and not status:
             sys.exit(EXIT_CONFIG)
