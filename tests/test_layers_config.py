@@ -137,3 +137,18 @@ def test_cycle_check_finds_a_lazy_cycle(tmp_path: Path) -> None:
     graph = import_graph(package)
     assert graph["pkg.d"] == {"pkg.a"}
     assert import_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+ENTRY_POINTS = ("flodl_run.cli", "flodl_run.bench", "flodl_run.sim", "flodl_run.review")
+"""Commands a user runs (`.venv/bin/python -m ...`): what they share lives below them
+(config/app holds the Hydra edge), so none imports another."""
+
+
+def test_no_module_imports_an_entry_point() -> None:
+    """Pins that the commands stay at the top: a module importing cli, bench, sim or review
+    (as bench and sim once took the Hydra helpers from cli) fails here, naming both. Only
+    `flodl_run/__main__.py` may start the runner's cli."""
+    graph = import_graph(PACKAGE)
+    found = sorted((module, entry) for module, imported in graph.items() for entry in ENTRY_POINTS
+                   if entry in imported and module != "flodl_run.__main__")
+    assert not found, f"modules importing an entry point: {found}"
