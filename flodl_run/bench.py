@@ -33,7 +33,7 @@ from flodl_run.benchreport import (
     tables,
     to_markdown,
 )
-from flodl_run.cli import fail_config, run_hydra_app, typed_or_exit
+from flodl_run.config.app import fail_config, run_hydra_app, typed_or_exit
 from flodl_run.config.compose import compose, experiment_to_yaml
 from flodl_run.config.schema import (
     ClusterConfig,
@@ -43,7 +43,7 @@ from flodl_run.config.schema import (
     Topology,
     TrackingConfig,
 )
-from flodl_run.config.validate import Problem, resolve
+from flodl_run.config.validate import Problem, resolve, resolve_tracking
 
 PROG = "flodl_run.bench"
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
@@ -461,7 +461,7 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
     out.print(f"bench: {len(jobs)} runs x {b.repeats} | rig {rig.describe()} | "
               f"load {load_start:.2f}", highlight=False)
     outputs = str(Path.cwd() / "outputs")
-    tracking = resolve(ExperimentConfig(tracking=cfg.tracking), outputs_dir=outputs).tracking
+    tracking = resolve_tracking(cfg.tracking, outputs_dir=outputs)
     tracker = make_bench_tracker(tracking)
     tracker.start({"command": command, "rig": rig.describe(), "epochs": b.epochs,
                    "batch_size": b.batch_size, "seed": b.seed,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from flodl_run.config.schema import ExperimentConfig, TrackingConfig, TrackingKind
+from flodl_run.config.schema import TrackingConfig, TrackingKind
 from flodl_run.summary import EpochRecord
 from flodl_run.tracking import MAX_PARAM_CHARS, MAX_TAG_CHARS, MlflowTracker, epoch_values
 
@@ -43,7 +43,7 @@ class MlflowBenchTracker(BenchTracker):
 
     def __init__(self, tracking: TrackingConfig):
         # The runner's tracker finds or creates the experiment (artifacts beside a local store).
-        self._runner = MlflowTracker(ExperimentConfig(tracking=tracking))
+        self._runner = MlflowTracker(tracking)
         self.client = self._runner.client
         self.experiment_id = ""
 

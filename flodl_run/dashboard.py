@@ -22,7 +22,7 @@ from html import escape
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.schema import ClusterConfig
 from flodl_run.observe import Observer
 from flodl_run.phase import Phase
 from flodl_run.records import rank_hosts
@@ -72,9 +72,9 @@ class Dashboard(Observer):
 
     def __init__(self, path: Optional[Path], theme: str = "auto", title: str = "flodl_run",
                  details: Optional[Dict[str, str]] = None,
-                 config: Optional[ExperimentConfig] = None):
+                 cluster: Optional[ClusterConfig] = None):
         self.path = None if path is None else Path(path)
-        self.theme, self.title, self.config = theme, title, config
+        self.theme, self.title, self.cluster = theme, title, cluster
         self.details = dict(details or {})
         self.epochs: List[EpochRecord] = []
         self.reduces: List[ReduceRecord] = []
@@ -92,18 +92,6 @@ class Dashboard(Observer):
         self._lock = threading.Lock()
         self._started = time.time()
 
-    @classmethod
-    def for_run(cls, config: ExperimentConfig, run_dir: Path) -> Optional["Dashboard"]:
-        """The run's dashboard, or None when neither `dashboard_html` (relative to the run dir)
-        nor `dashboard.serve` asks for one."""
-        if not config.dashboard_html and config.dashboard.serve is None:
-            return None
-        details = {"mode": config.elche.mode.value, "outer": config.outer.kind.value,
-                   "recipe": config.recipe.module, "run dir": str(run_dir)}
-        path = Path(run_dir) / config.dashboard_html if config.dashboard_html else None
-        return cls(path, config.dashboard_theme.value, config.run_name or "flodl_run", details,
-                   config)
-
     # ---- hooks (the coordinator's thread) ---------------------------------------------------
 
     def _changed(self) -> None:
@@ -113,8 +101,8 @@ class Dashboard(Observer):
         with self._lock:
             self._started = time.time()
             self.total_epochs, self.world_size = total_epochs, world_size
-            self.hosts = (rank_hosts(self.config, world_size, socket.gethostname())
-                          if self.config is not None else [])
+            self.hosts = (rank_hosts(self.cluster, world_size, socket.gethostname())
+                          if self.cluster is not None else [])
             self._changed()
 
     def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:
@@ -165,7 +153,7 @@ class Dashboard(Observer):
     def _copy(self) -> "Dashboard":
         """A frozen copy of what was collected, so a reader renders without holding the lock."""
         with self._lock:
-            copy = Dashboard(self.path, self.theme, self.title, self.details, self.config)
+            copy = Dashboard(self.path, self.theme, self.title, self.details, self.cluster)
             copy.epochs, copy.reduces = list(self.epochs), list(self.reduces)
             copy.reports, copy.events = list(self.reports), list(self.events)
             copy.windows = {r: deque(p) for r, p in self.windows.items()}

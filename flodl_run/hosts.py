@@ -4,13 +4,13 @@ Owns the layout (ranks in worker order; `local_devices: all` and every other lis
 against the host's inventory), each remote rank's torchrun environment, starting one `ssh`
 per rank into `python -m flodl_run.ssh` with the secret and run.yaml on its stdin, and
 forwarding output with host and rank prefixes. Watching and stopping the ssh processes is
-`supervisor`'s, as for local ranks; what a lost host means is the coordinator's.
+`supervisor`'s, as for local ranks (the `RankProcess` record is `rankproc`'s); what a lost
+host means is the coordinator's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional
 from rich.console import Console
 
 from flodl_run.config.materialize import ConfigError
-from flodl_run.config.schema import ExperimentConfig, WorkerConfig
-from flodl_run.config.validate import Problem, validate
+from flodl_run.config.schema import ClusterConfig, Mode, WorkerConfig
+from flodl_run.config.validate import Problem
 from flodl_run.devices import GpuInfo
 from flodl_run.dockerhost import docker_command
 from flodl_run.probe import (
@@ -32,8 +32,8 @@ from flodl_run.probe import (
     resolve_devices,
     worker_path,
 )
+from flodl_run.rankproc import RankProcess, forward, host_store, is_loopback
 from flodl_run.ssh import encode_handshake, remote_command, ssh_argv
-from flodl_run.supervisor import RankProcess, forward, host_store
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, for controller-only layouts (never probed)
 
@@ -67,24 +67,17 @@ class HostLayout:
         return [g for w in self.workers for g in w.gpus]
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def plan_hosts(config: ExperimentConfig,
+def plan_hosts(cluster: ClusterConfig, mode: Mode, world_problems: Callable[[int], List[Problem]],
                ask: Callable[..., HostReport] = inventory) -> HostLayout:
     """Lay out the ranks; raises ConfigError naming each worker that cannot take its ranks.
+
+    `mode` decides whether CPU and GPU ranks may mix; `world_problems(world_size)` is the run's
+    rules that needed the world size (the launcher's validation), reported with the layout's.
 
     Every worker is asked (one ssh each, in parallel) before anything starts, so an unreachable
     host or a missing GPU is a config-style error (exit 2), not a half-started run. In
     controller-only mode nothing is started here, so nothing is asked.
     """
-    cluster = config.cluster
     paths = [worker_path(cluster, w) for w in cluster.workers]
     reports: List[Optional[HostReport]] = [None] * len(paths)
     if cluster.launch_ranks:
@@ -107,7 +100,7 @@ def plan_hosts(config: ExperimentConfig,
         if is_loopback(master_addr):
             master_addr = slots[0].worker.host
         layout = HostLayout(slots, master_addr, cluster.master_port or DEFAULT_MASTER_PORT)
-    problems = _layout_problems(config, layout)
+    problems = _layout_problems(cluster, mode, layout) + world_problems(layout.world_size)
     if problems:
         raise ConfigError(problems)
     return layout
@@ -141,16 +134,15 @@ def _worker_slots(index: int, worker: WorkerConfig, path: str, report: Optional[
     return WorkerSlots(index, worker, path, ranks, devices, gpus, cpu_count)
 
 
-def _layout_problems(config: ExperimentConfig, layout: HostLayout) -> List[Problem]:
-    cluster = config.cluster
+def _layout_problems(cluster: ClusterConfig, mode: Mode, layout: HostLayout) -> List[Problem]:
     problems: List[Problem] = []
     if layout.world_size == 0:
         problems.append(Problem("cluster.workers", [], "must give at least one rank"))
     kinds = {"cpu" if d == "cpu" else "cuda" for w in layout.workers for d in w.devices}
-    if len(kinds) > 1 and config.elche.mode.is_collective:
+    if len(kinds) > 1 and mode.is_collective:
         problems.append(Problem(
             "cluster.workers", [w.worker.local_devices for w in layout.workers],
-            f"must not mix CPU and GPU ranks in mode {config.elche.mode.value} "
+            f"must not mix CPU and GPU ranks in mode {mode.value} "
             "(one collective backend for all ranks; use a cpu_* mode)"))
     remote = [w.worker.host for w in layout.workers if not is_loopback(w.worker.host)]
     if remote and is_loopback(cluster.controller.host):
@@ -160,8 +152,6 @@ def _layout_problems(config: ExperimentConfig, layout: HostLayout) -> List[Probl
     if remote and not cluster.launch_ranks and is_loopback(layout.master_addr):
         problems.append(Problem("cluster.master_addr", layout.master_addr,
                                 "must be rank 0's address as the other workers reach it"))
-    # Rules that needed the world size (partition_ratios, emulate_slowdown, rank:<n>).
-    problems += validate(config, layout.world_size).problems
     return problems
 
 
@@ -181,7 +171,7 @@ def hosts_line(layout: HostLayout) -> str:
             f"{hosts} host{'s' if hosts != 1 else ''} | " + " | ".join(parts))
 
 
-def rank_environment(config: ExperimentConfig, layout: HostLayout, slots: WorkerSlots,
+def rank_environment(cluster: ClusterConfig, layout: HostLayout, slots: WorkerSlots,
                      local_rank: int, coord: str) -> Dict[str, str]:
     """The torchrun contract and our variables for one remote rank (the secret is added later)."""
     device = slots.devices[local_rank]
@@ -197,7 +187,7 @@ def rank_environment(config: ExperimentConfig, layout: HostLayout, slots: Worker
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = slots.worker.nccl_socket_ifname
     if device == "cpu":
         cpu_ranks = slots.devices.count("cpu")
-        threads = config.cluster.threads_per_rank or max(1, slots.cpu_count // cpu_ranks)
+        threads = cluster.threads_per_rank or max(1, slots.cpu_count // cpu_ranks)
         env.update({"FLODL_RUN_DEVICE": "cpu", "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads)})
     else:
@@ -215,10 +205,10 @@ def rank_command(slots: WorkerSlots, env: Dict[str, str], rank: int, run_name: s
     return remote_command(slots.path, slots.worker.python, args)
 
 
-def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret: bytes,
-                run_dir: Path, console: Console) -> List[RankProcess]:
+def start_hosts(cluster: ClusterConfig, layout: HostLayout, coord: str, secret: bytes,
+                run_dir: Path, console: Console, *, save_path: Optional[str]) -> List[RankProcess]:
     """One `ssh` per rank; each keeps its stdin open, whose EOF stops the remote rank."""
-    console.print(f"note: multi-host run: save_path {config.save_path} must be on storage "
+    console.print(f"note: multi-host run: save_path {save_path} must be on storage "
                   "every host sees", markup=False, highlight=False, soft_wrap=True)
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -228,7 +218,7 @@ def start_hosts(config: ExperimentConfig, layout: HostLayout, coord: str, secret
     procs: List[RankProcess] = []
     for slots in layout.workers:
         for local_rank, rank in enumerate(slots.ranks):
-            env = rank_environment(config, layout, slots, local_rank, coord)
+            env = rank_environment(cluster, layout, slots, local_rank, coord)
             command = rank_command(slots, env, rank, run_dir.name)
             env["FLODL_RUN_SECRET"] = secret.hex()  # stdin only: never argv, never a log
             process = subprocess.Popen(

@@ -13,13 +13,13 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 from rich.console import Console
 
 from flodl_run.config.materialize import ConfigError
-from flodl_run.config.schema import ExperimentConfig, Topology
-from flodl_run.config.validate import Problem
+from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
+from flodl_run.config.validate import Problem, validate
 from flodl_run.dashboard import Dashboard
 from flodl_run.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.observe import Observer, Observers
@@ -28,6 +28,7 @@ from flodl_run.records import RecordLog
 from flodl_run.rundir import EventFile, link_latest, written
 from flodl_run.say import say, say_labelled
 from flodl_run.summary import Summary, write_summary
+from flodl_run.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.timeline import TimelineFile
 from flodl_run.tracking import make_tracker
 
@@ -69,12 +70,14 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     if cluster.topology is Topology.hosts:
         from flodl_run.hosts import plan_hosts
 
-        layout = plan_hosts(config)  # asks each host over ssh; ConfigError when one cannot serve
+        # Asks each host over ssh; ConfigError when one cannot serve.
+        layout = plan_hosts(cluster, config.elche.mode, _world_problems(config))
         return Plan(layout.world_size, False, layout.gpus, layout)
     if cluster.topology is Topology.slurm:
         from flodl_run.slurm import plan_slurm, read_allocation
 
-        step = plan_slurm(config, read_allocation())  # ConfigError outside an allocation
+        # ConfigError outside an allocation.
+        step = plan_slurm(cluster, read_allocation(), _world_problems(config))
         return Plan(step.world_size, False, [], slurm=step)
     gpus = visible_gpus() if gpus is None else gpus
     if len(gpus) >= 2:
@@ -82,14 +85,20 @@ def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None
     return Plan(1, True, gpus)
 
 
+def _world_problems(config: ExperimentConfig) -> Callable[[Optional[int]], List[Problem]]:
+    """The config's rules that need the world size (partition_ratios, emulate_slowdown,
+    rank:<n>), for the planners that find it out (hosts, slurm)."""
+    return lambda world_size: validate(config, world_size).problems
+
+
 ONE_DEVICE_NOTICE = ("one device: solo in-process run; elche/outer apply with 2+ ranks, "
                      "e.g. cluster=cpu_pair")
 
 
-def one_device_notice(config: ExperimentConfig, plan: Plan) -> Optional[str]:
+def one_device_notice(topology: Topology, plan: Plan) -> Optional[str]:
     """The line that says a `cluster=auto` run fell back to one in-process replica, where the
     mode and outer optimizer have nothing to act on; None otherwise (`cluster=solo` asked)."""
-    if plan.in_process and config.cluster.topology is Topology.auto:
+    if plan.in_process and topology is Topology.auto:
         return ONE_DEVICE_NOTICE
     return None
 
@@ -99,7 +108,7 @@ def one_device_warning(config: ExperimentConfig) -> Optional[str]:
     back to in-process, and only this host's GPU count decides it."""
     if config.cluster.topology is not Topology.auto:
         return None
-    return one_device_notice(config, plan_topology(config))
+    return one_device_notice(config.cluster.topology, plan_topology(config))
 
 
 @dataclass
@@ -129,17 +138,17 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
-    live = serve_dashboard(config)  # before anything starts: a port in use is a config error
-    _say_plan(config, plan, console)
-    tracker = make_tracker(config)
+    live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
+    _say_plan(config.cluster.topology, plan, console)
+    tracker = make_tracker(config.tracking, _uploads(config))
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
     progress = TerminalProgress(console) if show_progress else None
     # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker, which
     # uploads them; the live dashboard's server stops after the dashboard took the summary.
-    board = Dashboard.for_run(config, run_dir)
-    timeline = None if plan.in_process else TimelineFile.for_run(config, run_dir)
-    outputs = [o for o in (EventFile(run_dir), RecordLog.for_run(config, run_dir), board,
+    board = _dashboard(config, run_dir)
+    timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
+    outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
                            live and live.start(board, console), timeline) if o is not None]
     observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
     try:
@@ -161,14 +170,39 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
                      tracker.run_id, model)
 
 
-def serve_dashboard(config: ExperimentConfig) -> Optional["LiveServer"]:
+def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
     """The live dashboard's server, bound but not started, when `dashboard.serve` is set
     (ConfigError when its address cannot be had); the web stack loads only then."""
-    if config.dashboard.serve is None:
+    if dashboard.serve is None:
         return None
     from flodl_run.liveserver import LiveServer
 
-    return LiveServer.bind(config)
+    return LiveServer.bind(dashboard)
+
+
+def _dashboard(config: ExperimentConfig, run_dir: Path) -> Optional[Dashboard]:
+    """The run's dashboard, or None when neither `dashboard_html` (relative to the run dir)
+    nor `dashboard.serve` asks for one."""
+    if not config.dashboard_html and config.dashboard.serve is None:
+        return None
+    details = {"mode": config.elche.mode.value, "outer": config.outer.kind.value,
+               "recipe": config.recipe.module, "run dir": str(run_dir)}
+    path = Path(run_dir) / config.dashboard_html if config.dashboard_html else None
+    return Dashboard(path, config.dashboard_theme.value, config.run_name or "flodl_run", details,
+                     config.cluster)
+
+
+def _record_log(config: ExperimentConfig, run_dir: Path) -> Optional[RecordLog]:
+    """The run's record log, or None when `record_log_dir` is unset (relative to the run dir)."""
+    if not config.record_log_dir:
+        return None
+    return RecordLog(Path(run_dir) / config.record_log_dir, config.max_log_size, config.cluster)
+
+
+def _uploads(config: ExperimentConfig) -> List[str]:
+    """Files of the run dir the tracker uploads at the end, when the run wrote them: the
+    dashboard page and the timeline."""
+    return [name for name in (config.dashboard_html, config.timeline and TIMELINE_FILE) if name]
 
 
 def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
@@ -181,7 +215,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
             return summary, model, None
         from flodl_run.supervisor import launch_ranks
 
-        _leave_cores_to_ranks(config, plan)
+        _leave_cores_to_ranks(config.cluster, plan)
         return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id,
                             timeline), None, None
     except Exception as exc:  # the recipe raised in this process: still close the run's records
@@ -193,7 +227,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
         return summary, None, exc
 
 
-def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
+def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
     """The hardware (or hosts) line, and the one-device notice when it applies."""
     if plan.hosts is not None:
         from flodl_run.hosts import hosts_line
@@ -205,7 +239,7 @@ def _say_plan(config: ExperimentConfig, plan: Plan, console: Console) -> None:
         say(console, slurm_line(plan.slurm))
     else:
         say(console, hardware_line(plan.gpus, plan.world_size))
-    notice = one_device_notice(config, plan)
+    notice = one_device_notice(topology, plan)
     if notice:
         say_labelled(console, "note", notice, "cyan")
 
@@ -232,16 +266,16 @@ def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"])
                            for r in reasons])
 
 
-def _leave_cores_to_ranks(config: ExperimentConfig, plan: Plan) -> None:
+def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
     """CPU ranks on this host own its cores: the coordinator's CPU averaging (cpu_* modes) gets
     what they leave, at least one thread. With torch's default of one thread per core its
     intra-op threads queue behind busy ranks: on 2 cores a 2.25 MB consensus took ~80 ms instead
     of ~6 while cpu_async ranks kept training."""
-    if plan.gpus or plan.hosts is not None or plan.slurm is not None or not config.cluster.launch_ranks:
+    if plan.gpus or plan.hosts is not None or plan.slurm is not None or not cluster.launch_ranks:
         return
     import torch
 
-    busy = plan.world_size * (config.cluster.threads_per_rank or 1)
+    busy = plan.world_size * (cluster.threads_per_rank or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - busy))
 
 

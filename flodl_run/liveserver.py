@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from flodl_run.config.materialize import ConfigError
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.schema import DashboardConfig
 from flodl_run.config.validate import Problem
 from flodl_run.dashboard import Dashboard
 from flodl_run.observe import Observer
@@ -97,10 +97,10 @@ class LiveServer(Observer):
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
-    def bind(cls, config: ExperimentConfig) -> "LiveServer":
+    def bind(cls, dashboard: DashboardConfig) -> "LiveServer":
         """Listen on `dashboard.host`:`dashboard.serve` now. Raises ConfigError naming the key
         when the address cannot be bound (port in use, address not on this host)."""
-        port, host = config.dashboard.serve, config.dashboard.host
+        port, host = dashboard.serve, dashboard.host
         try:
             family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         except OSError as exc:

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
 from flodl_run.config.compose import experiment_from_yaml
-from flodl_run.config.schema import ExperimentConfig, lr_factor
+from flodl_run.config.schema import ClusterConfig, ExperimentConfig, lr_factor
 from flodl_run.data import map_tensors, permutation, to_device
 from flodl_run.recipe import load_recipe
 from flodl_run.replica import Replica
@@ -181,18 +181,19 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _device(env: dict, config: ExperimentConfig) -> torch.device:
+def _device(env: dict, device: str) -> torch.device:
+    """The rank's device: the launcher's pin, else the `device` key, else a GPU by local rank."""
     if env.get("FLODL_RUN_DEVICE"):
         return torch.device(env["FLODL_RUN_DEVICE"])
-    if config.device not in ("auto", ""):
-        return torch.device(config.device)
+    if device not in ("auto", ""):
+        return torch.device(device)
     if torch.cuda.is_available():
         return torch.device("cuda", int(env.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device("cpu")
 
 
 def run_solo(config: ExperimentConfig, out: Path) -> int:
-    summary = PeerRank(config, "solo", 0, 1, _device(os.environ, config)).run()
+    summary = PeerRank(config, "solo", 0, 1, _device(os.environ, config.device)).run()
     out.mkdir(parents=True, exist_ok=True)
     write_summary(out / "summary.json", summary)
     return 0
@@ -201,7 +202,7 @@ def run_solo(config: ExperimentConfig, out: Path) -> int:
 def run_rank(config: ExperimentConfig, peer: str, out: Path, period: int) -> int:
     """One process of a collective peer (torchrun contract); rank 0 writes summary.json."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = _device(os.environ, config)
+    device = _device(os.environ, config.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=300),
@@ -220,18 +221,18 @@ def run_rank(config: ExperimentConfig, peer: str, out: Path, period: int) -> int
     return 0
 
 
-def rank_env(config: ExperimentConfig, rank: int, world_size: int, master_port: int,
+def rank_env(cluster: ClusterConfig, rank: int, world_size: int, master_port: int,
              gpu_uuid: Optional[str]) -> dict:
     """The torchrun contract for a local rank, pinned to its GPU or to its CPU threads."""
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=config.cluster.master_addr,
+               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=cluster.master_addr,
                MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if gpu_uuid:
         env.update(CUDA_VISIBLE_DEVICES=gpu_uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID",
                    FLODL_RUN_DEVICE="cuda:0")
     else:
-        threads = str(config.cluster.threads_per_rank or 1)
+        threads = str(cluster.threads_per_rank or 1)
         env.update(FLODL_RUN_DEVICE="cpu", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     return env
 
@@ -240,14 +241,14 @@ def spawn(config: ExperimentConfig, argv: List[str]) -> int:
     """Start one process per rank of the rig (the launcher's topology plan) and wait for all;
     if one fails, stop the rest."""
     from flodl_run.launcher import plan_topology
-    from flodl_run.supervisor import free_port
+    from flodl_run.rankproc import free_port
 
     plan = plan_topology(config)
     port = config.cluster.master_port or free_port(config.cluster.master_addr)
     procs = []
     for rank in range(plan.world_size):
         uuid = plan.gpus[rank].uuid if plan.gpus else None
-        env = rank_env(config, rank, plan.world_size, port, uuid)
+        env = rank_env(config.cluster, rank, plan.world_size, port, uuid)
         procs.append(subprocess.Popen([sys.executable, "-m", "flodl_run.peers", *argv], env=env))
     codes: List[Optional[int]] = [None] * len(procs)
     while any(c is None for c in codes):

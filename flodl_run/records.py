@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional
 
-from flodl_run.config.schema import ExperimentConfig, Topology
+from flodl_run.config.schema import ClusterConfig, Topology
 from flodl_run.hostinfo import HostInfo, this_host
 from flodl_run.observe import Observer
 from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
@@ -71,11 +71,11 @@ class RingFile:
             self._file = None
 
 
-def rank_hosts(config: ExperimentConfig, world_size: int, local_host: str) -> List[str]:
+def rank_hosts(cluster: ClusterConfig, world_size: int, local_host: str) -> List[str]:
     """Host of each global rank: workers in order for multi-host clusters (explicit device lists),
     this host otherwise."""
-    if config.cluster.topology is Topology.hosts:
-        hosts = [w.host for w in config.cluster.workers if isinstance(w.local_devices, (list, tuple))
+    if cluster.topology is Topology.hosts:
+        hosts = [w.host for w in cluster.workers if isinstance(w.local_devices, (list, tuple))
                  for _ in w.local_devices]
         if len(hosts) == world_size:
             return hosts
@@ -83,22 +83,17 @@ def rank_hosts(config: ExperimentConfig, world_size: int, local_host: str) -> Li
 
 
 class RecordLog(Observer):
-    """The Observer writing the tree; `finish(summary, run_dir)` writes the end records."""
+    """The Observer writing the tree; `finish(summary, run_dir)` writes the end records.
 
-    def __init__(self, root: Path, max_bytes: int, config: Optional[ExperimentConfig] = None,
+    `cluster` places each rank on its worker host in the records (None: all on this host)."""
+
+    def __init__(self, root: Path, max_bytes: int, cluster: Optional[ClusterConfig] = None,
                  host: Optional[HostInfo] = None):
-        self.root, self.max_bytes, self.config = Path(root), max_bytes, config
+        self.root, self.max_bytes, self.cluster = Path(root), max_bytes, cluster
         self.host = host
         self.hosts: List[str] = []
         self._files: Dict[str, RingFile] = {}
         self._broken = False
-
-    @classmethod
-    def for_run(cls, config: ExperimentConfig, run_dir: Path) -> Optional["RecordLog"]:
-        """The run's record log, or None when `record_log_dir` is unset (relative to the run dir)."""
-        if not config.record_log_dir:
-            return None
-        return cls(Path(run_dir) / config.record_log_dir, config.max_log_size, config)
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -146,7 +141,7 @@ class RecordLog(Observer):
 
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
         local = self._local()
-        self.hosts = (rank_hosts(self.config, world_size, local) if self.config is not None
+        self.hosts = (rank_hosts(self.cluster, world_size, local) if self.cluster is not None
                       else [local] * world_size)
         self._root("start", {"total_epochs": total_epochs, "batches_per_epoch": batches_per_epoch,
                              "world_size": world_size, "hosts": self.hosts})

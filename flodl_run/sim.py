@@ -16,7 +16,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from flodl_run.cli import fail_config, run_hydra_app, typed_or_exit
+from flodl_run.config.app import fail_config, run_hydra_app, typed_or_exit
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.config.validate import Problem, validate
 from flodl_run.say import labelled

@@ -21,17 +21,16 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Set
+from typing import Callable, Dict, List, Mapping, Optional, Set
 
 from rich.console import Console
 from rich.markup import escape
 
 from flodl_run.config.materialize import ConfigError
-from flodl_run.config.schema import ExperimentConfig
-from flodl_run.config.validate import Problem, validate
-from flodl_run.hosts import is_loopback
+from flodl_run.config.schema import ClusterConfig
+from flodl_run.config.validate import Problem
+from flodl_run.rankproc import RankProcess, host_store, is_loopback
 from flodl_run.slurm_task import expand_counts
-from flodl_run.supervisor import RankProcess, host_store
 
 STEP_NAME = "flodl_run-ranks"
 _TASK_LINE = re.compile(r"(\d+): ?(.*)")
@@ -95,9 +94,9 @@ def read_allocation(environ: Mapping[str, str] = os.environ) -> Allocation:
     return Allocation(job, nodes, tasks, gpus, cpus, host)
 
 
-def batch_address(config: ExperimentConfig, allocation: Allocation) -> str:
+def batch_address(cluster: ClusterConfig, allocation: Allocation) -> str:
     """cluster.controller.host when it names an address; else the batch host's, looked up."""
-    host = config.cluster.controller.host
+    host = cluster.controller.host
     if not is_loopback(host):
         return host
     try:
@@ -106,24 +105,26 @@ def batch_address(config: ExperimentConfig, allocation: Allocation) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def plan_slurm(config: ExperimentConfig, allocation: Allocation) -> SlurmPlan:
+def plan_slurm(cluster: ClusterConfig, allocation: Allocation,
+               world_problems: Callable[[Optional[int]], List[Problem]]) -> SlurmPlan:
     """One rank per allocated GPU, or cluster.num_ranks CPU ranks; ConfigError naming the key
-    when the allocation cannot serve the config."""
-    wanted = config.cluster.slurm.gpus_per_node
+    when the allocation cannot serve the config. `world_problems(world_size)` is the run's
+    rules that needed the world size (the launcher's validation; None: no ranks)."""
+    wanted = cluster.slurm.gpus_per_node
     problems: List[Problem] = []
     if wanted > 0 and allocation.gpus_per_node == 0:
         problems.append(Problem("cluster.slurm.gpus_per_node", wanted,
                                 f"must be GPUs the allocation has (job {allocation.job_id} has none)"))
     gpus = allocation.gpus_per_node > 0 and wanted > 0
-    world = allocation.gpus_per_node * len(allocation.nodes) if gpus else config.cluster.num_ranks or 0
-    addr = batch_address(config, allocation)
+    world = allocation.gpus_per_node * len(allocation.nodes) if gpus else cluster.num_ranks or 0
+    addr = batch_address(cluster, allocation)
     if len(allocation.nodes) > 1 and is_loopback(addr):
-        problems.append(Problem("cluster.controller.host", config.cluster.controller.host,
+        problems.append(Problem("cluster.controller.host", cluster.controller.host,
                                 f"must be an address the other nodes reach ({allocation.batch_host} "
                                 f"resolves to {addr})"))
     if world < 1:
-        problems.append(Problem("cluster.num_ranks", config.cluster.num_ranks, "must be >= 1"))
-    problems += validate(config, world or None).problems
+        problems.append(Problem("cluster.num_ranks", cluster.num_ranks, "must be >= 1"))
+    problems += world_problems(world or None)
     if problems:
         raise ConfigError(problems)
     return SlurmPlan(allocation, world, gpus, addr)
@@ -139,13 +140,13 @@ def slurm_line(plan: SlurmPlan) -> str:
             f"on {nodes} node{'s' if nodes != 1 else ''} (job {alloc.job_id}: {shown}) | {kind}")
 
 
-def cpu_threads(config: ExperimentConfig, plan: SlurmPlan) -> int:
+def cpu_threads(cluster: ClusterConfig, plan: SlurmPlan) -> int:
     """Cores per CPU rank: cluster.threads_per_rank, else the node's CPUs shared by its ranks."""
     per_node = max(1, -(-plan.world_size // len(plan.allocation.nodes)))
-    return config.cluster.threads_per_rank or max(1, plan.allocation.cpus_on_node // per_node)
+    return cluster.threads_per_rank or max(1, plan.allocation.cpus_on_node // per_node)
 
 
-def srun_argv(config: ExperimentConfig, plan: SlurmPlan, python: str = sys.executable) -> List[str]:
+def srun_argv(cluster: ClusterConfig, plan: SlurmPlan, python: str = sys.executable) -> List[str]:
     """The step: every rank a task, a task's end never ending the others."""
     nodes = len(plan.allocation.nodes)
     argv = ["srun", f"--job-name={STEP_NAME}", f"--ntasks={plan.world_size}",
@@ -156,11 +157,11 @@ def srun_argv(config: ExperimentConfig, plan: SlurmPlan, python: str = sys.execu
     if plan.gpus:
         argv += [f"--ntasks-per-node={plan.allocation.gpus_per_node}", "--gpus-per-task=1"]
     else:  # srun does not inherit the batch script's --cpus-per-task: ask for the rank's cores
-        argv.append(f"--cpus-per-task={cpu_threads(config, plan)}")
+        argv.append(f"--cpus-per-task={cpu_threads(cluster, plan)}")
     return argv + [python, "-m", "flodl_run.slurm_task"]
 
 
-def step_environment(config: ExperimentConfig, plan: SlurmPlan, coord: str, master_port: int,
+def step_environment(cluster: ClusterConfig, plan: SlurmPlan, coord: str, master_port: int,
                      secret_file: Path, run_file: Path) -> Dict[str, str]:
     """srun's environment, passed to every task: ours, without the secret itself."""
     env = {k: v for k, v in os.environ.items() if k != "FLODL_RUN_SECRET"}
@@ -173,7 +174,7 @@ def step_environment(config: ExperimentConfig, plan: SlurmPlan, coord: str, mast
     if plan.gpus:  # each task sees its own GPU (--gpus-per-task=1), so cuda:0 is its own
         env.update({"FLODL_RUN_DEVICE": "cuda:0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     else:
-        threads = cpu_threads(config, plan)
+        threads = cpu_threads(cluster, plan)
         env.update({"FLODL_RUN_DEVICE": "cpu", "OMP_NUM_THREADS": str(threads),
                     "MKL_NUM_THREADS": str(threads)})
     return env
@@ -314,19 +315,19 @@ class TaskHandle:
         self.step.ask(self.task, sig, self.tasks)
 
 
-def start_step(config: ExperimentConfig, plan: SlurmPlan, coord: str, secret: bytes,
-               run_dir: Path, console: Console) -> List[RankProcess]:
+def start_step(cluster: ClusterConfig, plan: SlurmPlan, coord: str, secret: bytes,
+               run_dir: Path, console: Console, *, save_path: Optional[str]) -> List[RankProcess]:
     """Host the rendezvous store on the batch host, write the secret file, start the step."""
     if len(plan.allocation.nodes) > 1:
         console.print(f"note: multi-node run: the run dir {run_dir} and save_path "
-                      f"{config.save_path} must be on storage every node sees",
+                      f"{save_path} must be on storage every node sees",
                       markup=False, highlight=False, soft_wrap=True)
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = host_store(plan.addr, config.cluster.master_port)
+    store = host_store(plan.addr, cluster.master_port)
     secret_file = write_secret(run_dir / "secret", secret)
-    env = step_environment(config, plan, coord, store.port, secret_file, run_dir / "run.yaml")
-    process = subprocess.Popen(srun_argv(config, plan), env=env, stdout=subprocess.PIPE,
+    env = step_environment(cluster, plan, coord, store.port, secret_file, run_dir / "run.yaml")
+    process = subprocess.Popen(srun_argv(cluster, plan), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, bufsize=1,
                                start_new_session=True)  # Ctrl-C reaches the launcher only
     logs = [open(log_dir / f"rank{k}.log", "w") for k in range(plan.world_size)]

@@ -18,16 +18,16 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from flodl_run.config.schema import ExperimentConfig, Topology
+from flodl_run.config.schema import ClusterConfig, ExperimentConfig, SlurmConfig, Topology
 
 EXIT_REFUSED = 1
 EXIT_CONFIG = 2
 
 
-def sbatch_script(config: ExperimentConfig, overrides: Sequence[str], output: Path,
+def sbatch_script(cluster: ClusterConfig, overrides: Sequence[str], output: Path,
                   project: Path, python: str) -> str:
     """The batch script: `#SBATCH` lines from cluster.slurm, then the run itself."""
-    s, cluster = config.cluster.slurm, config.cluster
+    s = cluster.slurm
     lines = ["#!/bin/bash", f"#SBATCH --job-name={s.job_name}", f"#SBATCH --nodes={s.nodes}"]
     if s.gpus_per_node > 0:
         lines += [f"#SBATCH --ntasks-per-node={s.gpus_per_node}",
@@ -53,9 +53,9 @@ def sbatch_script(config: ExperimentConfig, overrides: Sequence[str], output: Pa
     return "\n".join(lines) + "\n"
 
 
-def output_dir(config: ExperimentConfig, project: Path) -> Path:
+def output_dir(slurm: SlurmConfig, project: Path) -> Path:
     """cluster.slurm.output_dir (relative to the project), else outputs/slurm."""
-    where = Path(config.cluster.slurm.output_dir or "outputs/slurm").expanduser()
+    where = Path(slurm.output_dir or "outputs/slurm").expanduser()
     return where if where.is_absolute() else project / where
 
 
@@ -108,9 +108,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         err.print(f"[bold red]flodl_run.submit:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return EXIT_CONFIG
     project = Path.cwd()
-    where = output_dir(config, project)
+    where = output_dir(config.cluster.slurm, project)
     output = where / f"{config.cluster.slurm.job_name}-%j.out"
-    text = sbatch_script(config, args.overrides, output, project, sys.executable)
+    text = sbatch_script(config.cluster, args.overrides, output, project, sys.executable)
     if args.dry_run:
         sys.stdout.write(text)
         return 0

@@ -12,22 +12,20 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, TextIO
+from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
-from rich.markup import escape
 
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run, run_prefix
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, RecipeConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
+from flodl_run.rankproc import RankProcess, forward, host_store
 from flodl_run.summary import Summary
 from flodl_run.timeline import Timeline
 from flodl_run.wire import frame_limit, new_secret
@@ -36,45 +34,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class RankProcess:
-    rank: int
-    process: subprocess.Popen
-    log: TextIO
-    forwarder: Optional[threading.Thread] = None
-    host: Optional[str] = None
-    """Worker host of a rank started over ssh (`hosts`); None for a local rank."""
-    store: Any = None
-    """The rendezvous store these ranks share (kept alive as long as the processes)."""
-
-
-def host_store(addr: str, port: int) -> Any:
-    """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
-    rebuild their process group on it after a death. It listens on `addr` only
-    (port 0: the kernel picks; `.port` says which): left to itself, torch's store listens on
-    every interface whatever host it is given, so we bind the socket and hand it over."""
-    import torch.distributed as dist
-
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(sockaddr)
-        listener.listen()
-    except OSError:
-        listener.close()
-        raise
-    return dist.TCPStore(addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=300), master_listen_fd=listener.detach())
-
-
-def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord: str,
+def rank_environment(cluster: ClusterConfig, rank: int, world_size: int, coord: str,
                      secret: bytes, run_file: Path, master_port: int,
                      gpu_uuids: Optional[List[str]] = None,
                      shm_prefix: Optional[str] = None) -> Dict[str, str]:
@@ -82,7 +42,7 @@ def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord
     env = dict(os.environ)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": config.cluster.master_addr,
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": cluster.master_addr,
         "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
         "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_FILE": str(run_file),
         "FLODL_RUN_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
@@ -97,30 +57,21 @@ def rank_environment(config: ExperimentConfig, rank: int, world_size: int, coord
                     "FLODL_RUN_DEVICE": "cuda:0"})
     else:
         env["FLODL_RUN_DEVICE"] = "cpu"
-        threads = config.cluster.threads_per_rank or 1
+        threads = cluster.threads_per_rank or 1
         env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
     return env
 
 
-def forward(proc: RankProcess, console: Console, label: str) -> None:
-    """Copy a rank's output to its log file and to the terminal, prefixed by `label`."""
-    prefix = f"[dim]\\[{escape(label)}][/] "
-    for line in proc.process.stdout:
-        proc.log.write(line)
-        proc.log.flush()
-        console.print(prefix + escape(line.rstrip()), highlight=False, soft_wrap=True)
-
-
-def spawn_ranks(config: ExperimentConfig, world_size: int, coord: str, secret: bytes,
+def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: bytes,
                 run_dir: Path, console: Console, gpu_uuids: Optional[List[str]] = None,
                 shm_prefix: Optional[str] = None) -> List[RankProcess]:
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = host_store(config.cluster.master_addr, config.cluster.master_port)
+    store = host_store(cluster.master_addr, cluster.master_port)
     master_port = store.port
     procs = []
     for rank in range(world_size):
-        env = rank_environment(config, rank, world_size, coord, secret, run_dir / "run.yaml",
+        env = rank_environment(cluster, rank, world_size, coord, secret, run_dir / "run.yaml",
                                master_port, gpu_uuids, shm_prefix)
         process = subprocess.Popen(
             [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
@@ -235,9 +186,10 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     slurm = getattr(plan, "slurm", None)
     local = config.cluster.launch_ranks and plan.hosts is None and slurm is None
     shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
-    coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config, plan),
+    param_bytes = _param_bytes(config.elche.mode, config.recipe, config.data.transform)
+    coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config.cluster, plan),
                               observer=observer, shm_prefix=shm_prefix,
-                              max_frame_bytes=frame_limit(_param_bytes(config)), timeline=timeline)
+                              max_frame_bytes=frame_limit(param_bytes), timeline=timeline)
     coordinator.mlflow_run_id = mlflow_run_id
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
@@ -250,17 +202,19 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         if slurm is not None:
             from flodl_run.slurm import start_step
 
-            procs = start_step(config, slurm, coordinator.address, secret, run_dir, console)
+            procs = start_step(config.cluster, slurm, coordinator.address, secret, run_dir, console,
+                               save_path=config.save_path)
         elif config.cluster.launch_ranks and plan.hosts is not None:
             from flodl_run.hosts import start_hosts
 
-            procs = start_hosts(config, plan.hosts, coordinator.address, secret, run_dir, console)
+            procs = start_hosts(config.cluster, plan.hosts, coordinator.address, secret, run_dir,
+                                console, save_path=config.save_path)
         elif config.cluster.launch_ranks:
             uuids = [g.uuid for g in plan.gpus] if plan.gpus else None
-            procs = spawn_ranks(config, plan.world_size, coordinator.address, secret, run_dir,
+            procs = spawn_ranks(config.cluster, plan.world_size, coordinator.address, secret, run_dir,
                                 console, uuids, shm_prefix)
         else:
-            _announce_controller_only(config, plan.world_size, coordinator.address, secret, run_dir, console)
+            _announce_controller_only(plan.world_size, coordinator.address, secret, run_dir, console)
         coordinator.on_rank_dead = _killer(procs)
         _watch(coordinator, thread, procs)
     finally:
@@ -272,22 +226,22 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     return summary
 
 
-def _param_bytes(config: ExperimentConfig) -> Optional[int]:
+def _param_bytes(mode: Mode, recipe: RecipeConfig, transform: Optional[str]) -> Optional[int]:
     """What the model's parameters and float buffers take as flat frames (the largest tensor
     message a rank sends the coordinator), from a build on the meta device: no memory, no
     CUDA. Collective modes send the coordinator no tensors (0). None when the recipe cannot
-    build there (the coordinator then sets no frame limit, and says so)."""
-    if config.elche.mode.is_collective:
+    build there (the coordinator then sets no frame limit, and says so). The recipe loads as
+    the ranks load it (`recipe`, with the data's `transform`)."""
+    if mode.is_collective:
         return 0
     import torch
 
     from flodl_run.recipe import load_recipe
 
     try:
-        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                             config.recipe.loop)
+        loaded = load_recipe(recipe.module, recipe.params, transform, recipe.loop)
         with torch.device("meta"):
-            model = recipe.call("build_model", torch.device("meta"))
+            model = loaded.call("build_model", torch.device("meta"))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         return params + sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())
     except Exception as exc:  # a recipe that loads weights or needs a real device
@@ -296,14 +250,14 @@ def _param_bytes(config: ExperimentConfig) -> Optional[int]:
         return None
 
 
-def _control_address(config: ExperimentConfig, plan) -> tuple[str, int]:
+def _control_address(cluster: ClusterConfig, plan) -> tuple[str, int]:
     """Loopback for ranks on this host; cluster.controller when ranks come from
     other hosts (hosts topology, or controller-only for torchrun/srun); the batch host's
     address for an srun step."""
     if getattr(plan, "slurm", None) is not None:
-        return plan.slurm.addr, config.cluster.controller.port
-    if plan.hosts is not None or not config.cluster.launch_ranks:
-        return config.cluster.controller.host, config.cluster.controller.port
+        return plan.slurm.addr, cluster.controller.port
+    if plan.hosts is not None or not cluster.launch_ranks:
+        return cluster.controller.host, cluster.controller.port
     return "127.0.0.1", 0
 
 
@@ -317,7 +271,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _announce_controller_only(config: ExperimentConfig, world_size: int, coord: str,
+def _announce_controller_only(world_size: int, coord: str,
                               secret: bytes, run_dir: Path, console: Console) -> None:
     secret_file = run_dir / "secret"
     secret_file.touch(mode=0o600)

@@ -325,9 +325,9 @@ class TimelineFile(Timeline, Observer):
         self._sampler.start()
 
     @classmethod
-    def for_run(cls, config: Any, run_dir: Path) -> Optional["TimelineFile"]:
-        """The run's timeline, or None when `timeline` is off."""
-        return cls(Path(run_dir) / FILE_NAME) if config.timeline else None
+    def for_run(cls, enabled: bool, run_dir: Path) -> Optional["TimelineFile"]:
+        """The run's timeline, or None when it is off (the `timeline` key)."""
+        return cls(Path(run_dir) / FILE_NAME) if enabled else None
 
     def _sample(self) -> None:
         sampler = Sampler()

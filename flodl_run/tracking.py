@@ -15,10 +15,10 @@ import logging
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from flodl_run.config.compose import dotted_items
-from flodl_run.config.schema import ExperimentConfig, TrackingKind
+from flodl_run.config.schema import ExperimentConfig, TrackingConfig, TrackingKind
 from flodl_run.hostinfo import HostInfo, metric_safe, this_host
 from flodl_run.observe import Observer
 from flodl_run.phase import Phase
@@ -120,13 +120,13 @@ def epoch_values(record: EpochRecord) -> Dict[str, float]:
     return values
 
 
-def _resumed_run_id(config: ExperimentConfig) -> Optional[str]:
-    if not config.resume_from:
+def _resumed_run_id(resume_from: Optional[str]) -> Optional[str]:
+    if not resume_from:
         return None
     from flodl_run.checkpoint import BundleError, read_meta
 
     try:
-        return read_meta(config.resume_from).mlflow_run_id
+        return read_meta(resume_from).mlflow_run_id
     except BundleError:
         return None
 
@@ -152,11 +152,13 @@ class MlflowTracker(NullTracker):
     store that cannot be reached is reported before any work is done.
     """
 
-    def __init__(self, config: ExperimentConfig):
+    def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = ()):
+        """`artifacts`: files of the run dir (the dashboard, the timeline) uploaded at the end
+        when the run wrote them."""
         import mlflow  # lazy: only tracked runs pay for it
 
-        self.config = config
-        self.client = mlflow.MlflowClient(tracking_uri=config.tracking.uri)
+        self.tracking, self.artifacts = tracking, tuple(artifacts)
+        self.client = mlflow.MlflowClient(tracking_uri=tracking.uri)
         self.run_id: Optional[str] = None
         self._pending: List[Any] = []  # per-reduce Metric objects not sent yet
         self._events: List[Dict[str, Any]] = []
@@ -166,11 +168,11 @@ class MlflowTracker(NullTracker):
     # ---- start ------------------------------------------------------------------------------
 
     def _experiment_id(self) -> str:
-        name = self.config.tracking.experiment
+        name = self.tracking.experiment
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
-        uri = self.config.tracking.uri or ""
+        uri = self.tracking.uri or ""
         location = None
         if uri.startswith("sqlite:///"):  # artifacts beside the local store
             location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
@@ -197,7 +199,7 @@ class MlflowTracker(NullTracker):
         parent = sweep.parent_run_id(self.client, experiment_id)
         if parent is not None:
             tags["mlflow.parentRunId"] = parent
-        resumed = _resumed_run_id(config)
+        resumed = _resumed_run_id(config.resume_from)
         if resumed:
             tags["resumed_from_run_id"] = resumed  # a resume is a new run linked to the old one
         run = self.client.create_run(experiment_id, run_name=config.run_name, tags=tags)
@@ -276,7 +278,7 @@ class MlflowTracker(NullTracker):
             for node in nodes:
                 self._log_system(node)
 
-        if self.config.tracking.system_metrics:
+        if self.tracking.system_metrics:
             self._guarded("logging system metrics", log)
 
     # ---- teardown ---------------------------------------------------------------------------
@@ -307,15 +309,14 @@ class MlflowTracker(NullTracker):
             self.client.log_text(self.run_id, "".join(json.dumps(e) + "\n" for e in self._events),
                                  "events.jsonl")
         self.client.log_artifact(self.run_id, str(run_dir / "summary.json"))
-        if self.config.dashboard_html:
-            dashboard = run_dir / self.config.dashboard_html
-            if dashboard.is_file():
-                self.client.log_artifact(self.run_id, str(dashboard))
-        if self.config.timeline and (run_dir / "timeline.json").is_file():
-            self.client.log_artifact(self.run_id, str(run_dir / "timeline.json"))
+        for name in self.artifacts:
+            if (run_dir / name).is_file():
+                self.client.log_artifact(self.run_id, str(run_dir / name))
 
 
-def make_tracker(config: ExperimentConfig) -> NullTracker:
-    if config.tracking.kind is TrackingKind.off:
+def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = ()) -> NullTracker:
+    """The run's tracker: nothing for `tracking=off`, else MLflow uploading `artifacts` (files
+    of the run dir) at the end when they exist."""
+    if tracking.kind is TrackingKind.off:
         return NullTracker()
-    return MlflowTracker(config)
+    return MlflowTracker(tracking, artifacts)

@@ -98,6 +98,23 @@ def make(**dotted) -> ExperimentConfig:
     return cfg
 
 
+def world_rules(config: ExperimentConfig):
+    """The config's rules that need the world size, as the launcher hands them to the hosts and
+    slurm planners."""
+    from flodl_run.config.validate import validate
+
+    return lambda world_size: validate(config, world_size).problems
+
+
+def plan_layout(config: ExperimentConfig, ask=None):
+    """`hosts.plan_hosts` as the launcher calls it for `config` (`ask`: a stand-in for the
+    inventory over ssh; None asks the real hosts)."""
+    from flodl_run.hosts import plan_hosts
+
+    extra = {} if ask is None else {"ask": ask}
+    return plan_hosts(config.cluster, config.elche.mode, world_rules(config), **extra)
+
+
 # The shell: clocks, sockets, files, logging, tracking, tensors, Hydra.
 FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra", "omegaconf",
                    "os", "pathlib", "subprocess", "threading", "asyncio", "rich",
@@ -134,3 +151,104 @@ def start_controller(run_dir: Path, num_ranks: int, *overrides: str) -> tuple:
     env = dict(os.environ, FLODL_RUN_COORD=info["coord"], FLODL_RUN_FILE=info["run_file"],
                FLODL_RUN_SECRET=Path(info["secret_file"]).read_text(), PYTHONPATH=str(REPO))
     return launcher, env
+
+
+def module_name(path: Path, root: Path) -> str:
+    """`flodl_run/config/schema.py` -> `flodl_run.config.schema` (`__init__.py` names its
+    package); `root` is the folder that holds the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, for every .py under `package`, read with
+    ast (so imports inside functions count too; a lazy import is still a dependency).
+
+    `from flodl_run import x` and `from flodl_run.config import schema` name the submodule
+    when there is one, else the package; relative imports are resolved against the module."""
+    root = package.parent
+    paths = {module_name(p, root): p for p in sorted(package.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in paths else base)
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle as a module chain that ends where it starts (`a -> b -> a`), one per
+    strongly connected group of modules, shortest chain through its first module."""
+    cycles = []
+    for group in _strongly_connected(graph):
+        start = min(group)
+        paths = {start: [start]}
+        frontier = [start]
+        chain = None
+        while frontier and chain is None:  # breadth first: the shortest way back to start
+            step = []
+            for module in frontier:
+                for target in sorted(graph[module] & group):
+                    if target == start:
+                        chain = paths[module] + [start]
+                        break
+                    if target not in paths:
+                        paths[target] = paths[module] + [target]
+                        step.append(target)
+                if chain:
+                    break
+            frontier = step
+        cycles.append(chain)
+    return cycles
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The groups of two or more modules that all reach each other (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            target = next(edges, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(group)
+    return groups

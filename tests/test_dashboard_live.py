@@ -161,14 +161,14 @@ def test_bind_refuses_a_held_port_and_frees_its_own_on_stop():
     config.dashboard.serve = 0
     from flodl_run.dashboard import Dashboard
 
-    server = LiveServer.bind(config).start(Dashboard(None))
+    server = LiveServer.bind(config.dashboard).start(Dashboard(None))
     port = server.sock.getsockname()[1]
     assert _state(server.url)["status"] == "running"
     config.dashboard.serve = port
     with pytest.raises(ConfigError, match="dashboard.serve"):
-        LiveServer.bind(config)
+        LiveServer.bind(config.dashboard)
     server.stop()
-    again = LiveServer.bind(config)  # SO_REUSEADDR, as any run binds it
+    again = LiveServer.bind(config.dashboard)  # SO_REUSEADDR, as any run binds it
     again.stop()
 
 
@@ -204,7 +204,7 @@ def test_ranks_are_labelled_with_their_worker_hosts_in_a_multi_host_run():
     config = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=[
         WorkerConfig(host="10.0.0.1", local_devices=["cpu", "cpu"]),
         WorkerConfig(host="10.0.0.2", local_devices=["cpu"], docker="trainer")]))
-    board = Dashboard(None, config=config)
+    board = Dashboard(None, cluster=config.cluster)
     board.on_start(2, 10, 3)
     for rank in range(3):
         board.on_window(rank, 640, 20.0 * (rank + 1), 2**30 * rank)

@@ -23,9 +23,10 @@ from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ControllerConfig, Mode, WorkerConfig
 from flodl_run.config.validate import validate
 from flodl_run.dockerhost import NOT_UP_EXIT, docker_command, docker_reason
-from flodl_run.hosts import plan_hosts, rank_command, rank_environment, start_hosts
+from flodl_run.hosts import rank_command, rank_environment, start_hosts
 from flodl_run.probe import inventory, probe
 from flodl_run.ssh import decode_handshake
+from tests.support import plan_layout
 from tests.test_hosts import GPUS, config, facts, fake_ask
 from tests.test_multi_host import HOSTS, sshd  # noqa: F401  (the real-sshd fixture)
 
@@ -38,7 +39,7 @@ def _mixed(**worker) -> Any:
                  WorkerConfig(host="10.0.0.2", local_devices=[1], nccl_socket_ifname="eth0",
                               path="/srv/deploy", docker="trainer", **worker),
                  controller=ControllerConfig(host="10.0.0.1"), master_port=29511)
-    layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+    layout = plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
     return cfg, layout
 
 
@@ -53,7 +54,7 @@ def test_docker_rank_command_execs_the_ssh_entry_in_the_service_with_the_torchru
     the service, the worker's python and the same remote entry as bare metal."""
     cfg, layout = _mixed(python="/opt/venv/bin/python")
     slots = layout.workers[1]
-    env = rank_environment(cfg, layout, slots, 0, "tcp://10.0.0.1:29400")
+    env = rank_environment(cfg.cluster, layout, slots, 0, "tcp://10.0.0.1:29400")
     command = rank_command(slots, env, 1, "run-x")
     assert command.startswith("cd /srv/deploy && { up=$(docker compose ps --status running")
     assert _exec_words(command) == [
@@ -81,7 +82,8 @@ def test_secret_goes_on_stdin_and_never_into_a_docker_ranks_argv(monkeypatch, tm
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "run.yaml").write_text("seed: 0\n")
-    start_hosts(cfg, layout, "tcp://10.0.0.1:29400", SECRET, run_dir, Console(file=io.StringIO()))
+    start_hosts(cfg.cluster, layout, "tcp://10.0.0.1:29400", SECRET, run_dir,
+                Console(file=io.StringIO()), save_path=cfg.save_path)
     docker = started[1]
     assert docker["argv"][0] == "ssh" and "docker compose exec -T" in docker["argv"][-1]
     assert not any(SECRET.hex() in word for s in started for word in s["argv"])
@@ -148,7 +150,7 @@ def test_probe_names_host_and_service_when_docker_compose_fails_for_real(sshd, t
     assert HOSTS[0] in problems[0][0] and "service trainer" in problems[0][0]
     cfg = config(worker, mode=Mode.cpu_cadence, controller=ControllerConfig(host="127.0.0.1"))
     with pytest.raises(ConfigError) as caught:
-        plan_hosts(cfg)
+        plan_layout(cfg)
     message = str(caught.value)
     assert "cluster.workers.0.docker: must be a running compose service" in message
     assert HOSTS[0] in message and "trainer" in message

@@ -20,9 +20,10 @@ from flodl_run.config.schema import (
 )
 from flodl_run.config.validate import validate
 from flodl_run.devices import GpuInfo
-from flodl_run.hosts import hosts_line, plan_hosts, rank_environment
+from flodl_run.hosts import hosts_line, rank_environment
 from flodl_run.probe import HostReport, host_problems, resolve_devices, skew_flags
 from flodl_run.ssh import decode_handshake, encode_handshake, remote_command, ssh_argv
+from tests.support import plan_layout
 
 GPUS = [[0, "GPU-aaaa-0", "NVIDIA H200", 141 * 2**30], [1, "GPU-bbbb-1", "NVIDIA A100", 80 * 2**30]]
 
@@ -139,7 +140,7 @@ def test_ranks_follow_worker_order_and_all_probes_the_host():
     cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[1], nccl_socket_ifname="eth0"),
                  WorkerConfig(host="10.0.0.2", local_devices="all", nccl_socket_ifname="eth0"),
                  controller=ControllerConfig(host="10.0.0.1", port=29400))
-    layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+    layout = plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
     assert [w.ranks for w in layout.workers] == [[0], [1, 2]]
     assert layout.workers[0].devices == ["GPU-bbbb-1"]
     assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.1", 0)
@@ -155,7 +156,7 @@ def test_layout_problems_are_config_errors_naming_the_worker():
                  controller=ControllerConfig(host="10.0.0.9"))
     ask = fake_ask({"10.0.0.1": facts(), "10.0.0.2": "ssh failed: Connection refused"})
     with pytest.raises(ConfigError) as info:
-        plan_hosts(cfg, ask=ask)
+        plan_layout(cfg, ask=ask)
     text = str(info.value)
     assert "cluster.workers.0.local_devices" in text and "no NVIDIA GPU" in text
     assert "cluster.workers.1.host" in text and "Connection refused" in text
@@ -176,7 +177,7 @@ def test_layout_refuses_what_needs_the_world(case, changes, key):
                  controller=changes.get("controller", ControllerConfig(host="10.0.0.1")))
     cfg.elche.partition_ratios = changes.get("ratios")
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+        plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
 
 
 def test_controller_only_takes_lists_as_given_and_refuses_all():
@@ -187,11 +188,11 @@ def test_controller_only_takes_lists_as_given_and_refuses_all():
                  WorkerConfig(host="b", local_devices=[0], nccl_socket_ifname="e"),
                  controller=ControllerConfig(host="10.0.0.1"), master_addr="10.0.0.5",
                  launch_ranks=False)
-    layout = plan_hosts(cfg, ask=never)
+    layout = plan_layout(cfg, ask=never)
     assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.5", 29500)
     cfg.cluster.workers[1].local_devices = "all"
     with pytest.raises(ConfigError, match=r"cluster\.workers\.1\.local_devices"):
-        plan_hosts(cfg, ask=never)
+        plan_layout(cfg, ask=never)
 
 
 def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
@@ -203,8 +204,8 @@ def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
                               env={"LD_PRELOAD": "/opt/nccl.so"}),
                  controller=ControllerConfig(host="10.0.0.1"), mode=Mode.cpu_cadence,
                  master_port=29511)
-    layout = plan_hosts(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts()}))
-    env = rank_environment(cfg, layout, layout.workers[1], 1, "tcp://10.0.0.1:29400")
+    layout = plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts()}))
+    env = rank_environment(cfg.cluster, layout, layout.workers[1], 1, "tcp://10.0.0.1:29400")
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                 "MASTER_ADDR", "MASTER_PORT")} == {
         "RANK": "2", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2",
@@ -215,7 +216,7 @@ def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
     assert env["LD_PRELOAD"] == "/opt/nccl.so" and env["FLODL_RUN_DEVICE"] == "cpu"
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 CPU ranks
     assert "FLODL_RUN_SECRET" not in env
-    gpu = rank_environment(cfg, layout, layout.workers[0], 0, "tcp://x:1")
+    gpu = rank_environment(cfg.cluster, layout, layout.workers[0], 0, "tcp://x:1")
     assert gpu["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa-0" and gpu["FLODL_RUN_DEVICE"] == "cuda:0"
 
 

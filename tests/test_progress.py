@@ -52,8 +52,8 @@ def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
     """Pins the CI failure where a Gloo error in a rank-lost event raised rich's MarkupError in
     the coordinator: event messages, run-end messages and forwarded rank output keep their
     brackets as text."""
+    from flodl_run.rankproc import forward
     from flodl_run.say import labelled
-    from flodl_run.supervisor import forward
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=400)

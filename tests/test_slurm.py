@@ -36,6 +36,7 @@ from flodl_run.slurm import (
 )
 from flodl_run.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
+from tests.support import world_rules
 from tests.test_averaging import _free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,11 @@ def test_a_task_gets_the_torchrun_contract_from_slurms_variables():
         task_environ({}, "ab12")
 
 
+def _plan(config: ExperimentConfig, allocation: Allocation) -> SlurmPlan:
+    """The launcher's plan of an srun step for `config` in `allocation`."""
+    return plan_slurm(config.cluster, allocation, world_rules(config))
+
+
 def _slurm_config(**slurm) -> ExperimentConfig:
     config = ExperimentConfig()
     config.cluster.topology = Topology.slurm
@@ -107,7 +113,7 @@ def test_the_gpu_script_asks_one_task_per_gpu_on_every_node():
     the run itself as the last line."""
     config = _slurm_config(nodes=2, gpus_per_node=4, time="2:00:00", partition="a100",
                            sbatch_args=["--account=ml"])
-    text = sbatch_script(config, ["cluster=slurm", "elche=nccl_sync"], Path("/o/x-%j.out"),
+    text = sbatch_script(config.cluster, ["cluster=slurm", "elche=nccl_sync"], Path("/o/x-%j.out"),
                          Path("/srv/p"), "/srv/p/.venv/bin/python")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --time=2:00:00", "#SBATCH --no-kill", "#SBATCH --partition=a100",
@@ -124,14 +130,14 @@ def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeyp
     environment (only the 0600 file's path is)."""
     monkeypatch.setenv("FLODL_RUN_SECRET", "deadbeef")
     alloc = Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "n1")
-    gpu = srun_argv(_slurm_config(gpus_per_node=4), SlurmPlan(alloc, 8, True, "10.0.0.1"))
+    gpu = srun_argv(_slurm_config(gpus_per_node=4).cluster, SlurmPlan(alloc, 8, True, "10.0.0.1"))
     for option in ("--ntasks=8", "--nodes=2", "--kill-on-bad-exit=0", "--no-kill", "--label",
                    "--ntasks-per-node=4", "--gpus-per-task=1"):
         assert option in gpu
     assert gpu[-3:] == [sys.executable, "-m", "flodl_run.slurm_task"]
     cpu_plan = SlurmPlan(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "10.0.0.1")
-    assert "--cpus-per-task=2" in srun_argv(_slurm_config(), cpu_plan)
-    env = step_environment(_slurm_config(), cpu_plan, "tcp://10.0.0.1:1", 2, tmp_path / "secret",
+    assert "--cpus-per-task=2" in srun_argv(_slurm_config().cluster, cpu_plan)
+    env = step_environment(_slurm_config().cluster, cpu_plan, "tcp://10.0.0.1:1", 2, tmp_path / "secret",
                            tmp_path / "run.yaml")
     assert "FLODL_RUN_SECRET" not in env and env["FLODL_RUN_SECRET_FILE"] == str(tmp_path / "secret")
     assert (env["MASTER_ADDR"], env["OMP_NUM_THREADS"], env["FLODL_RUN_STORE_HOSTED"]) == \
@@ -144,11 +150,10 @@ def test_an_allocation_that_cannot_serve_the_config_names_the_key():
     resolves to loopback while ranks run on other nodes, are config errors naming the key;
     a GPU allocation gives one rank per GPU of every node."""
     with pytest.raises(ConfigError, match="cluster.slurm.gpus_per_node: must be GPUs the allocation"):
-        plan_slurm(_slurm_config(gpus_per_node=2), Allocation("7", ["n1"], [2], 0, 4, "n1"))
+        _plan(_slurm_config(gpus_per_node=2), Allocation("7", ["n1"], [2], 0, 4, "n1"))
     with pytest.raises(ConfigError, match="cluster.controller.host: must be an address the other"):
-        plan_slurm(_slurm_config(), Allocation("7", ["localhost", "n2"], [1, 1], 0, 4, "localhost"))
-    plan = plan_slurm(_slurm_config(gpus_per_node=4), Allocation("7", ["n1", "n2"], [4, 4], 4, 16,
-                                                                 "10.0.0.1"))
+        _plan(_slurm_config(), Allocation("7", ["localhost", "n2"], [1, 1], 0, 4, "localhost"))
+    plan = _plan(_slurm_config(gpus_per_node=4), Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "10.0.0.1"))
     assert (plan.world_size, plan.gpus, plan.addr) == (8, True, "10.0.0.1")
 
 

@@ -13,7 +13,8 @@ import zmq
 import zmq.utils.monitor
 
 from flodl_run.config.schema import Mode
-from flodl_run.supervisor import _param_bytes, host_store
+from flodl_run.rankproc import host_store
+from flodl_run.supervisor import _param_bytes
 from flodl_run.wire import (
     Channel,
     Heartbeat,
@@ -200,8 +201,9 @@ def test_the_frame_limit_is_sized_from_the_model():
     """Pins where the coordinator's frame limit comes from: the recipe's model built on the
     meta device (digits_mlp: 26,122 float32 parameters, no buffers); collective modes send the
     coordinator no tensors, so only control messages count there."""
-    assert _param_bytes(make(elche__mode=Mode.cpu_sync)) == 26_122 * 4
-    assert _param_bytes(make(elche__mode=Mode.nccl_sync)) == 0
+    config = make()
+    assert _param_bytes(Mode.cpu_sync, config.recipe, config.data.transform) == 26_122 * 4
+    assert _param_bytes(Mode.nccl_sync, config.recipe, config.data.transform) == 0
 
 
 def test_every_message_type_has_a_direction():

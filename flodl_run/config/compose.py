@@ -62,7 +62,7 @@ def register_schemas(extra: Sequence[tuple] = ()) -> None:
     before composing)."""
     from flodl_run.config import helppage
 
-    helppage.register()
+    helppage.register(conf_dir)
     store = ConfigStore.instance()
     for group, name, node in (*SCHEMAS, *extra):
         store.store(group=group, name=name, node=_without_recipe_module(node))

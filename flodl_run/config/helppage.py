@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -94,17 +94,19 @@ def page(config_name: str, config_dir: Path, root: DictConfig, choices: Dict[str
     return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
 
 
-def resolve_help(*, _root_: DictConfig) -> str:
-    """The `flodl_run_help` resolver: the page of the command Hydra is running."""
+def resolve_help(conf: Path, root: DictConfig) -> str:
+    """The `flodl_run_help` resolver's page: the one of the command Hydra is running."""
     from hydra.core.hydra_config import HydraConfig
-
-    from flodl_run.config.compose import conf_dir
 
     hydra = HydraConfig.get()
     choices = {k: v for k, v in hydra.runtime.choices.items() if not k.startswith("hydra")}
-    return page(hydra.job.config_name, conf_dir(), _root_, choices)
+    return page(hydra.job.config_name, conf, root, choices)
 
 
-def register() -> None:
-    """Make `${flodl_run_help:}` available to Hydra's help template (idempotent)."""
-    OmegaConf.register_new_resolver("flodl_run_help", resolve_help, replace=True)
+def register(conf_dir: Callable[[], Path]) -> None:
+    """Make `${flodl_run_help:}` available to Hydra's help template (idempotent). `conf_dir`
+    finds the `conf/` tree when the page is drawn (compose owns where it is)."""
+    def flodl_run_help(*, _root_: DictConfig) -> str:
+        return resolve_help(conf_dir(), _root_)
+
+    OmegaConf.register_new_resolver("flodl_run_help", flodl_run_help, replace=True)

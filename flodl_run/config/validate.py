@@ -21,6 +21,7 @@ from flodl_run.config.schema import (
     Mode,
     OuterKind,
     Topology,
+    TrackingConfig,
     TrackingKind,
 )
 
@@ -428,14 +429,18 @@ def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
     if cluster.topology is Topology.cpu and cluster.threads_per_rank is None and cluster.num_ranks:
         cores = os.cpu_count() or 1
         cluster = dataclasses.replace(cluster, threads_per_rank=max(1, cores // cluster.num_ranks))
-    tracking = cfg.tracking
-    if tracking.kind is TrackingKind.mlflow and tracking.uri is None:
-        root = Path(outputs_dir or "outputs").resolve()
-        tracking = dataclasses.replace(tracking, uri=f"sqlite:///{root / 'mlflow.db'}")
     return dataclasses.replace(
         cfg, elche=elche, progressive_dispatch=progressive, save_path=save_path,
-        run_name=run_name, cluster=cluster, tracking=tracking,
+        run_name=run_name, cluster=cluster, tracking=resolve_tracking(cfg.tracking, outputs_dir),
     )
+
+
+def resolve_tracking(tracking: TrackingConfig, outputs_dir: Optional[str] = None) -> TrackingConfig:
+    """The store an mlflow run uses when `tracking.uri` is unset: `<outputs>/mlflow.db`."""
+    if tracking.kind is TrackingKind.mlflow and tracking.uri is None:
+        root = Path(outputs_dir or "outputs").resolve()
+        return dataclasses.replace(tracking, uri=f"sqlite:///{root / 'mlflow.db'}")
+    return tracking
 
 
 def _normalized(ratios: Optional[List[float]]) -> Optional[List[float]]:

@@ -1,0 +1,94 @@
+"""The Hydra app edge every command shares (the runner, the sim, the bench): run a command's
+Hydra app over its `conf/` tree, check its overrides before Hydra composes, turn the composed
+config into its schema's dataclass, and exit 2 on a config error without a traceback.
+
+Owns only that edge; what a command does with its typed config is the command's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+
+from flodl_run.config.compose import conf_dir, register_schemas
+from flodl_run.config.materialize import ConfigError
+
+EXIT_CONFIG = 2
+JOB_MODULE = "flodl_run.cli"
+"""Hydra's job name comes from this module's last part: `cli`, hence `cli.log`."""
+
+
+def fail_config(message: str, console: Console, prog: str = "flodl_run") -> NoReturn:
+    """Print a user error without a traceback and exit 2; long lines fold between words (a
+    value or key is never cut in two, whatever the terminal width)."""
+    # Only the label is markup: a message may hold `[...]` (paths, peer errors) shown verbatim.
+    console.print(f"[bold red]{escape(prog)}:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def typed_or_exit(cfg: Any, prog: str) -> Any:
+    """The composed config as its schema's dataclass (Hydra's own `hydra` node left out); a
+    value the schema refuses exits 2 naming the dotted key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    keys = [k for k in cfg.keys() if k != "hydra"]
+    plain = OmegaConf.masked_copy(cfg, keys) if "hydra" in cfg else cfg
+    try:
+        return OmegaConf.to_object(plain)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or "config"
+        fail_config(f"{key}: {str(exc).splitlines()[0]}", Console(stderr=True), prog)
+
+
+def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
+                  extra_schemas: Sequence[Any] = ()) -> int:
+    """Run `job` as the Hydra app over conf/<config_name>.yaml; returns the last job's status.
+
+    Hydra exits 1 for overrides it cannot compose (unknown key, wrong type, missing option)
+    before any job starts: that is a config error, so it becomes exit 2 like ours. Shared by
+    the runner, the sim and the bench."""
+    import hydra
+
+    if os.environ.get("FLODL_RUN_TRACEBACK"):
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    register_schemas(extra=list(extra_schemas))
+    check_overrides(config_name)
+    status: list = []
+
+    def _app(cfg: Any) -> None:
+        status.append(0)
+        status[-1] = job(cfg) or 0
+
+    # Hydra names the job, and so its log file in the run dir, after the module of the function
+    # it runs: every command's log is cli.log, as it was when this edge lived in flodl_run.cli.
+    _app.__module__ = JOB_MODULE
+    app = hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name=config_name)(_app)
+    try:
+        app()
+    except SystemExit as exc:
+        if exc.code == 1 and not status:
+            sys.exit(EXIT_CONFIG)
+        raise
+    return status[-1] if status else 0
+
+
+def check_overrides(config_name: str) -> None:
+    """Exit 2 before Hydra composes when an override names a key or group this command does not
+    have, whatever its prefix (`+` and `++` included), suggesting the nearest real names. Call
+    after the schemas are registered."""
+    from hydra._internal.utils import get_args_parser
+
+    from flodl_run.config import overrides
+
+    try:
+        args = get_args_parser().parse_args(sys.argv[1:])
+    except SystemExit:  # a malformed flag: Hydra's own parser says so when the app runs
+        return
+    problems = overrides.check(args.overrides, conf_dir(), config_name)
+    if problems:
+        fail_config(str(ConfigError(problems)), Console(stderr=True))
