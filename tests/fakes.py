@@ -6,7 +6,8 @@ fault plan (a list of `Fault`) says which rank dies, hangs, freezes or fails a r
 
 The fakes model what the coordinator relies on in real ranks (flodl_run/rank.py):
 - heartbeats on their own socket, carrying the batches finished and whether a Train order is
-  being worked on (a rank hung in train_step beats on; a frozen one falls silent);
+  being worked on (a rank hung in train_step beats on; a frozen one falls silent), and in the
+  collective modes a listener socket on which an AbortGroup aborts the rank's group;
 - in the collective modes, a process group per membership generation (`Group`): a reduce
   completes only when every member arrives, a member that vanishes breaks it for the others
   (each then reports ReduceFailed), a Regroup builds the next generation's group, orders sent
@@ -31,11 +32,13 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.coordinator import Coordinator
 from flodl_run.observe import Observer
 from flodl_run.wire import (
+    AbortGroup,
     Channel,
     CheckpointSaved,
     Evaluate,
     Evaluated,
     Heartbeat,
+    Listening,
     RankJoined,
     Reduced,
     ReduceFailed,
@@ -218,6 +221,8 @@ class FakeRank(threading.Thread):
         self.quiet = threading.Event()  # no more heartbeats
         self.fate = ""  # how the thread ended: "stopped", or the fault that ended it
         self.beat_s = BEAT_S
+        self.listens = group is not None and group.collective  # as real ranks: collective modes
+        self.notices: List[AbortGroup] = []  # what its listener socket received
 
     # ---- the launcher's view -----------------------------------------------------------------
 
@@ -238,9 +243,12 @@ class FakeRank(threading.Thread):
         sock = _connect(zmq.Context.instance(), self.address, self.secret, linger_ms=1000)
         self.ch = Channel(sock, self.secret)
         beat = threading.Thread(target=self._beat, daemon=True)
+        listener = threading.Thread(target=self._listen, daemon=True)
         try:
             self.ch.send(RankJoined(self.rank, self.world, 0, "test", "cpu", "cpu", NUM_SAMPLES))
             beat.start()
+            if self.listens:
+                listener.start()
             if self.mode == "cpu_async" and self.rank == 0:
                 self._snapshot(0)  # the EASGD center's starting point
             self._serve()
@@ -257,6 +265,20 @@ class FakeRank(threading.Thread):
         channel = Channel(sock, self.secret)
         while not self.quiet.wait(self.beat_s):
             channel.send(Heartbeat(self.rank, self.batches, self.training))
+        sock.close()
+
+    def _listen(self) -> None:
+        """The listener thread: its own socket, announced with Listening; an AbortGroup for
+        this rank's generation aborts its group (NCCL's abort), as in a real rank."""
+        sock = _connect(zmq.Context.instance(), self.address, self.secret, linger_ms=0)
+        channel = Channel(sock, self.secret)
+        channel.send(Listening(self.rank))
+        while not self.quiet.is_set():
+            got = channel.recv(timeout_ms=50)
+            if got is not None and isinstance(got.message, AbortGroup):
+                self.notices.append(got.message)
+                if got.message.generation == self.generation and self.group is not None:
+                    self._break_group()
         sock.close()
 
     def _next_order(self):
