@@ -39,6 +39,7 @@ from flodl_run.wire import (
     Evaluated,
     Heartbeat,
     Listening,
+    RankFailed,
     RankJoined,
     Reduced,
     ReduceFailed,
@@ -59,8 +60,8 @@ NUM_SAMPLES = 640
 BEAT_S = 1.0  # heartbeat period, as in real ranks (a shorter one: `beat_s`)
 WAIT_S = 30.0  # the longest a fake waits for anything: past it, the run is stuck (a failure)
 
-KINDS = {"die": ("train", "reduce"), "hang": ("train",), "freeze": ("train", "reduce"),
-         "reduce_fail": ("reduce",)}
+KINDS = {"die": ("train", "reduce"), "raise": ("train",), "hang": ("train",),
+         "freeze": ("train", "reduce"), "reduce_fail": ("reduce",)}
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,13 @@ class Fault:
     reported, as a SIGKILL after a batch lands); "reduce": on entering its at-th reduce (a
     SyncNow, or one riding on a Train), once its collective peers wait in it.
     Kinds: "die": the process vanishes (no more messages; its peers' collective breaks; the
-    launcher reports the exit). "hang": stuck in train_step, heartbeats go on, the batch count
-    stands still (the coordinator's hung-rank rule must catch it). "freeze": stopped whole
-    (SIGSTOP): no heartbeats, no messages (the heartbeat timeout must catch it). Both wait
-    until the coordinator declares them dead and the launcher kills them. "reduce_fail": the
-    collective breaks under every member (a transient error) and the rank reports ReduceFailed,
-    as a real rank does; it lives on."""
+    launcher reports the exit). "raise": the recipe's train_step raises: the rank reports
+    RankFailed with the error, then its process exits (reported). "hang": stuck in
+    train_step, heartbeats go on, the batch count stands still (the coordinator's hung-rank
+    rule must catch it). "freeze": stopped whole (SIGSTOP): no heartbeats, no messages (the
+    heartbeat timeout must catch it). Both wait until the coordinator declares them dead and
+    the launcher kills them. "reduce_fail": the collective breaks under every member (a
+    transient error) and the rank reports ReduceFailed, as a real rank does; it lives on."""
 
     rank: int
     kind: str
@@ -342,6 +344,8 @@ class FakeRank(threading.Thread):
         if fault is not None and fault.kind in ("hang", "freeze"):
             self._stuck(fault)
         done = self._answer(order)
+        if fault is not None and fault.kind == "raise":
+            self.ch.send(RankFailed(self.rank, f"ValueError: scripted failure at train {fault.at}"))
         if fault is not None:  # die: its batches ran, the process goes before reporting them
             self._vanish(f"{fault.kind} at train {fault.at}")
         self.ch.send(done)
@@ -448,8 +452,9 @@ class FakeRank(threading.Thread):
             self.pending.extend(order.slices)
             samples = sum(s[2] for s in order.slices)
             n = order.num_batches
-            time.sleep(n * self.ms_per_batch / 1000.0)  # the compute the report claims (not a sync)
-            self.batches += n
+            for _ in range(n):  # the compute the report claims (not a sync), batch by batch
+                time.sleep(self.ms_per_batch / 1000.0)
+                self.batches += 1
             self.training = False
             return WindowDone(self.rank, order.window, order.epoch, n, samples,
                               n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,

@@ -273,9 +273,24 @@ def test_losing_every_rank_stops_with_all_ranks_lost_and_no_bundle(tmp_path, mod
     summary, _, _, _ = _run(mode, [Fault(0, "die", 2), Fault(1, "die", 3)], ranks=2,
                             save_path=str(tmp_path / "ck"))
     assert summary.status == "shutdown_with_save"
-    assert summary.dead_ranks == [0, 1]
+    assert sorted(summary.dead_ranks) == [0, 1]
     assert summary.message.startswith("all_ranks_lost: ") and summary.message.endswith("; no bundle")
     assert summary.checkpoint is None
+
+
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_cadence"])
+def test_a_recipe_error_on_every_rank_fails_the_run_with_that_error(tmp_path, mode):
+    """Rule 'a recipe error reads as a failure': when train_step raises on every rank (each
+    reports RankFailed, then exits), the run ends failed, not shutdown_with_save, and its
+    message leads with the first rank's own error (naming the others that raised the same),
+    with no bundle (no rank holds the weights)."""
+    summary, _, _, _ = _run(mode, [Fault(0, "raise", 2), Fault(1, "raise", 2)], ranks=2,
+                            save_path=str(tmp_path / "ck"))
+    assert summary.status == "failed"
+    assert summary.message.startswith("rank 0 failed: ValueError: scripted failure at train 2 "
+                                      "(also rank 1); all_ranks_lost: ")
+    assert summary.message.endswith("; no bundle") and summary.checkpoint is None
+    assert sorted(summary.dead_ranks) == [0, 1]  # in the order their failures landed
 
 
 def test_a_fault_names_a_point_its_kind_can_strike_at():
