@@ -4,7 +4,6 @@ per batch."""
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from dataclasses import replace
 from typing import List
@@ -164,28 +163,6 @@ def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mo
     assert next(m for k, m in events.events if k == "snapshot_late").startswith("round 2: rank(s) [1]")
     assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
     assert sum(weighed) == 2 * NUM_SAMPLES // 8
-
-
-@pytest.mark.coordinator
-def test_a_death_voids_the_orders_sent_ahead_and_their_batches_are_redone():
-    """Pins orders sent ahead in nccl_sync against a death: rank 1 dies after its 10th batch,
-    when both ranks hold their next order, so rank 0's reduce fails with that order queued. The regroup
-    voids that order (rank 0 never trains it), its batches and the dead rank's go back to the
-    pool, and every sample of the epoch is still trained exactly once."""
-    config = ExperimentConfig(elche=ElCheConfig.preset("nccl_sync"), num_epochs=1, batch_size=8)
-    secret = new_secret()
-    coord = Coordinator(config, 2, secret)
-    ranks = [FakeRank(r, 2, coord.address, secret, 5.0, 8, "nccl_sync") for r in range(2)]
-    barrier = threading.Barrier(2)
-    for r in ranks:
-        r.barrier, r.on_die = barrier, coord.report_death
-    ranks[1].die_at = 10
-    summary, ranks = drive(coord, ranks)
-    assert summary.status == "completed", summary.message
-    assert summary.dead_ranks == [1]
-    assert ranks[0].dropped == 1 and ranks[1].trains == 10 and ranks[1].ahead == 9
-    seen = _positions(ranks, 1)
-    assert set(seen.values()) == {1} and len(seen) == NUM_SAMPLES
 
 
 @pytest.mark.coordinator
