@@ -353,12 +353,16 @@ class Coordinator:
             self.members.check_liveness()  # also while messages flow: a busy socket must not hide a hang
             if self.members.deaths_pending() and self.members.absorb():
                 return None
-            received = self.channel.recv(timeout_ms=POLL_MS)
+            wait_ms = POLL_MS
+            if deadline is not None:  # checked on every pass: a busy socket must not postpone it
+                left_ms = (deadline - time.monotonic()) * 1000.0
+                if left_ms <= 0:
+                    return None
+                wait_ms = max(1, min(POLL_MS, int(left_ms)))
+            received = self.channel.recv(timeout_ms=wait_ms)
             if received is None:
                 if self.members.absorb():
                     return None  # membership changed: the caller re-plans what it waits for
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
                 continue
             message = received.message
             rank = getattr(message, "rank", None)
@@ -404,7 +408,9 @@ class Coordinator:
         stem = None
         if self.alive:
             try:
-                stem = self.save_bundle(reason, self.windows.pool_epoch, self._uncovered_now())
+                epoch, uncovered = (self.async_loop.save_point() if self.async_loop is not None
+                                    else (self.windows.pool_epoch, self._uncovered_now()))
+                stem = self.save_bundle(reason, epoch, uncovered)
             except (RunAborted, zmq.ZMQError) as exc:
                 detail = f"{detail}; the save failed: {exc}"
         saved = f"bundle {stem}" if stem else "no bundle"

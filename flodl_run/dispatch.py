@@ -84,6 +84,12 @@ def window_samples(remaining: int, counts: Sequence[int], batch_size: int) -> Li
     return samples
 
 
+def as_range(piece: SliceT) -> List[int]:
+    """A slice (pass, offset, size) as the [pass, start, end] range a bundle's coverage holds."""
+    pass_index, offset, size = piece
+    return [pass_index, offset, offset + size]
+
+
 def take(span_cursor: int, span: EpochSpan, size: int) -> Tuple[Optional[SliceT], int]:
     """Cut `size` samples at the cursor; returns the slice (None if empty) and the new cursor."""
     size = max(0, min(size, span.end - span_cursor))

@@ -9,7 +9,7 @@ while ranks keep training, and epochs close in ascending order once all their ch
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, NoReturn, Optional, Set
+from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 from flodl_run.averaging.central import CentralAverager, Snapshot
 from flodl_run.config.schema import ExperimentConfig
@@ -218,11 +218,15 @@ class AsyncLoop:
             self._graceful_stop(self.closed, self._uncovered(self.closed))
         self._maybe_start_round()
 
+    def save_point(self) -> Tuple[int, List[List[int]]]:
+        """The epoch a save made now names, and what of it the center does not include yet."""
+        return self.closed, self._uncovered(self.closed)
+
     def _uncovered(self, epoch: int) -> List[List[int]]:
-        """What of `epoch` the center does not include yet: undispatched and in-hand work."""
-        held = [list(s) for chunks in self.in_hand.values() for e, slices in chunks if e == epoch
-                for s in slices]
-        return self.pools[epoch].uncovered() + held
+        """What of `epoch` the center does not include yet: undispatched work, and what the
+        live ranks trained or hold since their work last folded in (a dead rank's went back to
+        the pool)."""
+        return self.pools[epoch].uncovered() + self.holdings.uncovered(epoch)
 
     def _close_epochs(self) -> None:
         """Close finished epochs in order, only between rounds (their work is in the center)."""

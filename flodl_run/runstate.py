@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
-from flodl_run.dispatch import SliceT
+from flodl_run.dispatch import SliceT, as_range
 from flodl_run.elche import ElChe, Plan, ReduceReport
 
 POLL_MS = 200
@@ -129,8 +129,8 @@ class Holdings:
         return self.chunks.get(rank, [])
 
     def uncovered(self, epoch: int) -> List[List[int]]:
-        """The slices of `epoch` the ranks hold, each as a list (what a save records)."""
-        return [list(s) for chunks in self.chunks.values() for e, slices in chunks if e == epoch
+        """The slices of `epoch` the ranks hold, as [pass, start, end] ranges (what a save records)."""
+        return [as_range(s) for chunks in self.chunks.values() for e, slices in chunks if e == epoch
                 for s in slices]
 
 

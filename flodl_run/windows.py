@@ -11,7 +11,7 @@ import time
 from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 from flodl_run.config.schema import ExperimentConfig, Mode
-from flodl_run.dispatch import EpochPool, equal_split, window_samples
+from flodl_run.dispatch import EpochPool, as_range, equal_split, window_samples
 from flodl_run.runstate import Balance, Holdings, Next, Send, StopRequest
 from flodl_run.tallies import EpochTally, WindowTally
 from flodl_run.wire import SyncNow, Train, WindowDone
@@ -135,7 +135,7 @@ class Windows:
             if self.stop.is_set():
                 self._graceful_stop(epoch, self.uncovered())
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
-                self.save_bundle("checkpoint", epoch, self.uncovered() + [list(s) for s in in_flight])
+                self.save_bundle("checkpoint", epoch, self.uncovered() + [as_range(s) for s in in_flight])
 
     @property
     def _progressive(self) -> bool:

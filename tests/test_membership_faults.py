@@ -213,20 +213,8 @@ def test_a_loss_past_max_failure_stops_with_a_save(tmp_path, mode, kind):
     assert [f.fate for f in fakes[:2]] == ["stopped", "stopped"]
 
 
-SLICES_AS_RANGES = pytest.mark.xfail(strict=True, reason=(
-    "BUG in flodl_run (membership._uncovered_now): the survivors' work since the last reduce "
-    "goes into the bundle's coverage as (pass, offset, size) slices where coverage holds "
-    "(pass, start, end) ranges, so most of it reads as covered and a resume never redoes it"))
-ASYNC_EPOCH = pytest.mark.xfail(strict=True, reason=(
-    "BUG in flodl_run (cpu_async): a shutdown_with_save bundle names the coordinator's "
-    "_pool_epoch, which the async loop never advances, and its uncovered list reads the "
-    "coordinator's pools, empty in async: it says 'epoch 0, nothing of it covered' while the "
-    "survivors' consensus holds epoch 0 (a resume retrains it)"))
 
-
-@pytest.mark.parametrize("mode", [pytest.param("nccl_sync", marks=SLICES_AS_RANGES),
-                                  pytest.param("cpu_cadence", marks=SLICES_AS_RANGES),
-                                  pytest.param("cpu_async", marks=ASYNC_EPOCH)])
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_cadence", "cpu_async"])
 def test_the_save_after_a_loss_lists_exactly_what_the_consensus_lacks(tmp_path, mode):
     """Rule 'a bundle's coverage is exact': after rank 2 dies mid-window past max_failure, the
     bundle says where a resume starts (epoch e) and what of e the weights lack (uncovered;
@@ -304,12 +292,6 @@ def test_a_fault_names_a_point_its_kind_can_strike_at():
         replace(Fault(1, "die", 3), kind="hang", point="reduce")
 
 
-IN_FLIGHT_AS_RANGES = pytest.mark.xfail(strict=True, reason=(
-    "BUG in flodl_run (windows._run_cadence_epoch, checkpoint_at_epoch): the orders in flight "
-    "at the save go into the bundle's coverage as (pass, offset, size) slices where coverage "
-    "holds (pass, start, end) ranges, so a resume skips what they hold"))
-
-
 class _Consensus(Observer):
     """At each checkpoint event (the bundle is written, no reduce has run since), what the
     fakes' consensus holds: the weights the bundle saved."""
@@ -322,7 +304,6 @@ class _Consensus(Observer):
             self.saved.append((read_meta(self.stem).coverage, self.group.consensus()))
 
 
-@IN_FLIGHT_AS_RANGES
 def test_a_mid_epoch_checkpoint_lists_exactly_what_its_weights_lack(tmp_path):
     """Rule 'a bundle's coverage is exact', for checkpoint_at_epoch=1 in cpu_cadence (saved
     after the first reduce of epoch 1, while the next window's orders are in flight, which
@@ -345,10 +326,6 @@ def test_a_mid_epoch_checkpoint_lists_exactly_what_its_weights_lack(tmp_path):
     assert {i for p, i in seen if p == 1} == set(range(NUM_SAMPLES)) - lacks
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG in flodl_run (Coordinator._next): a `deadline` is checked only after a receive that "
-    "timed out (POLL_MS idle), so messages arriving faster than that (the heartbeats of many "
-    "ranks) postpone snapshot_timeout_secs until the late snapshot itself arrives"))
 def test_a_busy_socket_does_not_postpone_the_snapshot_timeout():
     """Rule snapshot_timeout_secs, under load: with heartbeats arriving every 20 ms (as from
     many ranks), rank 1's snapshot of round 2, 1.5 s late, is still left out of that round
