@@ -30,6 +30,7 @@ rank, as on platforms without fork and SCM_RIGHTS).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -167,11 +168,16 @@ def _preload() -> None:
     """Import what every rank imports, and make sure none of it initialized CUDA: a CUDA
     context does not survive fork, and each rank must choose its own devices."""
     import torch
+    import torch._dynamo  # noqa: F401  (every optimizer imports it when built: 1.6 CPU-s a rank)
 
     import flodl_run.rank  # noqa: F401  (torch.distributed, zmq, the rank's modules)
 
     if torch.cuda.is_initialized():
         raise RuntimeError("importing the rank initialized CUDA; ranks cannot be forked")
+    # Out of the collector's reach: a child's collections and its exit then leave these objects
+    # (and the pages they share with us) alone, instead of copying each page they touch.
+    # Measured: a forked rank's exit went from 1.2 to 0.4 CPU-seconds.
+    gc.freeze()
 
 
 def _serve(sock: socket.socket) -> Optional[Dict[str, str]]:
@@ -253,9 +259,10 @@ def _run_rank(env: Dict[str, str]) -> int:
     os.environ.clear()
     os.environ.update(env)
     os.environ["FLODL_RUN_PARENT_PID"] = str(os.getppid())  # our parent is the zygote
-    from flodl_run.rank import main
+    from flodl_run import rank
 
-    return main()
+    sys.argv = [rank.__file__]  # what `python -m flodl_run.rank` would have shown the rank
+    return rank.main()
 
 
 def main(argv: List[str]) -> int:
