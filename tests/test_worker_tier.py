@@ -19,7 +19,7 @@ from flodl_run.config.schema import ExperimentConfig, RecipeConfig
 from flodl_run.recipe import Recipe, RecipeError, load_recipe
 from flodl_run.replica import Optimizers, Replica, as_one_optimizer
 from flodl_run.worker import Worker, run_loop
-from tests.test_distributed_cli import REPO, _run
+from tests.support import REPO, _run
 
 MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
 
