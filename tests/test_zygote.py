@@ -40,6 +40,27 @@ def test_the_start_mode_is_zygote_unless_spawn_is_asked_and_a_bad_value_is_named
         fork_ranks({START_ENV: "fork"})
 
 
+def test_a_forked_rank_draws_fresh_random_state_like_a_new_interpreter():
+    """Forked ranks must not share the zygote's global generators (a new interpreter seeds
+    torch's and numpy's from the OS): the child reseeds both before the rank starts."""
+    import numpy as np
+    import torch
+
+    from flodl_run.zygote import _fresh_random_state
+
+    saved_torch, saved_numpy = torch.get_rng_state(), np.random.get_state()
+    try:
+        before = (torch.rand(4).tolist(), np.random.rand(4).tolist())
+        torch.set_rng_state(saved_torch)
+        np.random.set_state(saved_numpy)
+        _fresh_random_state()
+        after = (torch.rand(4).tolist(), np.random.rand(4).tolist())
+        assert after[0] != before[0] and after[1] != before[1]
+    finally:
+        torch.set_rng_state(saved_torch)
+        np.random.set_state(saved_numpy)
+
+
 @pytest.mark.e2e
 def test_a_forked_rank_runs_the_rank_with_its_environment_and_its_output_and_exit_code(tmp_path):
     """The child runs flodl_run.rank under the environment it was sent (this one lacks keys,
