@@ -29,6 +29,7 @@ from flodl_run.rankproc import RankProcess, forward, host_store
 from flodl_run.summary import Summary
 from flodl_run.timeline import Timeline
 from flodl_run.wire import frame_limit, new_secret
+from flodl_run.zygote import Zygote, fork_ranks
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
@@ -70,10 +71,13 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
     store = host_store(cluster.master_addr, cluster.master_port)
     master_port = store.port
     procs = []
+    zygote: Optional[Zygote] = None
     for rank in range(world_size):
         env = rank_environment(cluster, rank, world_size, coord, secret, run_dir / "run.yaml",
                                master_port, gpu_uuids, shm_prefix)
-        process = subprocess.Popen(
+        if zygote is None and fork_ranks(os.environ):  # one torch import per host, not per rank
+            zygote = Zygote(env, log_dir / "zygote.log")
+        process = zygote.spawn(env) if zygote is not None else subprocess.Popen(
             [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
@@ -85,6 +89,8 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
                                           daemon=True)
         proc.forwarder.start()
         procs.append(proc)
+    if zygote is not None:
+        zygote.seal()
     return procs
 
 

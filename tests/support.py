@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from flodl_run.config.schema import ExperimentConfig
+from flodl_run.zygote import ZYGOTE_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,8 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
 
 
 def _flodl_children(launcher_pid: int) -> list[int]:
-    """PIDs of live processes started by this launcher (ranks carry FLODL_RUN_PARENT_PID)."""
+    """PIDs of this launcher's live ranks (they carry FLODL_RUN_PARENT_PID; the zygote that
+    forks them carries it too, and is told apart by its process name)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -81,7 +83,8 @@ def _flodl_children(launcher_pid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if f"FLODL_RUN_PARENT_PID={launcher_pid}".encode() in environ and ") Z " not in stat:
+        if f"FLODL_RUN_PARENT_PID={launcher_pid}".encode() in environ and ") Z " not in stat \
+                and not stat.split(" (", 1)[-1].startswith(ZYGOTE_NAME + ")"):
             found.append(int(entry.name))
     return found
 

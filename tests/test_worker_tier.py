@@ -19,7 +19,7 @@ from flodl_run.config.schema import ExperimentConfig, RecipeConfig
 from flodl_run.recipe import Recipe, RecipeError, load_recipe
 from flodl_run.replica import Optimizers, Replica, as_one_optimizer
 from flodl_run.worker import Worker, run_loop
-from tests.test_distributed_cli import REPO, _run
+from tests.support import REPO, _run
 
 MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
 
@@ -133,6 +133,14 @@ def _loop_run(tmp_path: Path, pkg: Path, recipe: str, *overrides: str, env_extra
     return proc, summary, notes
 
 
+@pytest.fixture(scope="module")
+def gan_cpu_sync(pkg, tmp_path_factory):
+    """The gan_watched loop under cpu_sync (2 epochs, a bundle each): one of the every-mode
+    runs, and the bundle the resume test continues from. (process, summary, notes)"""
+    return _loop_run(tmp_path_factory.mktemp("gan_cpu_sync"), pkg, "gan_watched", "elche=cpu_sync",
+                     *SMALL_WINDOWS)
+
+
 def _model_file(stem: str) -> Path:
     return bundle_files(stem, read_meta(stem))["model"]
 
@@ -140,7 +148,8 @@ def _model_file(stem: str) -> Path:
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("recipe", ["gan_watched", "accum_watched"])
-def test_a_recipes_loop_trains_under_the_coordinator_in_every_mode(tmp_path, pkg, recipe, mode):
+def test_a_recipes_loop_trains_under_the_coordinator_in_every_mode(tmp_path, pkg, recipe, mode,
+                                                                   request):
     """Rule: with a recipe's own loop, every mode still works as with the built-in step: the
     loop runs once in each rank and is handed every sample the epochs trained, exactly once;
     the weights change between its batches (never more often than reduces happened: two
@@ -148,7 +157,10 @@ def test_a_recipes_loop_trains_under_the_coordinator_in_every_mode(tmp_path, pkg
     after the last batch), and outside cpu_async every rank ends holding the bundle's weights
     (the last reduce made them the consensus); eval and checkpoint_fn run on the elected rank
     only (rank:1), one eval per epoch."""
-    proc, summary, notes = _loop_run(tmp_path, pkg, recipe, f"elche={mode}", *SMALL_WINDOWS)
+    if (recipe, mode) == ("gan_watched", "cpu_sync"):  # shared with the resume test
+        proc, summary, notes = request.getfixturevalue("gan_cpu_sync")
+    else:
+        proc, summary, notes = _loop_run(tmp_path, pkg, recipe, f"elche={mode}", *SMALL_WINDOWS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["mode"] == mode
     ends = sorted((n for n in notes if n["what"] == "loop_end"), key=lambda n: n["worker_rank"])
@@ -206,20 +218,20 @@ def test_a_rank_killed_mid_window_is_survived_with_a_loop(tmp_path, pkg):
 
 
 @pytest.mark.e2e
-def test_a_loop_run_resumes_where_its_bundle_ends(tmp_path, pkg):
+def test_a_loop_run_resumes_where_its_bundle_ends(tmp_path, pkg, gan_cpu_sync):
     """Rule: a run of a recipe with several optimizers resumes: the bundle holds both
     optimizers' state (the generator's Adam and the discriminator's), the resumed run starts at
     the bundle's epoch with the saved weights and its loop trains only the remaining epoch."""
-    first, summary, _ = _loop_run(tmp_path / "a", pkg, "gan_watched", "elche=cpu_sync", "num_epochs=1")
+    first, summary, _ = gan_cpu_sync  # 2 epochs; resumed to 3
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     stem = summary["checkpoint"]
     optim = torch.load(bundle_files(stem, read_meta(stem))["optim"])
     assert len(optim["optimizers"]) == 2 and all(o["state"] for o in optim["optimizers"])
     proc, resumed, notes = _loop_run(tmp_path / "b", pkg, "gan_watched", "elche=cpu_sync",
-                                     f"resume_from={stem}")
+                                     *SMALL_WINDOWS, "num_epochs=3", f"resume_from={stem}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert resumed["status"] == "completed"
-    assert [e["epoch"] for e in resumed["epochs"]] == [1]
+    assert [e["epoch"] for e in resumed["epochs"]] == [2]
     ends = [n for n in notes if n["what"] == "loop_end"]
     assert sum(n["samples"] for n in ends) == 512 and len(ends) == 2
 
