@@ -75,7 +75,8 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
     for rank in range(world_size):
         env = rank_environment(cluster, rank, world_size, coord, secret, run_dir / "run.yaml",
                                master_port, gpu_uuids, shm_prefix)
-        if zygote is None and fork_ranks(os.environ):  # one torch import per host, not per rank
+        # one torch import per host, not per rank
+        if zygote is None and fork_ranks(os.environ, on_gpus=bool(gpu_uuids)):
             zygote = Zygote(env, log_dir / "zygote.log")
         process = zygote.spawn(env) if zygote is not None else subprocess.Popen(
             [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,

@@ -25,7 +25,8 @@ In `ps`, a forked rank shows the zygote's command line (`-m flodl_run.zygote`) a
 (the rank-independent part of the ranks' environment); `os.environ` inside is the rank's own.
 
 `FLODL_RUN_RANK_START=spawn` in the launcher's environment turns this off (one interpreter per
-rank, as on platforms without fork and SCM_RIGHTS).
+rank, as on platforms without fork and SCM_RIGHTS). Ranks on GPUs spawn unless
+`FLODL_RUN_RANK_START=zygote` is set, until the forked path is measured on GPU machines.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ PER_RANK_KEYS = ("RANK", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
 that its /proc/PID/environ (which forked ranks keep showing) names no rank in particular."""
 
 
-def fork_ranks(environ: Dict[str, str]) -> bool:
+def fork_ranks(environ: Dict[str, str], on_gpus: bool = False) -> bool:
     """Fork from a zygote unless the user asked for one interpreter per rank, or the platform
-    lacks fork or descriptor passing."""
-    wanted = environ.get(START_ENV, "zygote")
+    lacks fork or descriptor passing. Ranks on GPUs spawn unless `FLODL_RUN_RANK_START=zygote`
+    asks for it: the forked path has not been measured on a GPU machine yet."""
+    wanted = environ.get(START_ENV, "spawn" if on_gpus else "zygote")
     if wanted not in ("zygote", "spawn"):
         raise SystemExit(f"{START_ENV}={wanted!r}: expected 'zygote' or 'spawn'")
     return wanted == "zygote" and sys.platform == "linux" and hasattr(socket, "send_fds")

@@ -36,6 +36,8 @@ def test_the_start_mode_is_zygote_unless_spawn_is_asked_and_a_bad_value_is_named
     assert fork_ranks({}) is True
     assert fork_ranks({START_ENV: "zygote"}) is True
     assert fork_ranks({START_ENV: "spawn"}) is False
+    assert fork_ranks({}, on_gpus=True) is False  # GPU ranks spawn unless asked
+    assert fork_ranks({START_ENV: "zygote"}, on_gpus=True) is True
     with pytest.raises(SystemExit, match="FLODL_RUN_RANK_START='fork'"):
         fork_ranks({START_ENV: "fork"})
 
