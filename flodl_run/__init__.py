@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import ExperimentConfig
-    from flodl_run.launcher import RunResult
-    from flodl_run.observe import Observer
-    from flodl_run.recipe import Recipe
+    from flodl_run.contracts.recipe import Recipe
+    from flodl_run.launch.launcher import RunResult
+    from flodl_run.observe.observer import Observer
 
 __version__ = "0.1.0"
 
 
 def record_scalar(name: str, value: float) -> None:
     """Record a user metric from inside train_step; rolled up per epoch by `scalar_reductions`."""
-    from flodl_run.scalars import record_scalar as _record
+    from flodl_run.contracts.scalars import record_scalar as _record
 
     _record(name, value)
 
@@ -46,8 +46,8 @@ def train(config: Optional["ExperimentConfig"] = None, recipe: Optional["Recipe"
     from flodl_run.config.compose import experiment_to_yaml
     from flodl_run.config.materialize import materialize
     from flodl_run.config.schema import ExperimentConfig
-    from flodl_run.launcher import run
-    from flodl_run.rundir import new_run_dir
+    from flodl_run.launch.launcher import run
+    from flodl_run.report.rundir import new_run_dir
 
     outputs = Path.cwd() / "outputs"
     config = config or ExperimentConfig()

@@ -15,8 +15,8 @@ from rich.console import Console
 from flodl_run.config.app import fail_config, run_hydra_app
 from flodl_run.config.compose import experiment_to_yaml
 from flodl_run.config.materialize import ConfigError, materialize
-from flodl_run.rundir import remove_startup_files
-from flodl_run.say import say_labelled
+from flodl_run.report.rundir import remove_startup_files
+from flodl_run.report.say import say_labelled
 
 EXIT_INTERRUPTED = 130
 
@@ -30,7 +30,7 @@ def run_job(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from flodl_run.launcher import launch
+    from flodl_run.launch.launcher import launch
 
     err = Console(stderr=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -54,7 +54,7 @@ def run_job(cfg: Any) -> None:
 
 def main() -> None:
     """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
-    from flodl_run.sweep import end_active
+    from flodl_run.report.sweep import end_active
 
     try:
         run_hydra_app("config", run_job)

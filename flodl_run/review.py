@@ -29,7 +29,7 @@ from flodl_run.config.compose import (
     dotted_items,
 )
 from flodl_run.config.materialize import ConfigError, materialize
-from flodl_run.say import labelled
+from flodl_run.report.say import labelled
 
 EXIT_INVALID = 1
 SECTIONS = (*GROUPS, "run")
@@ -66,7 +66,7 @@ def section_of(key: str) -> str:
 def materialized(overrides: Sequence[str], config_dir: Optional[Path] = None
                  ) -> Tuple[Dict[str, str], List[str]]:
     """{dotted key: shown value} of the run config, plus its warnings; raises on invalid input."""
-    from flodl_run.launcher import one_device_warning
+    from flodl_run.launch.launcher import one_device_warning
 
     result = materialize(compose(overrides, config_dir=config_dir))
     notice = one_device_warning(result.config)

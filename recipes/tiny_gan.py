@@ -1,4 +1,4 @@
-"""A tiny GAN trained with the manual per-rank API (flodl_run.ddp), started by torchrun.
+"""A tiny GAN trained with the manual per-rank API (flodl_run.rank.ddp), started by torchrun.
 
     torchrun --nproc-per-node=2 recipes/tiny_gan.py --steps 200
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flodl_run.ddp import Ddp
+from flodl_run.rank.ddp import Ddp
 
 
 def _real_batch(n: int, gen: torch.Generator) -> torch.Tensor:

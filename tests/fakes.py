@@ -4,7 +4,7 @@ report_death, on_rank_dead, the wire protocol). Speeds and faults are data: each
 reports `ms_per_batch` of compute per batch, `late_rounds` holds a rank's snapshot back, and a
 fault plan (a list of `Fault`) says which rank dies, hangs, freezes or fails a reduce, and when.
 
-The fakes model what the coordinator relies on in real ranks (flodl_run/rank.py):
+The fakes model what the coordinator relies on in real ranks (flodl_run/rank/process.py):
 - heartbeats on their own socket, carrying the batches finished and whether a Train order is
   being worked on (a rank hung in train_step beats on; a frozen one falls silent), and in the
   collective modes a listener socket on which an AbortGroup aborts the rank's group;
@@ -29,9 +29,7 @@ import torch
 import zmq
 
 from flodl_run.config.schema import ExperimentConfig
-from flodl_run.coordinator import Coordinator
-from flodl_run.observe import Observer
-from flodl_run.wire import (
+from flodl_run.contracts.wire import (
     AbortGroup,
     Channel,
     CheckpointSaved,
@@ -54,7 +52,9 @@ from flodl_run.wire import (
     WindowDone,
     new_secret,
 )
-from flodl_run.wire import connect_dealer as _connect
+from flodl_run.contracts.wire import connect_dealer as _connect
+from flodl_run.control.coordinator import Coordinator
+from flodl_run.observe.observer import Observer
 
 NUM_SAMPLES = 640
 BEAT_S = 1.0  # heartbeat period, as in real ranks (a shorter one: `beat_s`)

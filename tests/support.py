@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from flodl_run.config.schema import ExperimentConfig
-from flodl_run.zygote import ZYGOTE_NAME
+from flodl_run.launch.zygote import ZYGOTE_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def world_rules(config: ExperimentConfig):
 def plan_layout(config: ExperimentConfig, ask=None):
     """`hosts.plan_hosts` as the launcher calls it for `config` (`ask`: a stand-in for the
     inventory over ssh; None asks the real hosts)."""
-    from flodl_run.hosts import plan_hosts
+    from flodl_run.launch.hosts import plan_hosts
 
     extra = {} if ask is None else {"ask": ask}
     return plan_hosts(config.cluster, config.elche.mode, world_rules(config), **extra)
@@ -125,7 +125,7 @@ FORBIDDEN_ROOTS = {"time", "socket", "zmq", "logging", "mlflow", "torch", "hydra
 
 
 def _imports(path: Path) -> list[str]:
-    """Every module a file imports, absolute (`from flodl_run import guard` -> flodl_run.guard)."""
+    """Every module a file imports, absolute (`from flodl_run import guard` -> flodl_run.elche.guard)."""
     names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run.autotune import GrowthLatch, compute_ms, overhead, propose, relax_up, rule
-from flodl_run.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
-from flodl_run.phase import Phase
+from flodl_run.elche.autotune import GrowthLatch, compute_ms, overhead, propose, relax_up, rule
+from flodl_run.elche.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
+from flodl_run.elche.phase import Phase
 
 W, S, M = Phase.WARMUP, Phase.STABLE, Phase.MATURE
 
@@ -118,7 +118,7 @@ def test_relax_up(anchor, before, verdict, latch, phase, max_a, lead_ok, expecte
 def test_agreed_anchor(anchor, wanted, expected) -> None:
     """Pins the trust-window step: 3 wanted anchors above the current one and within 1.5x of
     each other give the smallest, at most 4x the anchor; otherwise no step."""
-    from flodl_run.autotune import agreed_anchor
+    from flodl_run.elche.autotune import agreed_anchor
 
     assert agreed_anchor(anchor, wanted, 1000) == expected
 
@@ -126,7 +126,7 @@ def test_agreed_anchor(anchor, wanted, expected) -> None:
 def test_sized_first_anchor_takes_the_smaller_reading_and_caps() -> None:
     """Pins the first-report sizing: min(timed reduce, reported sync) / (target x compute) x
     anchor, never a shrink, at most 16x, at most max_anchor."""
-    from flodl_run.autotune import sized_first_anchor
+    from flodl_run.elche.autotune import sized_first_anchor
 
     assert sized_first_anchor(10, 100.0, 500.0, 250.0, 0.05, 1000) == 80
     assert sized_first_anchor(10, 500.0, 100.0, 250.0, 0.05, 1000) == 80

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run.batch_counts import cap_to_window, next_counts, ratio_counts, target_count
+from flodl_run.elche.batch_counts import cap_to_window, next_counts, ratio_counts, target_count
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run.bench import (
-    BenchConfig,
-    BenchRecipe,
-    BenchRunConfig,
-    Rig,
-    check,
-    localsgd_period,
-    plan,
-)
-from flodl_run.benchreport import (
+from flodl_run.bench.report import (
     ENTRY_KEYS,
     NOT_REACHED,
     RecipeBench,
@@ -30,8 +21,17 @@ from flodl_run.benchreport import (
     median_run,
     time_to_target,
 )
+from flodl_run.bench.run import (
+    BenchConfig,
+    BenchRecipe,
+    BenchRunConfig,
+    Rig,
+    check,
+    localsgd_period,
+    plan,
+)
 from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology
-from flodl_run.summary import Summary
+from flodl_run.contracts.summary import Summary
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ('bench.recipes=[{name:synthetic_mlp,overrides:["recipe.params.num_samples=512",'
@@ -72,7 +72,7 @@ def test_plan_runs_solo_at_each_speed_then_peers_then_modes_by_outer():
                                       "nccl_cadence", "nccl_cadence+diloco", "cpu_async",
                                       "cpu_async+diloco", "torch_localsgd"]
     assert [j.kind for j in jobs[:4]] == ["solo", "solo", "runner_solo", "torch_ddp"]
-    assert jobs[0].command(Path("d"))[2:5] == ["flodl_run.peers", "--peer", "solo"]
+    assert jobs[0].command(Path("d"))[2:5] == ["flodl_run.bench.peers", "--peer", "solo"]
     assert jobs[2].command(Path("d"))[2] == "flodl_run"  # the runner's own path
     slow = jobs[1].overrides
     assert "cluster=solo" in slow and "cluster.emulate_slowdown=[2.5]" in slow
@@ -206,7 +206,7 @@ def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):
     its bench figures; a failed entry's child ends FAILED."""
     from mlflow import MlflowClient
 
-    from flodl_run.benchtrack import make_bench_tracker
+    from flodl_run.bench.track import make_bench_tracker
     from flodl_run.config.schema import TrackingConfig, TrackingKind
 
     outcomes = []

@@ -14,8 +14,9 @@ import pytest
 import torch
 import zmq
 
-from flodl_run import checkpoint
-from flodl_run.checkpoint import (
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.contracts import checkpoint
+from flodl_run.contracts.checkpoint import (
     BundleMeta,
     Coverage,
     bundle_files,
@@ -29,10 +30,9 @@ from flodl_run.checkpoint import (
     save_meta,
     save_tensors,
 )
-from flodl_run.config.schema import ExperimentConfig
-from flodl_run.coordinator import Coordinator
-from flodl_run.runstate import RunAborted
-from flodl_run.wire import Channel, CheckpointSaved, connect_dealer, new_secret
+from flodl_run.contracts.wire import Channel, CheckpointSaved, connect_dealer, new_secret
+from flodl_run.control.coordinator import Coordinator
+from flodl_run.control.runstate import RunAborted
 
 
 def _meta(generation: int, files: dict) -> BundleMeta:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from flodl_run.recipe import load_recipe
+from flodl_run.contracts.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, d_model=64, num_layers=2, num_heads=4, max_bytes=120_000, lr=3e-3,

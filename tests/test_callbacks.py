@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from flodl_run.checkpoint import read_meta
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, RecipeConfig
-from flodl_run.coordinator import Coordinator
-from flodl_run.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
-from flodl_run.replica import EVAL_BATCH_SIZE, Replica
-from flodl_run.summary import EpochRecord
-from flodl_run.wire import Evaluate, SaveCheckpoint, new_secret
+from flodl_run.contracts.checkpoint import read_meta
+from flodl_run.contracts.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
+from flodl_run.contracts.summary import EpochRecord
+from flodl_run.contracts.wire import Evaluate, SaveCheckpoint, new_secret
+from flodl_run.control.coordinator import Coordinator
+from flodl_run.rank.replica import EVAL_BATCH_SIZE, Replica
 from tests.fakes import FakeRank, drive
 
 REPO = Path(__file__).resolve().parents[1]

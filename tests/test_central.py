@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from flodl_run.averaging.central import CentralAverager, Snapshot, blend_
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig, OuterKind
-from flodl_run.outer import OuterOptimizer
 from tests.support import _free_port, _model
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_run.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
+from flodl_run.contracts.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
 from tests.support import LOCKSTEP, PAIR, REPO, _flodl_children, _run
 
 pytestmark = pytest.mark.e2e

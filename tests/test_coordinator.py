@@ -11,11 +11,11 @@ from typing import List
 import pytest
 import zmq
 
-from flodl_run.checkpoint import read_meta, save_meta
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
-from flodl_run.coordinator import Coordinator
-from flodl_run.observe import Observer
-from flodl_run.wire import Channel, Heartbeat, new_secret
+from flodl_run.contracts.checkpoint import read_meta, save_meta
+from flodl_run.contracts.wire import Channel, Heartbeat, new_secret
+from flodl_run.control.coordinator import Coordinator
+from flodl_run.observe.observer import Observer
 from tests.fakes import NUM_SAMPLES, FakeRank, drive
 
 

@@ -31,4 +31,4 @@ def test_boundary_check_catches_a_shell_import(tmp_path: Path) -> None:
     import of a shell module (a checker that parses nothing would pass every module)."""
     sample = tmp_path / "sample.py"
     sample.write_text("import time\nfrom torch import nn\nfrom . import launcher\n")
-    assert _imports(sample) == ["time", "torch", "flodl_run", "flodl_run.launcher"]
+    assert _imports(sample) == ["time", "torch", "flodl_run", "flodl_run.launch.launcher"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run.dashboard import Dashboard
-from flodl_run.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
-from flodl_run.svgchart import nice_ticks
+from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
+from flodl_run.report.dashboard import Dashboard
+from flodl_run.report.svgchart import nice_ticks
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(

@@ -21,7 +21,7 @@ import pytest
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import validate
-from flodl_run.liveserver import LiveServer
+from flodl_run.report.liveserver import LiveServer
 from tests.test_dashboard import _chromium, needs_chromium
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def test_bind_refuses_a_held_port_and_frees_its_own_on_stop():
     is a ConfigError naming dashboard.serve; a stopped server's port can be bound again."""
     config = ExperimentConfig()
     config.dashboard.serve = 0
-    from flodl_run.dashboard import Dashboard
+    from flodl_run.report.dashboard import Dashboard
 
     server = LiveServer.bind(config.dashboard).start(Dashboard(None))
     port = server.sock.getsockname()[1]
@@ -189,7 +189,7 @@ def test_dashboard_keys_are_validated_with_their_dotted_names(key, value, rule):
 def test_the_web_stack_loads_only_when_a_dashboard_is_served():
     """Pins the lazy import: the launcher, dashboard and live server modules import without
     starlette or uvicorn (GPU hosts may run without mlflow's web dependencies)."""
-    code = ("import sys, flodl_run.launcher, flodl_run.dashboard, flodl_run.liveserver; "
+    code = ("import sys, flodl_run.launch.launcher, flodl_run.report.dashboard, flodl_run.report.liveserver; "
             "print(sorted(m for m in ('starlette', 'uvicorn') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
@@ -199,7 +199,7 @@ def test_ranks_are_labelled_with_their_worker_hosts_in_a_multi_host_run():
     """Pins the multi-host view: with topology hosts, each rank's tab and state carry the
     worker host it runs on (ranks in worker order), as the coordinator reports them all."""
     from flodl_run.config.schema import ClusterConfig, Topology, WorkerConfig
-    from flodl_run.dashboard import Dashboard
+    from flodl_run.report.dashboard import Dashboard
 
     config = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=[
         WorkerConfig(host="10.0.0.1", local_devices=["cpu", "cpu"]),

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from flodl_run import dataplane as dp
-from flodl_run import memprobe
 from flodl_run.config.schema import DataConfig, ExperimentConfig
-from flodl_run.datametrics import DataTally
-from flodl_run.wire import Train
+from flodl_run.contracts.wire import Train
+from flodl_run.data import dataplane as dp
+from flodl_run.data.datametrics import DataTally
+from flodl_run.hardware import memprobe
 
 N, FEATURES, BATCH = 240, 4, 16
 X = torch.randn(N, FEATURES, generator=torch.Generator().manual_seed(1))
@@ -140,7 +140,7 @@ def test_oom_while_going_resident_streams_and_says_so_once(monkeypatch, caplog):
 
     monkeypatch.setattr(dp, "fill_device", no_room)
     plane = _plane(sim=10**8)
-    with caplog.at_level(logging.WARNING, logger="flodl_run.dataplane"):
+    with caplog.at_level(logging.WARNING, logger="flodl_run.data.dataplane"):
         batches = [b for e in range(3) for b in _epoch(plane, e)]
     assert plane.delivery.value == "streaming" and len(batches) == 3 * N // BATCH
     warnings = [r for r in caplog.records if "streaming instead" in r.getMessage()]
@@ -213,7 +213,7 @@ def test_generic_set_streams_through_the_ram_cache_and_a_full_disk_drops_the_sta
     monkeypatch.setattr(dp, "disk_free_bytes", lambda _dir: 10**6)
     plane = _plane(Decoded(), sim=4 * BATCH * SAMPLE_BYTES, env={"LOCAL_WORLD_SIZE": "2"},
                    ram_max_usage=0.5, disk_stage_gb=1.0, vram_pool=False)
-    with caplog.at_level(logging.WARNING, logger="flodl_run.dataplane"):
+    with caplog.at_level(logging.WARNING, logger="flodl_run.data.dataplane"):
         first = [b for e in range(2) for b in _epoch(plane, e)]
         plane.take_stats()
         _epoch(plane, 2)
@@ -234,7 +234,7 @@ def test_samples_of_varying_shape_fall_back_to_plain_collation(caplog):
             return torch.ones(1 + (i >= N // 2)), i
 
     plane = _plane(Ragged(), sim=10**3)
-    with caplog.at_level(logging.WARNING, logger="flodl_run.dataplane"):
+    with caplog.at_level(logging.WARNING, logger="flodl_run.data.dataplane"):
         batches = list(plane.batches(torch.arange(N // 2 - BATCH, N // 2 + BATCH), BATCH))
     assert batches[1][0].shape == (BATCH, 2) and plane.layout is None
     assert sum("differ in shape" in r.getMessage() for r in caplog.records) == 1

@@ -38,8 +38,8 @@ def test_epoch_splits_make_finer_epochs_with_eval_and_data_metrics_in_process():
     """Pins epoch_splits in a run: one pass in 3 splits is 3 epochs, each evaluated and each
     carrying the rank's data metrics (solo: resident on CPU, all rows from the device tier)."""
     from flodl_run.config.schema import DataConfig, ExperimentConfig
-    from flodl_run.recipe import load_recipe
-    from flodl_run.solo import SoloTrainer
+    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.rank.solo import SoloTrainer
 
     recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2000, "hidden": 32, "depth": 1})
     config = ExperimentConfig(num_epochs=1, device="cpu",

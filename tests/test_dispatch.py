@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_run.dispatch import epoch_span, equal_split, largest_remainder, take, window_samples
+from flodl_run.control.dispatch import epoch_span, equal_split, largest_remainder, take, window_samples
 
 
 def test_epoch_splits_cut_a_pass_into_contiguous_spans():

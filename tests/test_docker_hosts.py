@@ -18,14 +18,14 @@ from typing import Any, Dict, List
 import pytest
 from rich.console import Console
 
-from flodl_run import hosts
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ControllerConfig, Mode, WorkerConfig
 from flodl_run.config.validate import validate
-from flodl_run.dockerhost import NOT_UP_EXIT, docker_command, docker_reason
-from flodl_run.hosts import rank_command, rank_environment, start_hosts
-from flodl_run.probe import inventory, probe
-from flodl_run.ssh import decode_handshake
+from flodl_run.launch import hosts
+from flodl_run.launch.dockerhost import NOT_UP_EXIT, docker_command, docker_reason
+from flodl_run.launch.hosts import rank_command, rank_environment, start_hosts
+from flodl_run.launch.probe import inventory, probe
+from flodl_run.launch.ssh import decode_handshake
 from tests.support import plan_layout
 from tests.test_hosts import GPUS, config, facts, fake_ask
 from tests.test_multi_host import HOSTS, sshd  # noqa: F401  (the real-sshd fixture)
@@ -61,9 +61,9 @@ def test_docker_rank_command_execs_the_ssh_entry_in_the_service_with_the_torchru
         "docker", "compose", "exec", "-T", "-e", "RANK=1", "-e", "LOCAL_RANK=0",
         "-e", "WORLD_SIZE=2", "-e", "LOCAL_WORLD_SIZE=1", "-e", "MASTER_ADDR=10.0.0.1",
         "-e", "MASTER_PORT=29511", "-e", "CUDA_VISIBLE_DEVICES=GPU-bbbb-1",
-        "trainer", "/opt/venv/bin/python", "-m", "flodl_run.ssh", "--rank", "1", "--run", "run-x"]
+        "trainer", "/opt/venv/bin/python", "-m", "flodl_run.launch.ssh", "--rank", "1", "--run", "run-x"]
     bare = rank_command(layout.workers[0], env, 0, "run-x")
-    assert "docker" not in bare and bare.endswith("-m flodl_run.ssh --rank 0 --run run-x")
+    assert "docker" not in bare and bare.endswith("-m flodl_run.launch.ssh --rank 0 --run run-x")
 
 
 def test_secret_goes_on_stdin_and_never_into_a_docker_ranks_argv(monkeypatch, tmp_path):
@@ -110,13 +110,13 @@ def test_service_check_runs_in_a_posix_shell(tmp_path, running, up):
     """Pins the service check as a shell runs it: a running `trainer` (exact name, not a
     prefix) reaches `docker compose exec` with stdin passed through; otherwise exit 3 and one
     marker line naming the service and what is running."""
-    command = docker_command(str(tmp_path), "trainer", "python3", ["-m", "flodl_run.ssh"],
+    command = docker_command(str(tmp_path), "trainer", "python3", ["-m", "flodl_run.launch.ssh"],
                              {"RANK": "0"})
     done = subprocess.run(["sh", "-c", command], input="HANDSHAKE\n", capture_output=True,
                           text=True, env=_fake_docker(tmp_path, running), timeout=30)
     if up:
         assert done.returncode == 0, done.stderr
-        assert done.stdout == ("ARGS compose exec -T -e RANK=0 trainer python3 -m flodl_run.ssh\n"
+        assert done.stdout == ("ARGS compose exec -T -e RANK=0 trainer python3 -m flodl_run.launch.ssh\n"
                                "HANDSHAKE\n")
     else:
         assert done.returncode == NOT_UP_EXIT and done.stdout == ""

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_run.config.schema import ElCheConfig, GuardKind, Mode
-from flodl_run.elche import ElChe, Plan, ReduceReport
-from flodl_run.guard import NudgeDown
-from flodl_run.phase import Phase
-from flodl_run.timing import RankTiming
+from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
+from flodl_run.elche.guard import NudgeDown
+from flodl_run.elche.phase import Phase
+from flodl_run.elche.timing import RankTiming
 
 
 def report(plan: Plan, ms: Sequence[Optional[float]], sync_ms: float = 5.0,

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from flodl_run.config.schema import ElCheConfig
-from flodl_run.elche import ElChe, Plan, ReduceReport
+from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("FLODL_RUN_REGEN_GOLDEN") == "1"

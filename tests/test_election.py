@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run.election import elect, initial_pin, should_elect, slow_cohort
-from flodl_run.phase import Phase
+from flodl_run.elche.election import elect, initial_pin, should_elect, slow_cohort
+from flodl_run.elche.phase import Phase
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run.benchreport import (
+from flodl_run.bench.report import (
     NOT_REACHED,
     RecipeBench,
     RunOutcome,
@@ -19,10 +19,10 @@ from flodl_run.benchreport import (
     time_to_target,
     to_markdown,
 )
-from flodl_run.compare import JobOutcome, rows
-from flodl_run.compare import to_markdown as comparison_markdown
 from flodl_run.config.schema import EvalDirection, ExperimentConfig, RecipeConfig
 from flodl_run.config.validate import validate
+from flodl_run.report.compare import JobOutcome, rows
+from flodl_run.report.compare import to_markdown as comparison_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from flodl_run.faults import Fault, FaultPlan, FaultSpecError
-from flodl_run.rank_env import RankEnv
+from flodl_run.rank.env import RankEnv
+from flodl_run.rank.faults import Fault, FaultPlan, FaultSpecError
 
 
 def test_a_single_signal_fault_is_parsed_as_the_docs_write_it():
@@ -50,7 +50,7 @@ def test_after_batch_hangs_through_the_ranks_callback_and_signals_through_the_os
     """Pins the injection point: a due hang calls the rank's hang (nothing else), a due signal
     goes to this process by name, and a batch with nothing due does neither."""
     sent, hung = [], []
-    monkeypatch.setattr("flodl_run.faults.os.kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.setattr("flodl_run.rank.faults.os.kill", lambda pid, sig: sent.append(sig))
     plan = FaultPlan.parse("1:3:hang,1:4:SIGSTOP")
     plan.after_batch(1, 2, lambda: hung.append(2))
     plan.after_batch(1, 3, lambda: hung.append(3))

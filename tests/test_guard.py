@@ -7,7 +7,7 @@ import math
 import pytest
 
 from flodl_run.config.schema import GuardKind
-from flodl_run.guard import (
+from flodl_run.elche.guard import (
     STABLE,
     SUPPRESS_GROWTH,
     NoGuard,

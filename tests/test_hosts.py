@@ -19,10 +19,10 @@ from flodl_run.config.schema import (
     WorkerConfig,
 )
 from flodl_run.config.validate import validate
-from flodl_run.devices import GpuInfo
-from flodl_run.hosts import hosts_line, rank_environment
-from flodl_run.probe import HostReport, host_problems, resolve_devices, skew_flags
-from flodl_run.ssh import decode_handshake, encode_handshake, remote_command, ssh_argv
+from flodl_run.hardware.devices import GpuInfo
+from flodl_run.launch.hosts import hosts_line, rank_environment
+from flodl_run.launch.probe import HostReport, host_problems, resolve_devices, skew_flags
+from flodl_run.launch.ssh import decode_handshake, encode_handshake, remote_command, ssh_argv
 from tests.support import plan_layout
 
 GPUS = [[0, "GPU-aaaa-0", "NVIDIA H200", 141 * 2**30], [1, "GPU-bbbb-1", "NVIDIA A100", 80 * 2**30]]
@@ -59,21 +59,21 @@ def test_ssh_argv_puts_user_options_first_and_never_prompts():
     """Pins the option order (ssh keeps the first value, so the worker's own options win) and
     BatchMode, no tty, the port/user/key flags and `--` before the host."""
     ssh = SshConfig(user="ml", port=2222, identity_file="~/.ssh/k", options=["ConnectTimeout=3"])
-    argv = ssh_argv("node-b", ssh, "cd /x && exec python3 -m flodl_run.ssh")
+    argv = ssh_argv("node-b", ssh, "cd /x && exec python3 -m flodl_run.launch.ssh")
     assert argv[:2] == ["ssh", "-T"]
     opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
     assert opts.index("ConnectTimeout=3") < opts.index("ConnectTimeout=10")
     assert "BatchMode=yes" in opts and "IdentitiesOnly=yes" in opts
     assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-l") + 1] == "ml"
     assert not argv[argv.index("-i") + 1].startswith("~")
-    assert argv[-3:] == ["--", "node-b", "cd /x && exec python3 -m flodl_run.ssh"]
+    assert argv[-3:] == ["--", "node-b", "cd /x && exec python3 -m flodl_run.launch.ssh"]
     assert "-p" not in ssh_argv("h", SshConfig(), "true")  # port 22: leave ~/.ssh/config's Port
 
 
 def test_remote_command_quotes_every_word_and_expands_home():
     """Pins quoting for paths with spaces and the remote `~` expansion."""
-    assert remote_command("/srv/my proj", "python3", ["-m", "flodl_run.ssh"]) == \
-        "cd '/srv/my proj' && exec python3 -m flodl_run.ssh"
+    assert remote_command("/srv/my proj", "python3", ["-m", "flodl_run.launch.ssh"]) == \
+        "cd '/srv/my proj' && exec python3 -m flodl_run.launch.ssh"
     assert remote_command("~/flodl run", "py", []).startswith("cd ~/'flodl run' && exec py")
 
 
@@ -238,7 +238,7 @@ def test_remote_rank_environ_keeps_the_env_blocks_pythonpath_after_the_project(t
     run file it wrote, and itself as the parent the rank's orphan check watches."""
     import os
 
-    from flodl_run.ssh import _rank_environ
+    from flodl_run.launch.ssh import _rank_environ
 
     monkeypatch.chdir(tmp_path)
     env = _rank_environ({"PYTHONPATH": "/login", "HOME": "/root"},
@@ -258,7 +258,7 @@ def test_remote_entry_stops_its_rank_when_the_session_stdin_closes():
     import time
 
     script = ("import subprocess, sys\n"
-              "from flodl_run.ssh import _supervise\n"
+              "from flodl_run.launch.ssh import _supervise\n"
               "child = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
               "print(child.pid, flush=True)\n"
               "sys.exit(_supervise(child, '7'))\n")

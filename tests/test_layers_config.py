@@ -17,40 +17,40 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flodl_run"
 
 WHOLE_CONFIG = {
     "flodl_run.train": "the library entry point: one whole run",
-    "flodl_run.launcher.launch": "the CLI's run: plans, trains and records one whole run",
-    "flodl_run.launcher.run": "plans, trains and records one whole run",
-    "flodl_run.launcher.plan_topology":
+    "flodl_run.launch.launcher.launch": "the CLI's run: plans, trains and records one whole run",
+    "flodl_run.launch.launcher.run": "plans, trains and records one whole run",
+    "flodl_run.launch.launcher.plan_topology":
         "a hosts or slurm plan checks the config's world-size rules once the world size is known",
-    "flodl_run.launcher.one_device_warning": "plans the run as launcher.run would (review)",
-    "flodl_run.launcher._world_problems": "validate's world-size rules read the whole config",
-    "flodl_run.launcher._check_run": "resume compatibility reads resume_from, seed and the topology",
-    "flodl_run.launcher._dashboard": "turns the run's config into the dashboard's parts",
-    "flodl_run.launcher._record_log": "turns the run's config into the record log's parts",
-    "flodl_run.launcher._uploads": "which of the run's files the tracker uploads",
-    "flodl_run.launcher._train": "hands the run to the coordinator or the in-process trainer",
-    "flodl_run.launcher._train_in_process": "the solo trainer trains the whole run",
-    "flodl_run.supervisor.launch_ranks": "builds the Coordinator, which runs the whole run",
-    "flodl_run.coordinator.Coordinator.__init__": "the coordinator runs the whole run",
-    "flodl_run.rank.RankWorker.__init__": "the rank process trains its replica of the whole run",
-    "flodl_run.solo.SoloTrainer.__init__": "the in-process trainer trains the whole run",
-    "flodl_run.solo.train_solo": "the in-process trainer trains the whole run",
-    "flodl_run.dataplane.DataPlane.__init__":
+    "flodl_run.launch.launcher.one_device_warning": "plans the run as launcher.run would (review)",
+    "flodl_run.launch.launcher._world_problems": "validate's world-size rules read the whole config",
+    "flodl_run.launch.launcher._check_run": "resume compatibility reads resume_from, seed and the topology",
+    "flodl_run.launch.launcher._dashboard": "turns the run's config into the dashboard's parts",
+    "flodl_run.launch.launcher._record_log": "turns the run's config into the record log's parts",
+    "flodl_run.launch.launcher._uploads": "which of the run's files the tracker uploads",
+    "flodl_run.launch.launcher._train": "hands the run to the coordinator or the in-process trainer",
+    "flodl_run.launch.launcher._train_in_process": "the solo trainer trains the whole run",
+    "flodl_run.launch.supervisor.launch_ranks": "builds the Coordinator, which runs the whole run",
+    "flodl_run.control.coordinator.Coordinator.__init__": "the coordinator runs the whole run",
+    "flodl_run.rank.process.RankWorker.__init__": "the rank process trains its replica of the whole run",
+    "flodl_run.rank.solo.SoloTrainer.__init__": "the in-process trainer trains the whole run",
+    "flodl_run.rank.solo.train_solo": "the in-process trainer trains the whole run",
+    "flodl_run.data.dataplane.DataPlane.__init__":
         "built by rank and solo (narrowed with them); reads data, batch_size and seed",
-    "flodl_run.tracking.NullTracker.start": "the tracked run records every config key as a param",
-    "flodl_run.tracking.MlflowTracker.start": "the tracked run records every config key as a param",
-    "flodl_run.tracking.MlflowTracker._start_tags": "part of start: the run's tags",
-    "flodl_run.tracking._params": "every config key, flattened, as the run's params",
-    "flodl_run.peers.PeerRank.__init__": "the bench's peer rank trains one replica of the run",
-    "flodl_run.peers.run_solo": "the bench's peer rank trains one replica of the run",
-    "flodl_run.peers.run_rank": "the bench's peer rank trains one replica of the run",
-    "flodl_run.peers.spawn": "plans the rig as launcher.run would, then starts its ranks",
+    "flodl_run.report.tracking.NullTracker.start": "the tracked run records every config key as a param",
+    "flodl_run.report.tracking.MlflowTracker.start": "the tracked run records every config key as a param",
+    "flodl_run.report.tracking.MlflowTracker._start_tags": "part of start: the run's tags",
+    "flodl_run.report.tracking._params": "every config key, flattened, as the run's params",
+    "flodl_run.bench.peers.PeerRank.__init__": "the bench's peer rank trains one replica of the run",
+    "flodl_run.bench.peers.run_solo": "the bench's peer rank trains one replica of the run",
+    "flodl_run.bench.peers.run_rank": "the bench's peer rank trains one replica of the run",
+    "flodl_run.bench.peers.spawn": "plans the rig as launcher.run would, then starts its ranks",
 }
 """Functions and methods (module.qualname) that may take the whole ExperimentConfig, each with
 why it needs the whole run rather than part of it. config/ (materialize, validate, compose)
 is a whole-run consumer by definition and is not listed."""
 
 TOLERATED_CYCLES = {
-    frozenset({"flodl_run.coordinator", "flodl_run.overlap"}):
+    frozenset({"flodl_run.control.coordinator", "flodl_run.control.overlap"}):
         "the async loop reaches back into the Coordinator; goes when the coordinator is composed",
 }
 """Import cycles known and not yet removed, each with the reason it still stands."""

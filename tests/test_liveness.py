@@ -14,10 +14,10 @@ import time
 import pytest
 
 from flodl_run.config.schema import MaxFailureConfig
-from flodl_run.membership import Membership, hung_limit_s
-from flodl_run.observe import Observer
-from flodl_run.runstate import ShutdownWithSave
-from flodl_run.wire import Heartbeat
+from flodl_run.contracts.wire import Heartbeat
+from flodl_run.control.membership import Membership, hung_limit_s
+from flodl_run.control.runstate import ShutdownWithSave
+from flodl_run.observe.observer import Observer
 from tests.support import REPO, _flodl_children, _run
 
 # Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
-from flodl_run.checkpoint import read_meta
+from flodl_run.contracts.checkpoint import read_meta
 from tests.support import _free_port, _model, _run
 
 TRIO = ("cluster=cpu", "cluster.num_ranks=3", "cluster.threads_per_rank=1")

@@ -14,10 +14,10 @@ from typing import List
 
 import pytest
 
-from flodl_run.checkpoint import read_meta
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig
-from flodl_run.observe import Observer
-from flodl_run.wire import AbortGroup
+from flodl_run.contracts.checkpoint import read_meta
+from flodl_run.contracts.wire import AbortGroup
+from flodl_run.observe.observer import Observer
 from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
 
 pytestmark = pytest.mark.coordinator

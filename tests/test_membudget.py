@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run import membudget as mb
+from flodl_run.hardware import membudget as mb
 from tests.support import FORBIDDEN_ROOTS, _imports
 
 GB = 10**9

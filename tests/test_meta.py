@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
-from flodl_run.meta import MetaController, MetaNudge, combine, effective_factor
-from flodl_run.phase import Phase
+from flodl_run.elche.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
+from flodl_run.elche.meta import MetaController, MetaNudge, combine, effective_factor
+from flodl_run.elche.phase import Phase
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,8 @@ from typing import List
 import pytest
 
 from flodl_run.config.schema import ClusterConfig, SshConfig, Topology, WorkerConfig
-from flodl_run.hostinfo import metric_safe
-from flodl_run.probe import probe
+from flodl_run.hardware.hostinfo import metric_safe
+from flodl_run.launch.probe import probe
 
 pytestmark = pytest.mark.e2e
 
@@ -100,7 +100,7 @@ def sshd(tmp_path_factory):
 
 def _await_login(daemon: subprocess.Popen, ssh: SshConfig, root: Path) -> None:
     """Until a real login works on both addresses (sshd binds asynchronously); else skip."""
-    from flodl_run.ssh import ssh_argv
+    from flodl_run.launch.ssh import ssh_argv
 
     deadline = time.monotonic() + 15
     while True:
@@ -158,8 +158,8 @@ def _processes(marker: str) -> List[int]:
 
 
 def _rank_child(rank: int, run_name: str) -> int:
-    """PID of the rank process under `python -m flodl_run.ssh --rank <rank> --run <run_name>`."""
-    entries = [p for p in _processes(f"flodl_run.ssh --rank {rank} --run {run_name}")
+    """PID of the rank process under `python -m flodl_run.launch.ssh --rank <rank> --run <run_name>`."""
+    entries = [p for p in _processes(f"flodl_run.launch.ssh --rank {rank} --run {run_name}")
                if b"ssh\0-T" not in Path(f"/proc/{p}/cmdline").read_bytes()]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -180,10 +180,10 @@ def _await_gone(marker: str, within_s: float = 10.0) -> List[int]:
 
 
 def test_probe_reports_both_hosts(sshd, tmp_path):
-    """Pins `python -m flodl_run.probe cluster=...` over real ssh: one ready row per host with
+    """Pins `python -m flodl_run.launch.probe cluster=...` over real ssh: one ready row per host with
     Python/flodl_run/torch versions, exit 0; an unreachable host makes the verdict not ready."""
     conf = _conf_dir(tmp_path, sshd)
-    done = subprocess.run([sys.executable, "-m", "flodl_run.probe",
+    done = subprocess.run([sys.executable, "-m", "flodl_run.launch.probe",
                            f"hydra.searchpath=[file://{conf}]", "cluster=loopback_hosts"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from flodl_run.averaging.central import CentralAverager, Snapshot, blend_
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
-from flodl_run.checkpoint import bundle_files, check_resume, load_tensors, read_meta
+from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig
-from flodl_run.outer import OuterOptimizer
+from flodl_run.contracts.checkpoint import bundle_files, check_resume, load_tensors, read_meta
 from tests.support import REPO, _free_port, _model, _run
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig, OuterKind
-from flodl_run.outer import OuterOptimizer
 
 
 def _reference(kind: OuterKind, lr: float, mu: float, consensus_seq):

@@ -10,10 +10,10 @@ import torch
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.config.schema import DataConfig, ExperimentConfig, RecipeConfig
 from flodl_run.config.validate import epoch_splits_problem
-from flodl_run.dispatch import epoch_span
-from flodl_run.picks import PickKey, PickSpace, Work, epoch_of, slice_works
-from flodl_run.rank_jobs import BatchCutter
-from flodl_run.wire import Train
+from flodl_run.contracts.wire import Train
+from flodl_run.control.dispatch import epoch_span
+from flodl_run.data.picks import PickKey, PickSpace, Work, epoch_of, slice_works
+from flodl_run.rank.jobs import BatchCutter
 
 
 @pytest.mark.parametrize("num_samples,augment,splits", [(100, 1, 1), (100, 3, 1), (97, 2, 3),

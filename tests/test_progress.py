@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from flodl_run.progress import TerminalProgress
-from flodl_run.summary import EpochRecord, ReportRecord
+from flodl_run.contracts.summary import EpochRecord, ReportRecord
+from flodl_run.report.progress import TerminalProgress
 
 
 def _drive(console: Console) -> TerminalProgress:
@@ -52,8 +52,8 @@ def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
     """Pins the CI failure where a Gloo error in a rank-lost event raised rich's MarkupError in
     the coordinator: event messages, run-end messages and forwarded rank output keep their
     brackets as text."""
-    from flodl_run.rankproc import forward
-    from flodl_run.say import labelled
+    from flodl_run.launch.rankproc import forward
+    from flodl_run.report.say import labelled
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=400)

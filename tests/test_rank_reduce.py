@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import torch
 
 from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig, OuterKind
-from flodl_run.outer import OuterOptimizer
-from flodl_run.rank_group import RankGroup
-from flodl_run.rank_reduce import CollectiveReduce
-from flodl_run.timeline import Recorder
-from flodl_run.wire import AbortGroup, Reduced, ReduceFailed, SyncNow
+from flodl_run.contracts.wire import AbortGroup, Reduced, ReduceFailed, SyncNow
+from flodl_run.observe.timeline import Recorder
+from flodl_run.rank.group import RankGroup
+from flodl_run.rank.reduce import CollectiveReduce
 
 GAMMA = 0.5
 

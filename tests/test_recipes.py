@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
-from flodl_run.recipe import RecipeError, load_recipe
-from flodl_run.replica import Optimizers, Replica, as_one_optimizer
-from flodl_run.worker import Worker, run_loop
+from flodl_run.contracts.recipe import RecipeError, load_recipe
+from flodl_run.rank.replica import Optimizers, Replica, as_one_optimizer
+from flodl_run.rank.worker import Worker, run_loop
 
 REPO = Path(__file__).resolve().parents[1]
 # GPU-sized recipes run the contract check at a CPU size (their own tests cover the shipped size).

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from flodl_run.hostinfo import HostInfo
-from flodl_run.records import RecordLog, RingFile
-from flodl_run.summary import EpochRecord, ReduceRecord, Summary
+from flodl_run.contracts.summary import EpochRecord, ReduceRecord, Summary
+from flodl_run.hardware.hostinfo import HostInfo
+from flodl_run.report.records import RecordLog, RingFile
 
 HOST = HostInfo("node-a", 4, 8 * 2**30)
 
@@ -82,7 +82,7 @@ def test_unwritable_directory_warns_once_and_never_raises(tmp_path, caplog):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
     records = RecordLog(blocker / "records", 4096, host=HOST)
-    with caplog.at_level(logging.WARNING, logger="flodl_run.records"):
+    with caplog.at_level(logging.WARNING, logger="flodl_run.report.records"):
         records.on_start(1, 10, 2)
         for i in range(5):
             records.on_reduce(_reduce(i))
@@ -99,7 +99,7 @@ def test_full_disk_warns_once_and_stops_writing(tmp_path, caplog):
     root.mkdir()
     (root / "root.log").symlink_to("/dev/full")
     records = RecordLog(root, 4096, host=HOST)
-    with caplog.at_level(logging.WARNING, logger="flodl_run.records"):
+    with caplog.at_level(logging.WARNING, logger="flodl_run.report.records"):
         records.on_start(1, 10, 2)
         records.on_epoch(_epoch(0))
         records.finish(Summary(), tmp_path)
@@ -111,8 +111,8 @@ def test_full_disk_warns_once_and_stops_writing(tmp_path, caplog):
 def test_nodes_merge_the_gpus_each_rank_saw_and_keep_first_seen_order():
     """Pins the per-node merge of RankJoined facts: ranks pinned to one GPU each add up to the
     node's GPUs (by UUID, in index order, no duplicates), nodes in first-seen order."""
-    from flodl_run.hostinfo import merge_nodes
-    from flodl_run.wire import NodeFacts
+    from flodl_run.contracts.wire import NodeFacts
+    from flodl_run.hardware.hostinfo import merge_nodes
 
     gib = 2**30
     facts = [NodeFacts("b", 64, 512 * gib, [(1, "GPU-y", "NVIDIA A100", 80 * gib)]),

@@ -10,11 +10,11 @@ import torch
 
 from flodl_run.averaging.frames import as_frame
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
-from flodl_run.observe import Observer
-from flodl_run.reduces import Reduces
-from flodl_run.runstate import Balance, Holdings, RunAborted
-from flodl_run.summary import Summary
-from flodl_run.wire import SnapshotTaken, WindowDone
+from flodl_run.contracts.summary import Summary
+from flodl_run.contracts.wire import SnapshotTaken, WindowDone
+from flodl_run.control.reduces import Reduces
+from flodl_run.control.runstate import Balance, Holdings, RunAborted
+from flodl_run.observe.observer import Observer
 
 
 class _Events(Observer):

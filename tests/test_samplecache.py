@@ -8,7 +8,7 @@ import os
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from flodl_run.samplecache import HostTiers, Layout, SlotStore, open_disk_stage
+from flodl_run.data.samplecache import HostTiers, Layout, SlotStore, open_disk_stage
 
 N = 200
 X = torch.arange(N * 3, dtype=torch.float32).view(N, 3)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from flodl_run import scalars
 from flodl_run.config.schema import Reduction
+from flodl_run.contracts import scalars
 
 
 @pytest.mark.parametrize("rule,expected", [(None, 2.5), (Reduction.sum, 10.0), (Reduction.min, 1.0),

@@ -14,7 +14,7 @@ import torch
 
 from flodl_run.averaging import shm
 from flodl_run.averaging.shm import Mapper, Slab, remove_run, run_prefix
-from flodl_run.checkpoint import load_model
+from flodl_run.contracts.checkpoint import load_model
 from tests.support import _run
 
 

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from flodl_run.config.compose import compose, register_schemas
 from flodl_run.config.schema import ElCheConfig, Mode
-from flodl_run.sim import SCHEMA, SimRunConfig, check, sim_json
-from flodl_run.simrig import ColdStartSkew, RankGroup, SimConfig, simulate
+from flodl_run.sim.cli import SCHEMA, SimRunConfig, check, sim_json
+from flodl_run.sim.rig import ColdStartSkew, RankGroup, SimConfig, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_KEYS = {"window", "phase", "anchor", "anchor_rank", "batch_counts", "overhead",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run import slowdown
-from flodl_run.slowdown import Slowdown, factor_for
+from flodl_run.hardware import slowdown
+from flodl_run.hardware.slowdown import Slowdown, factor_for
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig, SlurmConfig, Topology
 from flodl_run.config.validate import validate
-from flodl_run.slurm import (
+from flodl_run.launch.slurm import (
     Allocation,
     SlurmPlan,
     SrunStep,
@@ -34,7 +34,7 @@ from flodl_run.slurm import (
     step_environment,
     task_ends,
 )
-from flodl_run.slurm_task import expand_counts, task_environ
+from flodl_run.launch.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
 from tests.support import world_rules
 from tests.test_averaging import _free_port
@@ -134,7 +134,7 @@ def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeyp
     for option in ("--ntasks=8", "--nodes=2", "--kill-on-bad-exit=0", "--no-kill", "--label",
                    "--ntasks-per-node=4", "--gpus-per-task=1"):
         assert option in gpu
-    assert gpu[-3:] == [sys.executable, "-m", "flodl_run.slurm_task"]
+    assert gpu[-3:] == [sys.executable, "-m", "flodl_run.launch.slurm_task"]
     cpu_plan = SlurmPlan(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "10.0.0.1")
     assert "--cpus-per-task=2" in srun_argv(_slurm_config().cluster, cpu_plan)
     env = step_environment(_slurm_config().cluster, cpu_plan, "tcp://10.0.0.1:1", 2, tmp_path / "secret",
@@ -371,7 +371,7 @@ def test_submit_dry_run_prints_a_script_sbatch_accepts(slurm, tmp_path):
 def test_probe_inside_an_allocation_asks_every_node_through_srun(slurm):
     """Pins `probe` under Slurm: inside an allocation (salloc here) it runs the inventory on
     each allocated node as an srun step, not on the login machine alone, and says ready."""
-    done = subprocess.run(["salloc", "--ntasks=1", sys.executable, "-m", "flodl_run.probe",
+    done = subprocess.run(["salloc", "--ntasks=1", sys.executable, "-m", "flodl_run.launch.probe",
                            "cluster=slurm"], cwd=REPO, env=slurm, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run.compare import JobOutcome, rows, to_csv
-from flodl_run.sweep import _parent_status
+from flodl_run.report.compare import JobOutcome, rows, to_csv
+from flodl_run.report.sweep import _parent_status
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flodl_run.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
-from flodl_run.throttle import Overshoot
+from flodl_run.elche.guard import STABLE, SUPPRESS_GROWTH, NudgeDown
+from flodl_run.elche.throttle import Overshoot
 
 
 def test_overshoot_auto_tune() -> None:

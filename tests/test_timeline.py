@@ -13,8 +13,8 @@ from typing import Dict, List
 import msgspec
 import pytest
 
-from flodl_run.timeline import MAX_CHUNK_EVENTS, ClockSync, RankTimeline, trace_events
-from flodl_run.wire import CONTROL_FRAME_BYTES, ClockPing, TimelineEvents
+from flodl_run.contracts.wire import CONTROL_FRAME_BYTES, ClockPing, TimelineEvents
+from flodl_run.observe.timeline import MAX_CHUNK_EVENTS, ClockSync, RankTimeline, trace_events
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["cluster=cpu_pair", "recipe=synthetic_mlp", "recipe.params.num_samples=2048",
@@ -221,7 +221,7 @@ def test_nccl_cadence_reduce_spans_share_rounds_and_overlap(tmp_path):
 def test_clock_ping_has_a_place_on_the_wire():
     """Pins the direction of the clock messages: a ClockPing is a rank's fact, so the
     coordinator's channel decodes it (a typo in FACTS/ORDERS would drop every ping)."""
-    from flodl_run.wire import FACTS, ORDERS, ClockEcho
+    from flodl_run.contracts.wire import FACTS, ORDERS, ClockEcho
 
     assert ClockPing in FACTS and TimelineEvents in FACTS and ClockEcho in ORDERS
 
@@ -234,8 +234,8 @@ def test_bench_runs_a_mode_again_with_the_timeline_and_reports_its_cost(tmp_path
     (the same run plus timeline=true), whose ratio is its samples/s over the plain entry's, and
     whose recording share is the trace's per-batch recording time over its mean batch time
     (positive, and small for millisecond batches); other entries carry neither."""
-    from flodl_run.bench import BenchConfig, BenchRunConfig, plan
-    from flodl_run.benchreport import RecipeBench, RunOutcome, bench_document
+    from flodl_run.bench.report import RecipeBench, RunOutcome, bench_document
+    from flodl_run.bench.run import BenchConfig, BenchRunConfig, plan
     from flodl_run.config.schema import ClusterConfig, Mode, Topology
     from tests.test_bench import _pair_rig, _summary
 
@@ -263,8 +263,8 @@ def test_a_dead_ranks_shipped_events_stay_in_the_trace(tmp_path):
     """Pins what a rank death keeps: the coordinator's file holds every event a rank shipped
     before it died, marked incomplete (no final shipment), next to a survivor's complete track;
     a ClockPing is answered with the ping's own send time."""
-    from flodl_run.timeline import TimelineFile
-    from flodl_run.wire import ClockEcho
+    from flodl_run.contracts.wire import ClockEcho
+    from flodl_run.observe.timeline import TimelineFile
 
     timeline = TimelineFile(tmp_path / "timeline.json")
     channel = _Channel()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_run.timing import INVALID, RankTiming, Reading, TimingHistory, read, read_timing
+from flodl_run.elche.timing import INVALID, RankTiming, Reading, TimingHistory, read, read_timing
 
 
 @pytest.mark.parametrize(

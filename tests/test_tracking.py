@@ -169,7 +169,7 @@ def test_system_metrics_once_for_the_launcher_node(pair_run):
     the launcher and both ranks (which report their node on joining) run on it."""
     import socket
 
-    from flodl_run.hostinfo import metric_safe
+    from flodl_run.hardware.hostinfo import metric_safe
 
     host = metric_safe(socket.gethostname())
     cpus = _history(pair_run, f"system/{host}/cpu_count")
@@ -212,7 +212,7 @@ def _launch_in_process(tmp_path: Path, monkeypatch, db: Path, module: str, error
     from flodl_run.config.compose import experiment_to_yaml
     from flodl_run.config.materialize import materialize
     from flodl_run.config.schema import ClusterConfig, ExperimentConfig, RecipeConfig, Topology
-    from flodl_run.launcher import launch
+    from flodl_run.launch.launcher import launch
 
     (tmp_path / f"{module}.py").write_text(RECIPE.format(raise_at=40, error=error))
     monkeypatch.syspath_prepend(str(tmp_path))

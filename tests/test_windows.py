@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
-from flodl_run.dispatch import EpochPool
-from flodl_run.observe import Observer
-from flodl_run.runstate import Balance, Holdings, StopRequest
-from flodl_run.windows import Windows
-from flodl_run.wire import SyncNow, Train, WindowDone
+from flodl_run.contracts.wire import SyncNow, Train, WindowDone
+from flodl_run.control.dispatch import EpochPool
+from flodl_run.control.runstate import Balance, Holdings, StopRequest
+from flodl_run.control.windows import Windows
+from flodl_run.observe.observer import Observer
 
 BATCH = 4
 

@@ -13,9 +13,7 @@ import zmq
 import zmq.utils.monitor
 
 from flodl_run.config.schema import Mode
-from flodl_run.rankproc import host_store
-from flodl_run.supervisor import _param_bytes
-from flodl_run.wire import (
+from flodl_run.contracts.wire import (
     Channel,
     Heartbeat,
     RankJoined,
@@ -27,6 +25,8 @@ from flodl_run.wire import (
     frame_limit,
     new_secret,
 )
+from flodl_run.launch.rankproc import host_store
+from flodl_run.launch.supervisor import _param_bytes
 from tests.support import make
 
 # A peer without the secret: it sends the byte frames it is given, as they are.
@@ -211,7 +211,7 @@ def test_every_message_type_has_a_direction():
     neither FACTS nor ORDERS would lose the check that keeps it to one direction."""
     import typing
 
-    from flodl_run.wire import FACTS, ORDERS, AnyMessage
+    from flodl_run.contracts.wire import FACTS, ORDERS, AnyMessage
 
     assert set(typing.get_args(AnyMessage)) == set(FACTS) | set(ORDERS)
     assert not set(FACTS) & set(ORDERS)

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_run.checkpoint import bundle_files, read_meta
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.config.schema import ExperimentConfig, RecipeConfig
-from flodl_run.recipe import Recipe, RecipeError, load_recipe
-from flodl_run.replica import Optimizers, Replica, as_one_optimizer
-from flodl_run.worker import Worker, run_loop
+from flodl_run.contracts.checkpoint import bundle_files, read_meta
+from flodl_run.contracts.recipe import Recipe, RecipeError, load_recipe
+from flodl_run.rank.replica import Optimizers, Replica, as_one_optimizer
+from flodl_run.rank.worker import Worker, run_loop
 from tests.support import REPO, _run
 
 MODES = ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
@@ -270,7 +270,7 @@ def test_a_loop_that_returns_early_is_an_error():
     """Rule: a loop that stops taking batches before the run ends is an error naming the rule
     (the coordinator would otherwise wait forever for the rest of the window)."""
     from flodl_run.config.schema import ClusterConfig, Topology
-    from flodl_run.solo import SoloTrainer
+    from flodl_run.rank.solo import SoloTrainer
 
     def loop(worker):
         for _ in worker.batches():

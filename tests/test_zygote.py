@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_run.zygote import START_ENV, Zygote, fork_ranks
+from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -48,7 +48,7 @@ def test_a_forked_rank_draws_fresh_random_state_like_a_new_interpreter():
     import numpy as np
     import torch
 
-    from flodl_run.zygote import _fresh_random_state
+    from flodl_run.launch.zygote import _fresh_random_state
 
     saved_torch, saved_numpy = torch.get_rng_state(), np.random.get_state()
     try:

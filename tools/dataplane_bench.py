@@ -27,7 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flodl_run.config.schema import DataConfig, ExperimentConfig  # noqa: E402
-from flodl_run.dataplane import DataPlane  # noqa: E402
+from flodl_run.data.dataplane import DataPlane  # noqa: E402
 
 
 def _data(samples: int, features: int) -> TensorDataset:
@@ -165,7 +165,7 @@ def oom(args) -> Dict[str, Any]:
     allowed = torch.cuda.memory_reserved(device) + set_bytes // 2 + 512 * 2**20
     torch.cuda.set_per_process_memory_fraction(allowed / total, torch.cuda.current_device())
     records = _Records()
-    logging.getLogger("flodl_run.dataplane").addHandler(records)
+    logging.getLogger("flodl_run.data.dataplane").addHandler(records)
     config = ExperimentConfig(batch_size=args.batch, seed=0, data=DataConfig())
     plane = DataPlane(data, device, config)
     epochs = _plane_epochs(plane, 2, lambda batch: _step(model, opt, batch))

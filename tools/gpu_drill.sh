@@ -40,8 +40,8 @@ import datetime, json, re, sys
 from pathlib import Path
 
 from flodl_run.config.compose import experiment_from_yaml
-from flodl_run.dispatch import epoch_span
-from flodl_run.recipe import load_recipe
+from flodl_run.control.dispatch import epoch_span
+from flodl_run.contracts.recipe import load_recipe
 
 run = Path(sys.argv[1])
 print("| drill | status | exit | wall s | heartbeat s | silent before declared dead s "

@@ -22,10 +22,10 @@ import zmq
 
 from flodl_run.averaging.central import CentralAverager, Snapshot, blend_
 from flodl_run.averaging.frames import HostStaging, as_frame, dtype_names, from_frames
+from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.averaging.shm import Mapper, Slab, remove_run, run_prefix
 from flodl_run.config.schema import OuterConfig
-from flodl_run.outer import OuterOptimizer
-from flodl_run.wire import Channel, Heartbeat, SnapshotTaken, SyncNow, Update, new_secret
+from flodl_run.contracts.wire import Channel, Heartbeat, SnapshotTaken, SyncNow, Update, new_secret
 
 
 def _rank(rank: int, address: str, secret: bytes, numel: int, rounds: int, prefix: str) -> None:

@@ -1,1 +1,6 @@
-"""Parameter averaging: flat parameter storage, the collective consensus, and its math."""
+"""Parameter averaging: flat parameter storage, the collective consensus and its math, the
+central (coordinator-side) average, shared-memory slabs, tensor frames, and the outer optimizers
+(SlowMo, DiLoCo).
+
+Layer 1: may import `config`, `contracts`, `hardware`.
+"""

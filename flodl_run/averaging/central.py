@@ -15,7 +15,7 @@ import torch
 
 from flodl_run.averaging.collective import consensus_weight
 from flodl_run.averaging.flat import alignment, divergence_table, relative_distance, squared_norm
-from flodl_run.outer import OuterOptimizer
+from flodl_run.averaging.outer import OuterOptimizer
 
 
 @dataclass

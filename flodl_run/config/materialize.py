@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from flodl_run.config.compose import to_experiment
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import Problem, Report, epoch_splits_problem, resolve, validate
-from flodl_run.recipe import RecipeError, load_recipe
+from flodl_run.contracts.recipe import RecipeError, load_recipe
 
 
 class ConfigError(Exception):
@@ -60,8 +60,8 @@ def materialize(cfg: DictConfig | ExperimentConfig, run_dir: Optional[str] = Non
 
 def _resume_problems(cfg: ExperimentConfig, world_size: Optional[int]) -> List[Problem]:
     """A bundle this run cannot continue is a config error, never a silent fresh start."""
-    from flodl_run.checkpoint import BundleError, check_resume, read_meta
     from flodl_run.config.validate import planned_world_size
+    from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta
 
     try:
         meta = read_meta(cfg.resume_from)

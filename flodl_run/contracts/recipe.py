@@ -1,0 +1,193 @@
+"""The recipe contract: what to train, as a module of plain functions.
+
+A recipe module provides `build_model(device, **params)`, `build_optimizer(parameters, **params)`
+(it may also take `model`, and return several optimizers), `train_step(model, batch)` (or a
+`loop(worker)` that steps itself, see flodl_run.rank.worker) and `train_dataset(**params)`,
+optionally `eval_dataset(**params)`,
+`eval_step(model, batch) -> (metric_sum, count)` (or `eval_fn(model, batch) -> float`, averaged
+per batch) and `build_scheduler(optimizer, **params)`, and callbacks: `metrics_fn(metrics)` and
+`eval_result_fn(epoch, value)` (run in the launcher), `epoch_fn(epoch, model)` and
+`checkpoint_fn(epoch, model)` (run on the callback rank). This module loads and checks one, and
+turns what a callback raises into CallbackFailed; it never imports the repo's `recipes/` by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flodl_run.contracts.summary import EpochRecord
+
+REQUIRED = ("build_model", "build_optimizer", "train_dataset")
+CALLBACKS = ("metrics_fn", "eval_result_fn", "eval_fn", "epoch_fn", "checkpoint_fn")
+OPTIONAL = ("train_step", "eval_dataset", "eval_step", "build_scheduler", "loop", *CALLBACKS)
+
+
+class RecipeError(Exception):
+    """A recipe module cannot be used; `key` is the config key to fix."""
+
+    def __init__(self, key: str, value: Any, rule: str):
+        super().__init__(f"{key}: {rule}, got {value!r}")
+        self.key, self.value, self.rule = key, value, rule
+
+
+class CallbackFailed(Exception):
+    """A recipe callback raised: the run ends `failed` after saving what it holds. `error` is
+    the user's exception as `Type: message`; `rank` is None when it raised in this process
+    (the user's exception is then the `__cause__`)."""
+
+    def __init__(self, name: str, error: str, rank: Optional[int] = None):
+        where = "" if rank is None else f"rank {rank}: "
+        super().__init__(f"{where}{name} raised {error}")
+        self.name, self.error, self.rank = name, error, rank
+
+    def describe(self) -> str:
+        """The one-line reason, then the traceback of the user's own frames."""
+        cause = self.__cause__
+        trace = user_traceback(cause) if cause is not None else ""
+        return f"{self}\n{trace}"
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = str(Path(__file__).resolve().parents[1])  # flodl_run/, above contracts/
+    theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
+    if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
+        theirs = frames
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
+                    *traceback.format_exception_only(type(exc), exc)])
+
+
+@dataclass
+class Recipe:
+    """Loaded recipe functions with their keyword arguments bound by name."""
+
+    build_model: Callable[..., Any]
+    build_optimizer: Callable[..., Any]
+    train_step: Optional[Callable[..., Any]]
+    train_dataset: Callable[..., Any]
+    eval_dataset: Optional[Callable[..., Any]] = None
+    eval_step: Optional[Callable[..., Any]] = None
+    build_scheduler: Optional[Callable[..., Any]] = None
+    metrics_fn: Optional[Callable[..., Any]] = None
+    eval_result_fn: Optional[Callable[..., Any]] = None
+    eval_fn: Optional[Callable[..., Any]] = None
+    epoch_fn: Optional[Callable[..., Any]] = None
+    checkpoint_fn: Optional[Callable[..., Any]] = None
+    loop: Optional[Callable[..., Any]] = None
+    """The rank's loop body, `loop(worker)`; None = the built-in step (train_step per batch)."""
+    transform: Optional[Callable[..., Any]] = None
+    params: Dict[str, Any] = field(default_factory=dict)
+    name: str = "recipe"
+
+    def call(self, fn_name: str, *args: Any, **extra: Any) -> Any:
+        """Call a recipe function with `params`, passing only the keywords it accepts, and each
+        `extra` keyword only to a function that names it (a `**kwargs` that forwards the
+        params to torch must not receive the runtime's extras)."""
+        fn = getattr(self, fn_name)
+        named = inspect.signature(fn).parameters
+        return fn(*args, **_accepted(fn, self.params), **{k: v for k, v in extra.items() if k in named})
+
+    def run_callback(self, name: str, *args: Any) -> Any:
+        """Call callback `name` like any recipe function (None when the recipe has none); what it
+        raises comes back as CallbackFailed, the user's exception as its `__cause__`."""
+        if getattr(self, name) is None:
+            return None
+        try:
+            return self.call(name, *args)
+        except Exception as exc:  # user code can raise anything; KeyboardInterrupt passes
+            raise CallbackFailed(name, f"{type(exc).__name__}: {exc}") from exc
+
+    def report_epoch(self, record: "EpochRecord") -> None:
+        """The launcher's callbacks for a closed epoch, in order: eval_result_fn (when it was
+        scored), then metrics_fn with the epoch as summary.json records it."""
+        if record.eval is not None:
+            self.run_callback("eval_result_fn", record.epoch, record.eval)
+        if self.metrics_fn is not None:
+            self.run_callback("metrics_fn", asdict(record))
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_dataset is not None and (self.eval_step is not None or self.eval_fn is not None)
+
+
+def _accepted(fn: Callable[..., Any], params: Dict[str, Any]) -> Dict[str, Any]:
+    """Keywords of `params` that `fn` takes (all of them if it has **kwargs)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return dict(params)
+    return {k: v for k, v in params.items() if k in sig.parameters}
+
+
+def _not_found(name: str, cwd: str) -> str:
+    """Where the module was looked for, and what makes it importable."""
+    hint = ("the built-in recipes come with the installed project: `.venv/bin/pip install -e <project>`"
+            if name == "recipes" else "put its folder on PYTHONPATH or run from the folder holding it")
+    return (f"must be an importable module (no module named {name!r}; looked up in the current "
+            f"directory {cwd}, then PYTHONPATH and installed packages; {hint})")
+
+
+def _import(module: str, key: str) -> Any:
+    """Import `module` (current directory first, then the environment); RecipeError on `key`."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # `python -m` adds it; rank subprocesses and notebooks may not
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            raise RecipeError(key, module, _not_found(exc.name, cwd)) from None
+        raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # a user module can raise anything at import
+        raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
+
+
+def _named_loop(mod: Any, name: str) -> Callable[..., Any]:
+    """recipe.loop: `fn` (a function of the recipe module) or `pkg.module.fn`."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        fn = getattr(_import(owner, "recipe.loop") if owner else mod, attr, None)
+    except RecipeError as exc:  # name the whole value, not only its module part
+        raise RecipeError("recipe.loop", name, exc.rule) from None
+    if not callable(fn):
+        where = owner or mod.__name__
+        raise RecipeError("recipe.loop", name, f"must name a function `loop(worker)` ({attr} of {where})")
+    return fn
+
+
+def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
+                transform: Optional[str] = None, loop: Optional[str] = None) -> Recipe:
+    """Import `module` (current directory first, then the environment) and check the contract.
+    `loop` (recipe.loop) names the rank's loop; None = the module's `loop`, if it has one."""
+    mod = _import(module, "recipe.module")
+    missing = [name for name in REQUIRED if not callable(getattr(mod, name, None))]
+    if missing:
+        raise RecipeError("recipe.module", module,
+                          f"must define {', '.join(missing)} (the recipe contract)")
+    fns = {name: getattr(mod, name, None) for name in (*REQUIRED, *OPTIONAL)}
+    if loop is not None:
+        fns["loop"] = _named_loop(mod, loop)
+    if fns["train_step"] is None and fns["loop"] is None:
+        raise RecipeError("recipe.module", module,
+                          "must define train_step, or a loop (a `loop` function or recipe.loop)")
+    if fns["eval_step"] is not None and fns["eval_fn"] is not None:
+        raise RecipeError("recipe.module", module, "must define eval_step or eval_fn, not both "
+                          "(eval_step -> (metric_sum, count); eval_fn -> float, averaged per batch)")
+    if (fns["eval_dataset"] is None) != (fns["eval_step"] is None and fns["eval_fn"] is None):
+        raise RecipeError("recipe.module", module,
+                          "must define both eval_dataset and eval_step (or eval_fn), or neither")
+    transform_fn = None
+    if transform is not None:
+        transform_fn = getattr(mod, transform, None)
+        if not callable(transform_fn):
+            raise RecipeError("data.transform", transform, f"must name a function of {module}")
+    return Recipe(**fns, transform=transform_fn, params=dict(params or {}), name=module)

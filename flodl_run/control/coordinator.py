@@ -1,0 +1,455 @@
+"""The coordinator: the control plane of a distributed run.
+
+Owns the control socket, the message pump and the order of a run (ranks join, epochs train,
+the run finishes or stops), and composes the parts that do the rest: membership, windows
+(sync/cadence dispatch), reduces, saving, epochs (records, evals, callbacks) and, in
+cpu_async, the async loop. It never touches a device; ranks do the training and the averaging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import zmq
+
+from flodl_run.averaging.central import CentralAverager
+from flodl_run.averaging.outer import OuterOptimizer
+from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.contracts.recipe import CallbackFailed, Recipe, load_recipe
+from flodl_run.contracts.summary import Summary
+from flodl_run.contracts.wire import (
+    Channel,
+    CheckpointSaved,
+    ClockPing,
+    Evaluated,
+    Heartbeat,
+    Listening,
+    Message,
+    RankFailed,
+    RankJoined,
+    Received,
+    Reduced,
+    ReduceFailed,
+    Regrouped,
+    SnapshotTaken,
+    Stop,
+    TimelineEvents,
+    Train,
+    Update,
+    WindowDone,
+    bind_router,
+)
+from flodl_run.control.dispatch import EpochPool, EpochSpan, epoch_span
+from flodl_run.control.epochs import Epochs
+from flodl_run.control.membership import Membership
+from flodl_run.control.overlap import AsyncLoop
+from flodl_run.control.reduces import Reduces
+from flodl_run.control.runstate import (
+    POLL_MS,
+    Balance,
+    Holdings,
+    RunAborted,
+    ShutdownWithSave,
+    StopRequest,
+)
+from flodl_run.control.saving import Saving
+from flodl_run.control.windows import Windows
+from flodl_run.elche.balancer import ElChe, Plan
+from flodl_run.hardware.hostinfo import merge_nodes
+from flodl_run.observe.observer import Observer
+from flodl_run.observe.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Runs on a thread of the launcher; `run()` returns the Summary of the whole run.
+
+    Owns the control socket and the message pump (`_send`, `_next`: deferred answers, the
+    frames of the last message), the ranks' identities and join reports, the summary, where a
+    resume starts, and its parts, each holding its own state: `stop` (the stop request),
+    `balance` (ElChe and its plan), `holdings` (work since the last fold), `members`
+    (membership), `reduces`, `windows`, `saving`, `epochs`, and in cpu_async the `async_loop`.
+    The parts get what they use, and call back only through the bound methods handed to them."""
+
+    def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
+                 bind_host: str = "127.0.0.1", port: int = 0,
+                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None,
+                 max_frame_bytes: int = -1, timeline: Optional[Timeline] = None):
+        self.config, self.world_size = config, world_size
+        self.timeline = timeline or Timeline()
+        self.recorder = self.timeline.recorder  # the coordinator's own spans
+        self.mode = config.elche.mode
+        self.observer = observer or Observer()
+        self.ctx = zmq.Context()  # its own: the handshake gate is one per context
+        sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
+        self.channel = Channel(sock, secret)
+        self.identities: Dict[int, bytes] = {}
+        self.joined: Dict[int, RankJoined] = {}
+        self.num_samples = 0
+        self.summary = Summary(mode=self.mode.value, outer=config.outer.kind.value,
+                               world_size=world_size)
+        self.averager = CentralAverager(OuterOptimizer(config.outer), config.elche.gamma,
+                                        config.elche.easgd_alpha if self.mode is Mode.cpu_async else None)
+        self._payloads: List[memoryview] = []
+        self._deferred: List[Received] = []
+        self._failure: Optional[RunAborted] = None
+        self._pending_events: List[tuple] = []
+        self.on_rank_dead: Optional[Callable[[int], None]] = None
+        self._start_epoch = 0
+        self._resume_uncovered: List[List[int]] = []
+        self._train_started: Optional[float] = None
+        self.async_loop: Optional[AsyncLoop] = None
+        recipe = None  # as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)
+        if config.recipe is not None:
+            recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                                 config.recipe.loop)
+        self._compose(shm_prefix, recipe)
+
+    def _compose(self, shm_prefix: Optional[str], recipe: Optional[Recipe]) -> None:
+        """Build the parts; each gets what it uses (see their docstrings)."""
+        config, world, mode = self.config, self.world_size, self.mode
+        self.stop, self.balance, self.holdings = StopRequest(), Balance(), Holdings(world)
+        self.members = Membership(
+            world, mode.is_collective, self.channel, self._send, self._next, self.balance.smoothed_ms,
+            self._on_lost, self.observer, heartbeat_timeout_s=config.heartbeat_timeout_secs,
+            progress_factor=config.progress_factor, progress_floor_s=config.progress_timeout_secs,
+            max_failure=config.max_failure)
+        self.epochs = Epochs(
+            config, mode, world, recipe, self.members, self.balance, self.averager, self.summary,
+            self.observer, self._send, self._next, self.save_bundle, self.fail_callback)
+        self.reduces = Reduces(
+            world, mode, config, self.members, self.balance, self.holdings, self.averager,
+            self.recorder, self.summary, self.observer, self._send, self._next, self._frames,
+            shm_prefix, self._regroup, self.save_bundle, self._uncovered_now, self._epoch_batches)
+        self.saving = Saving(
+            config, mode, world, self.members, self.balance, self.averager, self.stop, self._send,
+            self._next, self.epochs.callback_rank, self.reduces.trajectory,
+            self.summary, self.observer)
+        self.windows = Windows(
+            world, mode, config, self.members, self.reduces, self.balance, self.stop, self.holdings,
+            self._send, self._next, self.observer, self.save_bundle, self.saving.graceful_stop)
+
+    # ---- what the parts share, through the coordinator ---------------------------------------
+
+    @property
+    def alive(self):
+        return self.members.alive
+
+    @property
+    def recipe(self) -> Optional[Recipe]:
+        """The recipe whose callbacks run in this process (the epochs' part)."""
+        return self.epochs.recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Optional[Recipe]) -> None:
+        self.epochs.recipe = recipe
+
+    @property
+    def elche(self) -> Optional[ElChe]:
+        return self.balance.elche
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        return self.balance.plan
+
+    @property
+    def mlflow_run_id(self) -> Optional[str]:
+        """The tracked run, recorded in bundles so a resume can link to it."""
+        return self.saving.run_id
+
+    @mlflow_run_id.setter
+    def mlflow_run_id(self, run_id: Optional[str]) -> None:
+        self.saving.run_id = run_id
+
+    def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
+        return self.saving.save_bundle(reason, epoch, uncovered)
+
+    def fail_callback(self, failure: CallbackFailed, epoch: int, uncovered: List[List[int]]):
+        return self.saving.fail_callback(failure, epoch, uncovered)
+
+    def _regroup(self) -> None:
+        """Void the orders sent ahead (their batches back to the pool), then rebuild the group."""
+        self.windows.cancel_ahead()
+        self.members.regroup()
+
+    def _on_lost(self, rank: int, reason: str) -> None:
+        """A rank was declared dead: record it, kill it, give its work back and re-plan."""
+        self.summary.dead_ranks.append(rank)
+        self.observer.on_event("rank_lost", f"rank {rank} lost: {reason}")
+        log.warning("rank %d lost: %s", rank, reason)
+        if self.on_rank_dead is not None:
+            self.on_rank_dead(rank)
+        for epoch, slices in self.holdings.lose(rank):  # what it trained since its last fold
+            if not self.windows.give_back(epoch, slices) and self.async_loop is not None:
+                self.async_loop.give_back(epoch, slices)
+        self.balance.forget_rank(rank)
+
+    def _uncovered_now(self) -> List[List[int]]:
+        """What of the current epoch the survivors' weights may not include."""
+        return self.windows.uncovered() + self.holdings.uncovered(self.windows.pool_epoch)
+
+    # ---- thread-safe controls ---------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next reduce boundary and save (SIGINT/SIGTERM); a second request, or no
+        boundary within STOP_GRACE_S, stops at once without saving."""
+        self.stop.request(reason)
+
+    def report_failure(self, status: str, reason: str) -> None:
+        """Something the run cannot survive (not a rank death): abort."""
+        self._failure = RunAborted(status, reason)
+
+    def report_death(self, rank: int, reason: str) -> None:
+        """A rank process ended without being told to (seen by the launcher)."""
+        self.members.report_death(rank, reason)
+
+    def stopped(self, rank: int) -> bool:
+        """The rank was sent Stop: its exit is clean, never a death."""
+        return rank in self.members.stopped
+
+    # ---- the run ----------------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        started = time.perf_counter()
+        try:
+            self._await_ranks()
+            self._train_all_epochs()
+            self.summary.status = "completed"
+        except ShutdownWithSave as exc:
+            if self.elche is None:  # lost before training began: nothing to save
+                self.summary.status, self.summary.message = "failed", self.members.failed_ranks(exc.detail)
+            else:
+                self._shutdown_with_save(exc.reason, exc.detail)
+                if self.members.raised:  # the cohort shrank because ranks raised: a failure
+                    self.summary.status = "failed"
+                    self.summary.message = f"{self.members.failed_ranks('')}; {self.summary.message}"
+        except RunAborted as exc:
+            self.summary.status, self.summary.message = exc.status, exc.reason
+        except Exception as exc:  # a bug of ours: fail the run loudly, never report success
+            log.exception("coordinator failed")
+            self.summary.status = "failed"
+            self.summary.message = f"coordinator error: {type(exc).__name__}: {exc}"
+        finally:
+            self._finish(time.perf_counter() - started)
+        return self.summary
+
+    def _await_ranks(self) -> None:
+        deadline = time.monotonic() + max(300.0, self.config.heartbeat_timeout_secs)
+        seeded = self.mode is not Mode.cpu_async
+        while len(self.joined) < self.world_size or not seeded:
+            if time.monotonic() > deadline:
+                raise RunAborted("failed", f"only {len(self.joined)} of {self.world_size} ranks joined")
+            message = self._next(expect=(RankJoined, SnapshotTaken))
+            if message is None:
+                raise RunAborted("failed", self.members.failed_ranks(
+                    f"a rank died before all {self.world_size} joined"))
+            if isinstance(message, SnapshotTaken):  # cpu_async: rank 0's initial weights
+                self.averager.seed_center(self.reduces.snapshot(message).params)
+                seeded = True
+        sizes = {j.num_samples for j in self.joined.values()}
+        if len(sizes) != 1:
+            raise RunAborted("failed", f"ranks see different train set sizes: {sorted(sizes)}")
+        self.num_samples = sizes.pop()
+        self.summary.devices = [self.joined[r].device_name for r in range(self.world_size)]
+        nodes = merge_nodes(self.joined[r].node for r in range(self.world_size) if self.joined[r].node)
+        self.summary.nodes = [node.record() for node in nodes]
+        self.observer.on_nodes(nodes)
+        self.balance.elche = ElChe(self.config.elche, self.world_size,
+                                   epoch_batches=self._epoch_batches(0), reduce_ms=self._reduce_ms())
+        if self.config.resume_from:
+            self._restore(self.config.resume_from)
+        self.balance.plan = self.balance.elche.plan()
+
+    def _restore(self, stem: str) -> None:
+        """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
+        meta = self.saving.restore(stem, self._epoch_batches(0))
+        self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
+        self.reduces.resume(meta.global_step, meta.sync_round)
+
+    def _reduce_ms(self) -> Optional[float]:
+        """The slowest rank's view of one reduce timed before training (collective modes)."""
+        timed = [j.reduce_ms for j in self.joined.values() if j.reduce_ms is not None]
+        if not timed:
+            return None
+        self._pending_events.append(("reduce_timed", f"one reduce before training: {max(timed):.1f} ms"))
+        return max(timed)
+
+    def _epoch_batches(self, epoch: int) -> int:
+        span = self._span(epoch)
+        return -(-span.size // self.config.batch_size)
+
+    def _span(self, epoch: int) -> EpochSpan:
+        data = self.config.data
+        return epoch_span(epoch, self.num_samples, data.augment, data.epoch_splits)
+
+    def _train_all_epochs(self) -> None:
+        total = self.config.num_epochs * self.config.data.epoch_splits
+        self.observer.on_start(total, self._epoch_batches(0), self.world_size)
+        for kind, message in self._pending_events:  # noted while the ranks joined: after the start
+            self.observer.on_event(kind, message)
+        self._train_started = time.perf_counter()
+        if self.mode is Mode.cpu_async:
+            self._run_async(total)
+        else:
+            for epoch in range(self._start_epoch, total):
+                self.epochs.close(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
+        self.epochs.final_eval(total)
+        self.save_bundle("checkpoint", total, [])
+
+    def _run_async(self, total: int) -> None:
+        """cpu_async: the async loop trains every epoch from the resume point on."""
+        start = self._start_epoch
+        self.async_loop = AsyncLoop(
+            self.world_size, self.config, [self._span(e) for e in range(total)],
+            [self._epoch_pool(e) if e >= start else EpochPool(0, []) for e in range(total)], start,
+            self.members, self.balance, self.windows, self.reduces, self.holdings, self.averager,
+            self.recorder, self.stop, self._send, self._next, self.epochs.close,
+            self.saving.graceful_stop)
+        self.async_loop.run()
+
+    def _epoch_pool(self, epoch: int) -> EpochPool:
+        """The whole epoch, or only what a resumed mid-epoch bundle left uncovered."""
+        span = self._span(epoch)
+        if epoch == self._start_epoch and self._resume_uncovered:
+            return EpochPool(span.pass_index, [(s, e) for _, s, e in self._resume_uncovered])
+        return EpochPool.whole(span)
+
+    # ---- messaging --------------------------------------------------------------------------
+
+    def _send(self, rank: int, message: Message, payloads: Sequence[memoryview] = ()) -> None:
+        order = message.train if isinstance(message, Update) else message
+        if isinstance(order, Train) and order.slices:
+            self.holdings.note(rank, order.epoch, order.slices)
+        self.channel.send(message, payloads, identity=self.identities[rank])
+
+    def _frames(self) -> List[memoryview]:
+        """The frames that came with the message `_next` returned last."""
+        return self._payloads
+
+    def _next(self, expect: type | tuple, deadline: Optional[float] = None,
+              accept: Optional[Callable[[Message], bool]] = None) -> Optional[Message]:
+        """The next message of type `expect` (and, given `accept`, one it accepts), or None when
+        a rank died meanwhile or the `deadline` (time.monotonic) passed (callers then re-check
+        what they wait for); heartbeats and failures are handled on the way.
+        Other orders' answers (e.g. WindowDone while waiting for Evaluated in cpu_async, or the
+        answers to orders sent ahead) are kept, in order, for the call that expects them."""
+        if self.members.absorb():
+            return None
+        for i, waiting in enumerate(self._deferred):
+            if getattr(waiting.message, "rank", None) not in self.alive and \
+                    not isinstance(waiting.message, RankJoined):
+                continue
+            if isinstance(waiting.message, expect) and (accept is None or accept(waiting.message)):
+                del self._deferred[i]
+                self._payloads = waiting.payloads
+                return waiting.message
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            self.stop.check()
+            self.members.check_liveness()  # also while messages flow: a busy socket must not hide a hang
+            if self.members.deaths_pending() and self.members.absorb():
+                return None
+            wait_ms = POLL_MS
+            if deadline is not None:  # checked on every pass: a busy socket must not postpone it
+                left_ms = (deadline - time.monotonic()) * 1000.0
+                if left_ms <= 0:
+                    return None
+                wait_ms = max(1, min(POLL_MS, int(left_ms)))
+            received = self.channel.recv(timeout_ms=wait_ms)
+            if received is None:
+                if self.members.absorb():
+                    return None  # membership changed: the caller re-plans what it waits for
+                continue
+            message = received.message
+            rank = getattr(message, "rank", None)
+            if rank is not None and rank not in self.alive:
+                if isinstance(message, RankFailed):  # why it died (its exit may be seen first)
+                    self.members.note_raised(message)
+                continue  # a rank declared dead does not speak for the run any more
+            if rank is not None:
+                self.members.heard(rank, time.monotonic(),
+                                   message if isinstance(message, Heartbeat) else None)
+            if isinstance(message, (ClockPing, TimelineEvents)):
+                self.timeline.receive(message, received.identity, self.channel)
+                continue
+            if isinstance(message, WindowDone):
+                self.epochs.data.add(message)  # each WindowDone passes here once, deferred or not
+                self.observer.on_window(message.rank, message.samples, message.wall_ms,
+                                        message.device_bytes)
+                self.reduces.note_window(message)
+            if isinstance(message, RankJoined):
+                self.identities[message.rank] = received.identity
+                self.joined[message.rank] = message
+            elif isinstance(message, Listening):
+                self.members.listeners[message.rank] = received.identity
+            elif isinstance(message, RankFailed) and message.callback:  # the rank lives on
+                raise CallbackFailed(message.callback, message.error, message.rank)
+            elif isinstance(message, RankFailed):
+                self.members.note_raised(message)
+                self.report_death(message.rank, f"failed: {message.error}")
+                self.members.absorb()
+                return None
+            if isinstance(message, expect) and (accept is None or accept(message)):
+                self._payloads = received.payloads
+                return message
+            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, ReduceFailed,
+                                    CheckpointSaved, Regrouped)):
+                self._deferred.append(received)
+            elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
+                raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
+
+    def _shutdown_with_save(self, reason: str, detail: str) -> None:
+        """Save from a survivor (when any), then stop with status shutdown_with_save."""
+        self.summary.status = "shutdown_with_save"
+        stem = None
+        if self.alive:
+            try:
+                epoch, uncovered = (self.async_loop.save_point() if self.async_loop is not None
+                                    else (self.windows.pool_epoch, self._uncovered_now()))
+                stem = self.save_bundle(reason, epoch, uncovered)
+            except (RunAborted, zmq.ZMQError) as exc:
+                detail = f"{detail}; the save failed: {exc}"
+        saved = f"bundle {stem}" if stem else "no bundle"
+        self.summary.message = f"{reason}: {detail}; {saved}"
+        self.observer.on_event("shutdown", self.summary.message)
+
+    def _finish(self, wall_s: float) -> None:
+        for rank in list(self.identities):
+            self.members.stopped.add(rank)
+            try:
+                self._send(rank, Stop(self.summary.status))
+            except zmq.ZMQError:
+                pass
+        self.timeline.await_final(self.channel, sorted(self.alive & set(self.identities)))
+        self._close_socket()
+        self.summary.wall_s = wall_s
+        sync_ms = self.reduces.sync_ms
+        self.summary.syncs = len(sync_ms)
+        self.summary.avg_sync_ms = sum(sync_ms) / len(sync_ms) if sync_ms else 0.0
+        if self.plan is not None:
+            self.summary.phase = self.plan.phase.name.lower()
+        self.summary.samples_per_s = self._samples_per_s()
+        if not self.mode.is_collective:
+            self.summary.param_transport = ["shm" if r in self.reduces.shm_ranks else "frames"
+                                            for r in range(self.world_size)]
+        if self._train_started is not None:
+            train_ms = (time.perf_counter() - self._train_started) * 1000.0
+            self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self.epochs.compute_ms]
+
+    def _close_socket(self) -> None:
+        """Close the control plane now (the Stop orders still go out, within LINGER), not when
+        the garbage collector finds the context: nobody joins or speaks to a finished run."""
+        self.channel.socket.close(linger=1000)
+        self._gate.stop()
+        self.ctx.term()
+
+    def _samples_per_s(self) -> float:
+        """Samples trained per second of epoch time (eval callbacks included, startup not)."""
+        trained = sum(self._span(e.epoch).size for e in self.summary.epochs) if self.num_samples else 0
+        train_s = sum(e.epoch_ms for e in self.summary.epochs) / 1000.0
+        return trained / train_s if train_s > 0 else 0.0
+

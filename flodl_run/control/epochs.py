@@ -1,0 +1,128 @@
+"""Epochs on the coordinator: a finished epoch's record (work-weighted loss, per-rank
+throughput and share, scalars, data-plane metrics), the eval and the recipe's epoch callbacks
+on the callback rank, the publication of the record, and checkpoint_every. What each epoch
+trains is the windows' part (or the async loop's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, List, NoReturn, Optional, Set
+
+from flodl_run.averaging.central import CentralAverager
+from flodl_run.averaging.frames import as_frame, dtype_names
+from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.contracts.recipe import CallbackFailed, Recipe
+from flodl_run.contracts.scalars import roll_up
+from flodl_run.contracts.summary import EpochRecord, Summary
+from flodl_run.contracts.wire import Evaluate, Evaluated
+from flodl_run.control.runstate import Balance, Next, Send
+from flodl_run.control.tallies import EpochTally
+from flodl_run.data.datametrics import DataTally
+
+
+class Epochs:
+    """Closes epochs in order and runs the evals.
+
+    Owns: each rank's compute time over the run (`compute_ms`, for its idle fraction), the
+    data-plane metrics per epoch and rank (`data`, fed every WindowDone), the choice of the
+    callback rank, and the recipe whose callbacks run in this process.
+    Given: the config, mode and world size; the membership (who is alive); the balance (the
+    fastest rank by smoothed batch time); the central averager (the EASGD center is what an
+    eval scores in cpu_async); the summary and observer; `send`/`next`; and `save_bundle`,
+    `fail_callback` for checkpoint_every and a callback that raised."""
+
+    def __init__(self, config: ExperimentConfig, mode: Mode, world_size: int,
+                 recipe: Optional[Recipe], members, balance: Balance, averager: CentralAverager,
+                 summary: Summary, observer, send: Send, next: Next,
+                 save_bundle: Callable[..., Optional[str]],
+                 fail_callback: Callable[[CallbackFailed, int, List[List[int]]], NoReturn]):
+        self.config, self.mode, self.world_size, self.recipe = config, mode, world_size, recipe
+        self.members, self.balance, self.averager = members, balance, averager
+        self.summary, self.observer, self._send, self._next = summary, observer, send, next
+        self.save_bundle, self._fail_callback = save_bundle, fail_callback
+        self.compute_ms = [0.0] * world_size
+        self.data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
+
+    @property
+    def alive(self) -> Set[int]:
+        return self.members.alive
+
+    def close(self, epoch: int, tally: EpochTally) -> None:
+        """Aggregate a finished epoch (callbacks included), publish it, and checkpoint_every.
+        A recipe callback that raises fails the run, saving the epoch's consensus first."""
+        for rank, ms in enumerate(tally.wall_ms):
+            self.compute_ms[rank] += ms
+        try:
+            record = self._epoch_record(epoch, tally)
+            self.summary.epochs.append(record)
+            self.observer.on_epoch(record)
+            if self.recipe is not None:
+                self.recipe.report_epoch(record)  # eval_result_fn, metrics_fn: in this process
+        except CallbackFailed as failure:
+            self._fail_callback(failure, epoch + 1, [])
+        every = self.config.checkpoint_every
+        total = self.config.num_epochs * self.config.data.epoch_splits
+        if every and (epoch + 1) % every == 0 and epoch + 1 < total:
+            self.save_bundle("checkpoint", epoch + 1, [])
+
+    def final_eval(self, total: int) -> None:
+        """The run's final eval: the last epoch's, or (when that epoch scored none) one more
+        on the callback rank, with its eval_result_fn."""
+        last = self.summary.epochs[-1] if self.summary.epochs else None
+        if last is not None and last.eval is None and self.config.recipe is not None:
+            try:
+                last_eval = self.evaluate(total - 1)
+                if last_eval is not None:
+                    self.recipe.run_callback("eval_result_fn", total - 1, last_eval)
+            except CallbackFailed as failure:
+                self._fail_callback(failure, total, [])
+            self.summary.final_eval = last_eval
+        elif last is not None:
+            self.summary.final_eval = last.eval
+
+    def _epoch_record(self, epoch: int, tally: EpochTally) -> EpochRecord:
+        total_batches = max(sum(tally.batches), 1)
+        every = self.config.eval_every_epochs
+        eval_began = time.perf_counter()
+        due = bool(every) and (epoch + 1) % every == 0
+        epoch_fn = self.recipe is not None and self.recipe.epoch_fn is not None
+        score = self.evaluate(epoch, due, epoch_fn) if due or epoch_fn else None
+        eval_ms = (time.perf_counter() - eval_began) * 1000.0
+        return EpochRecord(
+            epoch=epoch,
+            avg_loss=sum(tally.loss_sum) / total_batches,  # work-weighted: per batch, all ranks
+            eval=score,
+            epoch_ms=(time.perf_counter() - tally.started) * 1000.0,
+            eval_ms=eval_ms,
+            per_rank_throughput=[s / (w / 1000.0) if w > 0 else 0.0
+                                 for s, w in zip(tally.samples, tally.wall_ms)],
+            per_rank_batch_share=[b / total_batches for b in tally.batches],
+            scalars=roll_up(tally.scalars, self.config.scalar_reductions),
+            samples=sum(tally.samples),
+            **self.data.epoch_fields(epoch),
+        )
+
+    def callback_rank(self) -> int:
+        policy = self.config.epoch_callback_policy
+        if policy.startswith("rank:") and int(policy.split(":", 1)[1]) in self.alive:
+            return int(policy.split(":", 1)[1])
+        known = [(ms, rank) for rank, ms in enumerate(self.balance.smoothed_ms())
+                 if ms is not None and rank in self.alive]
+        return min(known)[1] if known else min(self.alive)
+
+    def evaluate(self, epoch: int, score: bool = True, epoch_fn: bool = False) -> Optional[float]:
+        """The eval on the callback rank (`score`), then the recipe's epoch_fn there (`epoch_fn`)."""
+        rank = self.callback_rank()
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        if center is not None:  # under EASGD, eval scores the center, not a replica
+            self._send(rank, Evaluate(epoch, dtype_names(center), score, epoch_fn),
+                       [as_frame(p) for p in center])
+        else:
+            self._send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
+        result = self._next(expect=Evaluated)
+        while result is None or result.rank not in self.alive:
+            if rank not in self.alive:  # the callback rank died: ask another
+                return self.evaluate(epoch, score, epoch_fn)
+            result = self._next(expect=Evaluated)
+        return result.score if score and result.score == result.score else None  # NaN: no eval set

@@ -1,0 +1,192 @@
+"""Membership of a distributed run: who is alive, how a rank is found dead (heartbeat timeout,
+hung while training, its exit or exception), what a death does (the cohort shrinks, the
+survivors' process group is aborted and later rebuilt), and the failure policy that may end
+the run with a save. What the dead rank's work becomes is the caller's (`on_lost`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import zmq
+
+from flodl_run.config.schema import MaxFailureConfig
+from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, RankFailed, Regroup, Regrouped
+from flodl_run.control.runstate import Next, RunAborted, Send, ShutdownWithSave
+
+__all__ = ["Membership", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
+
+LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
+log = logging.getLogger(__name__)
+
+
+def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) -> float:
+    """How long a training rank may go without finishing a batch: `factor` of its smoothed
+    batch time, never less than `floor_s` (and just the floor before any batch was timed)."""
+    return max(floor_s, factor * smoothed_ms / 1000.0) if smoothed_ms else floor_s
+
+
+class Membership:
+    """Who is alive and what their loss means.
+
+    Owns: `alive`, the queue of reported deaths, when each rank was last heard (`last_seen`)
+    and its progress clock, the ranks told to stop, the exceptions ranks reported (`raised`),
+    each collective rank's listener socket, and the process-group `generation` with whether a
+    regroup is due (`regroup_needed`).
+    Given: the world size and the limits (heartbeat timeout, progress factor and floor,
+    max_failure), the channel (abort notices go straight to listeners), `send`/`next` to
+    order a regroup, the smoothed batch times (`smoothed_ms`), and `on_lost(rank, reason)`,
+    called for each death before the failure policy is applied (the caller gives the rank's
+    work back and re-plans)."""
+
+    def __init__(self, world_size: int, collective: bool, channel: Channel, send: Send, next: Next,
+                 smoothed_ms: Callable[[], List[Optional[float]]],
+                 on_lost: Callable[[int, str], None], observer, heartbeat_timeout_s: float,
+                 progress_factor: float, progress_floor_s: float, max_failure: MaxFailureConfig):
+        self.world_size, self.collective = world_size, collective
+        self.channel, self._send, self._next = channel, send, next
+        self._smoothed_ms, self._on_lost, self.observer = smoothed_ms, on_lost, observer
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.progress_factor, self.progress_floor_s = progress_factor, progress_floor_s
+        self.max_failure = max_failure
+        self.alive: Set[int] = set(range(world_size))
+        self._deaths: "queue.Queue[Tuple[int, str]]" = queue.Queue()
+        self.last_seen: Dict[int, float] = {}
+        self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
+        self.liveness_checked = 0.0
+        self.stopped: Set[int] = set()
+        self.raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
+        self.listeners: Dict[int, bytes] = {}  # each collective rank's listener (AbortGroup goes there)
+        self.generation = 0
+        self.regroup_needed = False
+
+    # ---- what the coordinator hears ----------------------------------------------------------
+
+    def report_death(self, rank: int, reason: str) -> None:
+        """A rank is gone (thread-safe: the launcher reports exits from its own thread)."""
+        self._deaths.put((rank, reason))
+
+    def deaths_pending(self) -> bool:
+        return not self._deaths.empty()
+
+    def heard(self, rank: int, now: float, beat: Optional[Heartbeat] = None) -> None:
+        """A live rank spoke; a heartbeat also carries its progress."""
+        self.last_seen[rank] = now
+        if beat is not None:
+            self.note_progress(beat, now)
+
+    def note_raised(self, failed: RankFailed) -> None:
+        """Why the rank failed (the first report wins; its exit may be seen first)."""
+        self.raised.setdefault(failed.rank, failed.error)
+
+    # ---- liveness: heartbeats and progress ---------------------------------------------------
+
+    def note_progress(self, beat: Heartbeat, now: float) -> None:
+        """Restart the rank's progress clock when it finished a batch since the last beat, or
+        is not training (idle, or in an ordered reduce, eval or save: never hung)."""
+        last = self.batch_clock.get(beat.rank)
+        if last is None or last[0] != beat.batches or not beat.training:
+            self.batch_clock[beat.rank] = (beat.batches, now)
+
+    def check_liveness(self) -> None:
+        """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S."""
+        now = time.monotonic()
+        if now - self.liveness_checked < LIVENESS_EVERY_S:
+            return
+        self.liveness_checked = now
+        self._check_heartbeats(now)
+        smoothed = self._smoothed_ms()
+        for rank, (batches, since) in self.batch_clock.items():
+            ms = smoothed[rank] if rank < len(smoothed) else None
+            limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
+            if rank in self.alive and now - since > limit:
+                self.report_death(rank, f"hung: no batch finished for {now - since:.1f}s while "
+                                        f"training (limit {limit:g}s; last at batch {batches})")
+
+    def _check_heartbeats(self, now: float) -> None:
+        timeout = self.heartbeat_timeout_s
+        for rank, seen in self.last_seen.items():
+            if rank in self.alive and now - seen > timeout:
+                self.report_death(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+
+    # ---- deaths ------------------------------------------------------------------------------
+
+    def absorb(self) -> bool:
+        """Turn reported deaths into a smaller membership (`on_lost` for each), abort the
+        survivors' group, then apply the failure policy. True when the membership changed."""
+        dead: List[int] = []
+        reason = ""
+        while not self._deaths.empty():
+            rank, reason = self._deaths.get()
+            if rank not in self.alive:
+                continue
+            self.alive.discard(rank)
+            dead.append(rank)
+            self._on_lost(rank, reason)
+            self.regroup_needed = self.collective
+        if dead and self.collective:
+            self._abort_groups(dead)
+        if dead:
+            self._apply_failure_policy(reason)
+        return bool(dead)
+
+    def _abort_groups(self, dead: List[int]) -> None:
+        """Tell every survivor's listener at once that its process group lost members: a
+        survivor blocked in a collective with the dead aborts the group and leaves it, instead
+        of waiting for a collective timeout or NCCL's watchdog. The regroup follows."""
+        notice = AbortGroup(self.generation, sorted(dead))
+        for rank in sorted(self.alive):
+            identity = self.listeners.get(rank)
+            if identity is not None:
+                try:
+                    self.channel.send(notice, identity=identity)
+                except zmq.ZMQError as exc:  # that rank is going too: its death comes next
+                    log.warning("abort notice to rank %d not sent: %s", rank, exc)
+
+    def _apply_failure_policy(self, reason: str) -> None:
+        dead = self.world_size - len(self.alive)
+        limit = self.max_failure
+        if not self.alive:
+            raise ShutdownWithSave("all_ranks_lost", reason)
+        if (limit.absolute is not None and dead >= limit.absolute) or \
+                (limit.percent is not None and dead >= math.ceil(limit.percent * self.world_size)):
+            raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")
+        # One survivor carries on alone (its reduce is the identity) and takes the pool's work.
+
+    def regroup(self) -> None:
+        """Collective modes: survivors rebuild the process group (new store prefix, new ranks
+        by ascending old rank) before the next reduce. The caller voids the orders sent ahead
+        first."""
+        self.generation += 1
+        members = sorted(self.alive)
+        for rank in members:
+            self._send(rank, Regroup(self.generation, members))
+        joined: Set[int] = set()
+        while joined < self.alive:
+            msg = self._next(expect=Regrouped)
+            if msg is None:  # another death while regrouping: start over with fewer members
+                return self.regroup()
+            if msg.generation == self.generation:
+                joined.add(msg.rank)
+        self.regroup_needed = False
+        self.observer.on_event("regroup", f"generation {self.generation}: ranks {members}")
+
+    def failed_ranks(self, fallback: str) -> str:
+        """`rank k failed: <its exception>` for the ranks that raised (their RankFailed may
+        trail their exit: wait for it briefly), else `fallback`."""
+        deadline = time.monotonic() + 1.0
+        while len(self.raised) < self.world_size - len(self.alive) and time.monotonic() < deadline:
+            received = self.channel.recv(timeout_ms=100)
+            if received is not None and isinstance(received.message, RankFailed):
+                self.note_raised(received.message)
+        if not self.raised:
+            return fallback
+        first = min(self.raised)
+        others = sorted(r for r, e in self.raised.items() if r != first and e == self.raised[first])
+        also = f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})" \
+            if others else ""
+        return f"rank {first} failed: {self.raised[first]}{also}"

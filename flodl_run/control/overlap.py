@@ -1,0 +1,237 @@
+"""cpu_async: training overlapped with the reduce round trip.
+
+Owns the event loop of the async mode: each rank gets its next chunk the moment it finishes
+a window (so it may run up to `max_overshoot` batches ahead, across epoch boundaries), a
+reduce starts once every rank reached its count, snapshots are averaged into the EASGD center
+while ranks keep training, and epochs close in ascending order once all their chunks are done.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
+
+from flodl_run.averaging.central import CentralAverager, Snapshot
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.contracts.wire import SnapshotTaken, WindowDone
+from flodl_run.control.dispatch import EpochPool, EpochSpan
+from flodl_run.control.runstate import Balance, Holdings, Next, Send, StopRequest
+from flodl_run.control.tallies import EpochTally, WindowTally
+
+
+class AsyncLoop:
+    """The cpu_async event loop, from the first chunk to the last epoch closed.
+
+    Owns: the epochs' pools and tallies, the chunks each rank has in hand, the window gate
+    (this round's and the next's), the snapshots of the round in flight, each rank's overshoot
+    budget, and which epochs are closed.
+    Given: the world size and config; `spans`/`pools` of every epoch (from the resume point);
+    the membership (who is alive), the balance (the plan's counts and overshoot), the windows
+    (Train orders, the window number, progress), the reduces (round, snapshots, the average's
+    bookkeeping), the holdings (reset after each round), the averager and recorder, the stop
+    request, `send`/`next`, and `close_epoch` / `graceful_stop`."""
+
+    def __init__(self, world_size: int, config: ExperimentConfig, spans: List[EpochSpan],
+                 pools: List[EpochPool], start_epoch: int, members, balance: Balance, windows,
+                 reduces, holdings: Holdings, averager: CentralAverager, recorder,
+                 stop: StopRequest, send: Send, next: Next,
+                 close_epoch: Callable[[int, EpochTally], None],
+                 graceful_stop: Callable[[int, List[List[int]]], NoReturn]):
+        self.world, self.config = world_size, config
+        self.members, self.balance, self.windows, self.reduces = members, balance, windows, reduces
+        self.holdings, self.averager, self.recorder, self.stop = holdings, averager, recorder, stop
+        self._send, self._next = send, next
+        self._close_epoch, self._graceful_stop = close_epoch, graceful_stop
+        total_epochs = len(spans)
+        self.spans, self.pools = spans, pools
+        self.outstanding = [0] * total_epochs
+        self.in_hand: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}  # (epoch, slices)
+        self.tallies = [EpochTally.empty(self.world) for _ in range(total_epochs)]
+        self.new_window = lambda: WindowTally.empty(self.world)
+        self.window = self.new_window()
+        self.window_done: Set[int] = set()
+        # Windows that ranks finish while a round is in flight belong to the next gate.
+        self.next_window = self.new_window()
+        self.next_done: Set[int] = set()
+        # Chunks finished after their rank's snapshot of the round in flight: not in the center
+        # yet, so a death before the next round must give them back (see _maybe_finish_round).
+        self.after_snapshot: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}
+        self.idle: Set[int] = set()
+        self.dispatch_epoch = start_epoch
+        self.closed = start_epoch
+        self.snapshots: Optional[List[Snapshot]] = None
+        self.overshoot = [0] * self.world  # budget of each rank's latest chunk
+        self.rounds_started = 0
+        self.round_began = 0.0  # time.monotonic() of the round in flight's SyncNow
+
+    @property
+    def alive(self) -> Set[int]:
+        return self.members.alive
+
+    def give_back(self, epoch: int, slices: list) -> None:
+        """A dead rank's chunks (since its last snapshot) go back to their epoch's pool, which
+        is then the first place new chunks come from."""
+        self.pools[epoch].give_back(slices)
+        self.dispatch_epoch = min(self.dispatch_epoch, epoch)
+
+    def _forget_dead(self) -> None:
+        for rank in [r for r in range(self.world) if r not in self.alive and self.in_hand.get(r)]:
+            for epoch, _ in self.in_hand[rank]:
+                self.outstanding[epoch] -= 1
+            self.in_hand[rank] = []
+            self.window_done.discard(rank)
+            self.next_done.discard(rank)
+        for rank in range(self.world):  # a survivor idle for want of work gets the given-back work
+            if rank in self.alive and rank in self.idle and any(p.remaining for p in self.pools):
+                self.idle.discard(rank)
+                self.dispatch_epoch = min(e for e, p in enumerate(self.pools) if p.remaining)
+                self._give(rank)
+
+    def run(self) -> None:
+        for rank in range(self.world):
+            self._give(rank)
+        while self.closed < len(self.spans):
+            message = self._next(expect=(WindowDone, SnapshotTaken), deadline=self._deadline())
+            self._forget_dead()
+            if isinstance(message, WindowDone):
+                self._on_window_done(message)
+            elif message is not None:
+                self._on_snapshot(message)
+            self._forget_dead()
+            self._maybe_finish_round()
+            self._maybe_start_round()
+            self._close_epochs()
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def _give(self, rank: int) -> None:
+        """Next chunk for `rank`: its planned count, from the oldest epoch with data left."""
+        while self.dispatch_epoch < len(self.spans) and not self.pools[self.dispatch_epoch].remaining:
+            self.dispatch_epoch += 1
+        if self.dispatch_epoch >= len(self.spans) or self.stop.is_set() or rank not in self.alive:
+            self.idle.add(rank)
+            return
+        epoch = self.dispatch_epoch
+        count = max(1, self.balance.plan.batch_counts[rank])
+        slices = self.pools[epoch].take(count * self.config.batch_size)
+        self.outstanding[epoch] += 1
+        self.in_hand[rank].append((epoch, slices))
+        if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
+            self.tallies[epoch].started = time.perf_counter()
+        self.overshoot[rank] = self._overshoot(count)
+        self._send(rank, self.windows.train_order(epoch, slices, self.overshoot[rank]))
+
+    def _overshoot(self, count: int) -> int:
+        """Batches past the window a rank may run before SyncNow; below its next count so a
+        window never completes twice per reduce, and within max_batch_diff when set."""
+        budget = self.balance.plan.max_overshoot or 0
+        limit = self.config.elche.max_batch_diff
+        if limit is not None:
+            budget = min(budget, limit)
+        return max(0, min(budget, count - 1))
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def _on_window_done(self, done: WindowDone) -> None:
+        self.tallies[done.epoch].add_done(done)
+        self.outstanding[done.epoch] -= 1
+        chunk = self.in_hand[done.rank].pop(0)
+        # A window the rank finished before it handled the in-flight SyncNow went into that
+        # round's snapshot; one finished after belongs to the next gate.
+        later = self.snapshots is not None and done.reduces_seen >= self.rounds_started
+        (self.next_window if later else self.window).add(done)
+        (self.next_done if later else self.window_done).add(done.rank)
+        if later:
+            self.after_snapshot[done.rank].append(chunk)
+        self.windows.progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
+        self._give(done.rank)
+        self._maybe_start_round()
+
+    def _maybe_start_round(self) -> None:
+        """Reduce once every rank reached its count (ranks without data count as done)."""
+        if self.snapshots is not None or not self.window_done:
+            return
+        if any(r not in self.window_done and r not in self.idle for r in self.alive):
+            return
+        self.windows.next_window()
+        self.reduces.begin_round()
+        self.rounds_started += 1
+        for rank in sorted(self.alive):
+            self._send(rank, self.reduces.sync_now(self.reduces.round, self.reduces.global_step))
+        self.snapshots = []
+        self.round_began = time.monotonic()
+
+    def _deadline(self) -> Optional[float]:
+        """When the round in flight stops waiting for snapshots: snapshot_timeout_secs after
+        its SyncNow, once one snapshot is in; None while no round waits, or when nothing is
+        left to hand out (a late rank's steps would have no later round to fold into)."""
+        if not self.snapshots or not any(p.remaining for p in self.pools):
+            return None
+        return self.round_began + self.config.snapshot_timeout_secs
+
+    def _on_snapshot(self, taken: SnapshotTaken) -> None:
+        snap = self.reduces.take_snapshot(taken, self.window.batches[taken.rank], self.overshoot[taken.rank])
+        if snap is not None:  # None: the late snapshot of a round that left its rank out
+            self.snapshots.append(snap)
+
+    def _maybe_finish_round(self) -> None:
+        """Average once every live rank's snapshot is in (a dead rank's is dropped), or once
+        the snapshot timeout passed: a rank still missing is left out of this average."""
+        if self.snapshots is None:
+            return
+        missing = self.alive - {s.rank for s in self.snapshots}
+        deadline = self._deadline()
+        if missing and (deadline is None or time.monotonic() < deadline):
+            return
+        if missing:
+            self.reduces.leave_out(missing)
+        snapshots = sorted((s for s in self.snapshots if s.rank in self.alive), key=lambda s: s.rank)
+        # What the center now holds is forgotten; what a rank trained or holds beyond its
+        # snapshot (finished after it, or still in hand) stays owed if the rank dies. Resetting
+        # it all here lost those chunks (an epoch short by whole chunks after a SIGKILL).
+        # A rank left out keeps all it was sent since its last fold owed.
+        self.holdings.reset({r: self.holdings.of(r) if r in missing else
+                             self.after_snapshot[r] + list(self.in_hand[r]) for r in self.alive})
+        self.after_snapshot = {r: [] for r in range(self.world)}
+        # The reduce's cost is the averaging: ranks keep training while SyncNow and their
+        # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
+        # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
+        # the fast rank idle at the round gate.
+        began, began_ns = time.perf_counter(), self.recorder.now()
+        result = self.averager.reduce(snapshots)
+        sync_ms = (time.perf_counter() - began) * 1000.0
+        self.recorder.span("reduce.average", began_ns, self.reduces.round)
+        self.reduces.add_steps(sum(s.steps for s in snapshots))
+        epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
+        divergence = result.divergence if result else 0.0
+        self.reduces.after_reduce(self.window, epoch, sync_ms, divergence)
+        stop = self.reduces.tally_nonfinite()
+        self.reduces.send_updates(result, {})
+        self.reduces.note_alignment()  # off the round trip the ranks wait for
+        self.reduces.observe_reduce(epoch, sync_ms, divergence)
+        self.reduces.clear_late()
+        if stop:
+            self.reduces.fail_nonfinite(self.closed, self._uncovered(self.closed))
+        self.window, self.window_done = self.next_window, self.next_done
+        self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
+        if self.stop.is_set():
+            self._graceful_stop(self.closed, self._uncovered(self.closed))
+        self._maybe_start_round()
+
+    def save_point(self) -> Tuple[int, List[List[int]]]:
+        """The epoch a save made now names, and what of it the center does not include yet."""
+        return self.closed, self._uncovered(self.closed)
+
+    def _uncovered(self, epoch: int) -> List[List[int]]:
+        """What of `epoch` the center does not include yet: undispatched work, and what the
+        live ranks trained or hold since their work last folded in (a dead rank's went back to
+        the pool)."""
+        return self.pools[epoch].uncovered() + self.holdings.uncovered(epoch)
+
+    def _close_epochs(self) -> None:
+        """Close finished epochs in order, only between rounds (their work is in the center)."""
+        while self.closed < len(self.spans) and self.snapshots is None \
+                and not self.pools[self.closed].remaining \
+                and self.outstanding[self.closed] == 0 and not self.window_done:
+            self._close_epoch(self.closed, self.tallies[self.closed])
+            self.closed += 1

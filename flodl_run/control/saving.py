@@ -1,0 +1,167 @@
+"""Checkpoint orchestration on the coordinator: which rank writes what and when, the meta it
+records, and the trajectory a resume restores. The bundle format itself lives in
+`flodl_run.contracts.checkpoint`; what a run does after a save that ends it is the coordinator's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
+
+import zmq
+
+from flodl_run.averaging.central import CentralAverager
+from flodl_run.averaging.frames import as_frame, dtype_names
+from flodl_run.config.compose import dotted_items
+from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.contracts import checkpoint
+from flodl_run.contracts.checkpoint import (
+    BundleMeta,
+    Coverage,
+    load_tensors,
+    read_meta,
+    save_meta,
+    save_tensors,
+)
+from flodl_run.contracts.recipe import CallbackFailed
+from flodl_run.contracts.summary import Summary
+from flodl_run.contracts.wire import CheckpointSaved, SaveCheckpoint
+from flodl_run.control.runstate import Balance, Next, RunAborted, Send, StopRequest
+from flodl_run.elche.balancer import ElChe
+
+log = logging.getLogger(__name__)
+
+
+class Saving:
+    """Bundles out (save) and in (restore).
+
+    Owns: the writing of bundle generations (which rank writes the model, which only its
+    optimizer, the outer state written here, the meta and the pruning of older generations),
+    and the tracked run's id recorded in them (`run_id`).
+    Given: the config, mode and world size; the membership (who is alive); the balance
+    (ElChe's state goes into the meta; a restore seats a restored ElChe there); the central
+    averager (outer state, EASGD center); the stop request (a deadline waits for a save);
+    `send`/`next`; `callback_rank()` (the writer); `trajectory()` (global step and round);
+    and the summary and observer."""
+
+    def __init__(self, config: ExperimentConfig, mode: Mode, world_size: int, members,
+                 balance: Balance, averager: CentralAverager, stop: StopRequest, send: Send,
+                 next: Next, callback_rank: Callable[[], int],
+                 trajectory: Callable[[], Tuple[int, int]], summary: Summary, observer):
+        self.config, self.mode, self.world_size = config, mode, world_size
+        self.members, self.balance, self.averager, self.stop = members, balance, averager, stop
+        self._send, self._next, self._callback_rank = send, next, callback_rank
+        self._trajectory, self.summary, self.observer = trajectory, summary, observer
+        self.run_id: Optional[str] = None
+        """The tracked run, recorded in bundles so a resume can link to it."""
+
+    @property
+    def alive(self) -> Set[int]:
+        return self.members.alive
+
+    def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]:
+        """Write a new generation (the callback rank the model and optimizer, every rank its
+        own optimizer, the coordinator the outer state), then the meta naming it and its
+        checksums; older generations go only after that. A stop deadline waits for the save.
+        `epoch` is where a resume starts; `uncovered` what of it the weights do not include."""
+        stem = self.config.save_path
+        if not stem:
+            return None
+        with self.stop.while_saving():
+            try:  # checkpoint_fn: the epoch the saved weights end with
+                hook = (epoch if uncovered else epoch - 1) if reason == "checkpoint" else None
+                generation, files = self._write_generation(stem, hook)
+            except CallbackFailed as failure:
+                self.fail_callback(failure, epoch, uncovered)
+            center = self.averager.center if self.mode is Mode.cpu_async else None
+            if not self.mode.is_collective and self.averager.outer.active or center is not None:
+                state = dict(self.averager.outer.state_dict(), center=center)
+                outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
+                files[outer.name] = save_tensors(outer, state)
+            save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
+        checkpoint.prune(stem, generation)
+        self.summary.checkpoint = stem
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        return stem
+
+    def _write_generation(self, stem: str, hook: Optional[int]) -> Tuple[int, Dict[str, str]]:
+        """Ranks write a fresh generation's files (the writer then runs checkpoint_fn(hook, model)
+        unless `hook` is None); a writer lost meanwhile is replaced by another survivor writing
+        yet another generation (half-written ones are pruned later)."""
+        while self.alive:
+            generation = checkpoint.next_generation(stem)
+            data = checkpoint.generation_stem(stem, generation)
+            writer = self._callback_rank()
+            files = self._ranks_save(data, writer, hook)
+            if writer in self.alive:
+                return generation, files
+        raise RunAborted("failed", f"every rank was lost while saving {stem}")
+
+    def _ranks_save(self, data: str, writer: int, hook: Optional[int] = None) -> Dict[str, str]:
+        """Order the save of generation stem `data`; the files the survivors wrote, by name."""
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        for rank in sorted(self.alive):
+            if rank != writer:  # the others keep their own optimizer state (momentum differs)
+                self._send(rank, SaveCheckpoint(data, write_model=False))
+        if center is not None:  # under EASGD the model of record is the center
+            self._send(writer, SaveCheckpoint(data, dtype_names(center), epoch=hook),
+                       [as_frame(p) for p in center])
+        else:
+            self._send(writer, SaveCheckpoint(data, epoch=hook))
+        files: Dict[str, str] = {}
+        answered: Set[int] = set()
+        while not self.alive <= answered:
+            saved = self._next(expect=CheckpointSaved)
+            if saved is None or saved.stem != data:
+                continue
+            answered.add(saved.rank)
+            if saved.error:
+                raise RunAborted("failed", f"rank {saved.rank} could not save {data}: {saved.error}")
+            files.update(saved.files)
+        return files
+
+    def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]], generation: int,
+                     files: Dict[str, str]) -> BundleMeta:
+        data = self.config.data
+        coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
+                            [list(u) for u in uncovered])
+        global_step, round_ = self._trajectory()
+        return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, global_step, round_,
+                          self.world_size, reason, self.balance.elche.export_state(), coverage,
+                          json.loads(json.dumps(dotted_items(self.config), default=str)),
+                          self.run_id, generation, files)
+
+    def restore(self, stem: str, epoch_batches: int) -> BundleMeta:
+        """Continue a bundle's trajectory: ElChe (no warm-up re-run) and the outer state here;
+        the caller resumes epoch, step and round from the meta returned."""
+        meta = read_meta(stem)
+        self.balance.elche = ElChe.from_state(self.config.elche, meta.elche_state,
+                                              world_size=self.world_size, epoch_batches=epoch_batches)
+        outer_file = checkpoint.bundle_files(stem, meta)["outer"]
+        if not self.mode.is_collective and outer_file.is_file():
+            state = load_tensors(outer_file)
+            self.averager.outer.load_state_dict(state)
+            if state.get("center") is not None:
+                self.averager.center = state["center"]
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
+                                         f"({meta.elche_state.get('phase')}, step {meta.global_step})")
+        return meta
+
+    def fail_callback(self, failure: CallbackFailed, epoch: int, uncovered: List[List[int]]) -> NoReturn:
+        """A recipe callback raised: save what the ranks hold (resume at `epoch`; no callback
+        runs during this save), then end the run failed. A callback of this process has its
+        traceback logged here; a rank printed its own."""
+        if failure.rank is None:
+            log.error("%s", failure.describe().rstrip())
+        try:
+            stem = self.save_bundle("callback_failed", epoch, uncovered)
+            saved = f"saved {stem}" if stem else "not saved (no save_path)"
+        except (RunAborted, zmq.ZMQError) as exc:
+            saved = f"the save failed: {exc}"
+        raise RunAborted("failed", f"{failure}; {saved}")
+
+    def graceful_stop(self, epoch: int, uncovered: List[List[int]]) -> None:
+        """SIGINT/SIGTERM at a reduce boundary: save what the consensus holds, then stop."""
+        stem = self.save_bundle("graceful_shutdown", epoch, uncovered)
+        raise RunAborted("interrupted", f"{self.stop.reason}; saved {stem}" if stem else self.stop.reason)

@@ -1,0 +1,79 @@
+"""What the ranks did, tallied: per window (since the last reduce) and per epoch, from the
+ranks' WindowDone reports. Plain values; the windows, the reduces and the async loop fill them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+from flodl_run.contracts.scalars import merge
+from flodl_run.contracts.wire import WindowDone
+
+
+@dataclass
+class WindowTally:
+    """What each rank did since the last reduce."""
+
+    batches: List[int]
+    samples: List[int]
+    wall_ms: List[float]
+    fill_ms: List[float]
+    loss_sum: List[float]
+    lr: List[Optional[float]]
+    scalars: Dict[str, List[float]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, n: int) -> "WindowTally":
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n)
+
+    def drop(self, ranks: Set[int]) -> None:
+        """Dead ranks contributed nothing that survives: their work is redone."""
+        for r in ranks:
+            self.batches[r], self.samples[r], self.wall_ms[r], self.loss_sum[r] = 0, 0, 0.0, 0.0
+
+    def add(self, done: WindowDone) -> None:
+        r = done.rank
+        if self.batches[r] == 0:
+            self.fill_ms[r] = done.fill_ms
+        self.batches[r] += done.batches
+        self.samples[r] += done.samples
+        self.wall_ms[r] += done.wall_ms
+        self.loss_sum[r] += done.loss_sum
+        self.lr[r] = done.lr
+        merge(self.scalars, done.scalars)
+
+
+@dataclass
+class EpochTally:
+    batches: List[int]
+    samples: List[int]
+    wall_ms: List[float]
+    loss_sum: List[float]
+    scalars: Dict[str, List[float]] = field(default_factory=dict)
+    reported_batches: int = 0
+    reported_loss: float = 0.0
+    reports: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, n: int) -> "EpochTally":
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n)
+
+    def add_done(self, done: WindowDone) -> None:
+        """cpu_async: windows straddle epochs, so epochs count WindowDone messages directly."""
+        r = done.rank
+        self.batches[r] += done.batches
+        self.samples[r] += done.samples
+        self.wall_ms[r] += done.wall_ms
+        self.loss_sum[r] += done.loss_sum
+        merge(self.scalars, done.scalars)
+
+    def add(self, window: WindowTally) -> None:
+        for r in range(len(self.batches)):
+            self.batches[r] += window.batches[r]
+            self.samples[r] += window.samples[r]
+            self.wall_ms[r] += window.wall_ms[r]
+            self.loss_sum[r] += window.loss_sum[r]
+        merge(self.scalars, window.scalars)

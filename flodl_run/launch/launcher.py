@@ -1,0 +1,323 @@
+"""The launcher: decides the topology of a materialized run and carries it out.
+
+Owns the choice in-process vs one process per rank, the hardware line and the one-device
+notice, the tracker's lifetime, the run dir's summary.json and the final line naming what the
+run wrote. Training itself lives in `solo` (in-process) and in the rank runtime (`supervisor`,
+`coordinator`, `rank`). Never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+from rich.console import Console
+
+from flodl_run.config.materialize import ConfigError
+from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
+from flodl_run.config.validate import Problem, validate
+from flodl_run.contracts.summary import Summary, write_summary
+from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
+from flodl_run.observe.observer import Observer, Observers
+from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
+from flodl_run.observe.timeline import TimelineFile
+from flodl_run.report.dashboard import Dashboard
+from flodl_run.report.progress import TerminalProgress
+from flodl_run.report.records import RecordLog
+from flodl_run.report.rundir import EventFile, link_latest, written
+from flodl_run.report.say import say, say_labelled
+from flodl_run.report.tracking import make_tracker
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from flodl_run.contracts.recipe import Recipe
+    from flodl_run.launch.hosts import HostLayout
+    from flodl_run.launch.slurm import SlurmPlan
+    from flodl_run.report.liveserver import LiveServer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the ranks of a run go: in-process (world size 1) or one process each."""
+
+    world_size: int
+    in_process: bool
+    gpus: List[GpuInfo]
+    hosts: Optional["HostLayout"] = None
+    """Ranks per worker host for topology hosts."""
+    slurm: Optional["SlurmPlan"] = None
+    """The srun step for topology slurm (read from the allocation)."""
+
+
+def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None) -> Plan:
+    """auto: 2+ visible GPUs -> one rank per GPU; 0-1 -> in-process."""
+    cluster = config.cluster
+    if cluster.topology is Topology.solo:
+        return Plan(1, True, [])
+    if cluster.topology is Topology.cpu:
+        return Plan(cluster.num_ranks or 1, False, [])
+    if cluster.topology is Topology.local_gpus:
+        try:
+            picked = pick_gpus(list(cluster.devices)) if gpus is None else gpus
+        except LookupError as exc:
+            raise ConfigError([Problem("cluster.devices", list(cluster.devices), str(exc))]) from None
+        return Plan(len(picked), False, picked)
+    if cluster.topology is Topology.hosts:
+        from flodl_run.launch.hosts import plan_hosts
+
+        # Asks each host over ssh; ConfigError when one cannot serve.
+        layout = plan_hosts(cluster, config.elche.mode, _world_problems(config))
+        return Plan(layout.world_size, False, layout.gpus, layout)
+    if cluster.topology is Topology.slurm:
+        from flodl_run.launch.slurm import plan_slurm, read_allocation
+
+        # ConfigError outside an allocation.
+        step = plan_slurm(cluster, read_allocation(), _world_problems(config))
+        return Plan(step.world_size, False, [], slurm=step)
+    gpus = visible_gpus() if gpus is None else gpus
+    if len(gpus) >= 2:
+        return Plan(len(gpus), False, gpus)
+    return Plan(1, True, gpus)
+
+
+def _world_problems(config: ExperimentConfig) -> Callable[[Optional[int]], List[Problem]]:
+    """The config's rules that need the world size (partition_ratios, emulate_slowdown,
+    rank:<n>), for the planners that find it out (hosts, slurm)."""
+    return lambda world_size: validate(config, world_size).problems
+
+
+ONE_DEVICE_NOTICE = ("one device: solo in-process run; elche/outer apply with 2+ ranks, "
+                     "e.g. cluster=cpu_pair")
+
+
+def one_device_notice(topology: Topology, plan: Plan) -> Optional[str]:
+    """The line that says a `cluster=auto` run fell back to one in-process replica, where the
+    mode and outer optimizer have nothing to act on; None otherwise (`cluster=solo` asked)."""
+    if plan.in_process and topology is Topology.auto:
+        return ONE_DEVICE_NOTICE
+    return None
+
+
+def one_device_warning(config: ExperimentConfig) -> Optional[str]:
+    """The one-device notice for a config not yet launched (review): only `cluster=auto` falls
+    back to in-process, and only this host's GPU count decides it."""
+    if config.cluster.topology is not Topology.auto:
+        return None
+    return one_device_notice(config.cluster.topology, plan_topology(config))
+
+
+@dataclass
+class RunResult:
+    """What a run hands back: its summary and where it wrote things; `model` only in-process
+    (a run of several ranks leaves its model in the bundle)."""
+
+    summary: Summary
+    run_dir: Path
+    summary_path: Path
+    checkpoint: Optional[str]
+    mlflow_run_id: Optional[str]
+    model: Optional["torch.nn.Module"] = None
+
+
+def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
+    """Run the job; returns the summary status (completed, interrupted, failed, ...)."""
+    return run(config, run_dir, console).summary.status
+
+
+def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optional["Recipe"] = None,
+        observer: Optional[Observer] = None, show_progress: bool = True) -> RunResult:
+    """Plan, train, and write summary.json, events.jsonl, the bundle and the tracked run.
+
+    `recipe` replaces loading `config.recipe.module` (in-process runs only); `observer` sees
+    every hook besides the launcher's own. Raises ConfigError for what only the hardware can
+    tell, and re-raises what the recipe raised once the run's records are closed."""
+    plan = plan_topology(config)
+    _check_run(config, plan, recipe)
+    live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
+    _say_plan(config.cluster.topology, plan, console)
+    tracker = make_tracker(config.tracking, _uploads(config))
+    mode, outer = ("solo", "none") if plan.in_process else (None, None)
+    tracker.start(config, run_dir, mode=mode, outer=outer)
+    progress = TerminalProgress(console) if show_progress else None
+    # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker, which
+    # uploads them; the live dashboard's server stops after the dashboard took the summary.
+    board = _dashboard(config, run_dir)
+    timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
+    outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
+                           live and live.start(board, console), timeline) if o is not None]
+    observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
+    try:
+        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id,
+                                       timeline)
+    finally:
+        if progress is not None:
+            progress.close()
+    summary.mlflow_run_id = tracker.run_id
+    write_summary(run_dir / "summary.json", summary)
+    for output in outputs:
+        output.finish(summary, run_dir)
+    tracker.finish(summary, run_dir)
+    latest = link_latest(run_dir, Path.cwd() / "outputs")
+    if error is not None:
+        raise error
+    _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+    return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
+                     tracker.run_id, model)
+
+
+def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
+    """The live dashboard's server, bound but not started, when `dashboard.serve` is set
+    (ConfigError when its address cannot be had); the web stack loads only then."""
+    if dashboard.serve is None:
+        return None
+    from flodl_run.report.liveserver import LiveServer
+
+    return LiveServer.bind(dashboard)
+
+
+def _dashboard(config: ExperimentConfig, run_dir: Path) -> Optional[Dashboard]:
+    """The run's dashboard, or None when neither `dashboard_html` (relative to the run dir)
+    nor `dashboard.serve` asks for one."""
+    if not config.dashboard_html and config.dashboard.serve is None:
+        return None
+    details = {"mode": config.elche.mode.value, "outer": config.outer.kind.value,
+               "recipe": config.recipe.module, "run dir": str(run_dir)}
+    path = Path(run_dir) / config.dashboard_html if config.dashboard_html else None
+    return Dashboard(path, config.dashboard_theme.value, config.run_name or "flodl_run", details,
+                     config.cluster)
+
+
+def _record_log(config: ExperimentConfig, run_dir: Path) -> Optional[RecordLog]:
+    """The run's record log, or None when `record_log_dir` is unset (relative to the run dir)."""
+    if not config.record_log_dir:
+        return None
+    return RecordLog(Path(run_dir) / config.record_log_dir, config.max_log_size, config.cluster)
+
+
+def _uploads(config: ExperimentConfig) -> List[str]:
+    """Files of the run dir the tracker uploads at the end, when the run wrote them: the
+    dashboard page and the timeline."""
+    return [name for name in (config.dashboard_html, config.timeline and TIMELINE_FILE) if name]
+
+
+def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
+           recipe: Optional["Recipe"], mlflow_run_id: Optional[str],
+           timeline: Optional[TimelineFile] = None) -> tuple:
+    """(summary, model or None, the exception the recipe raised or None)."""
+    try:
+        if plan.in_process:
+            summary, model = _train_in_process(config, observers, recipe, mlflow_run_id)
+            return summary, model, None
+        from flodl_run.launch.supervisor import launch_ranks
+
+        _leave_cores_to_ranks(config.cluster, plan)
+        return launch_ranks(config, plan, run_dir, console, observers, mlflow_run_id,
+                            timeline), None, None
+    except Exception as exc:  # the recipe raised in this process: still close the run's records
+        in_process = plan.in_process
+        summary = Summary(status="failed", message=f"{type(exc).__name__}: {exc}",
+                          mode="solo" if in_process else config.elche.mode.value,
+                          outer="none" if in_process else config.outer.kind.value,
+                          world_size=plan.world_size)
+        return summary, None, exc
+
+
+def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
+    """The hardware (or hosts) line, and the one-device notice when it applies."""
+    if plan.hosts is not None:
+        from flodl_run.launch.hosts import hosts_line
+
+        say(console, hosts_line(plan.hosts))
+    elif plan.slurm is not None:
+        from flodl_run.launch.slurm import slurm_line
+
+        say(console, slurm_line(plan.slurm))
+    else:
+        say(console, hardware_line(plan.gpus, plan.world_size))
+    notice = one_device_notice(topology, plan)
+    if notice:
+        say_labelled(console, "note", notice, "cyan")
+
+
+def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
+    """What only the plan can tell: a Recipe object cannot reach rank processes, and a bundle
+    saved by another world size cannot be resumed (before a probe only a fixed cluster could
+    be checked; here `cluster=auto` is too)."""
+    if recipe is not None and not plan.in_process:
+        raise ConfigError([Problem("cluster.topology", config.cluster.topology.value,
+                                   "must train in-process (one device) when the recipe is a Recipe "
+                                   "object; ranks import recipe.module instead")])
+    if not config.resume_from:
+        return
+    from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta
+
+    try:
+        reasons = check_resume(read_meta(config.resume_from), plan.world_size, config.seed,
+                               config.resume_from)
+    except BundleError as exc:
+        reasons = [str(exc)]
+    if reasons:
+        raise ConfigError([Problem("resume_from", config.resume_from, f"cannot be resumed here: {r}")
+                           for r in reasons])
+
+
+def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
+    """CPU ranks on this host own its cores: the coordinator's CPU averaging (cpu_* modes) gets
+    what they leave, at least one thread. With torch's default of one thread per core its
+    intra-op threads queue behind busy ranks: on 2 cores a 2.25 MB consensus took ~80 ms instead
+    of ~6 while cpu_async ranks kept training."""
+    if plan.gpus or plan.hosts is not None or plan.slurm is not None or not cluster.launch_ranks:
+        return
+    import torch
+
+    busy = plan.world_size * (cluster.threads_per_rank or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - busy))
+
+
+def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Optional["Recipe"],
+                      mlflow_run_id: Optional[str]) -> tuple:
+    """(summary, model) of the in-process replica; Ctrl-C leaves the summary interrupted."""
+    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.rank.solo import SoloTrainer
+
+    if recipe is None:
+        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                             config.recipe.loop)
+    trainer = SoloTrainer(config, recipe, observer)
+    terms: List[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:  # stop like Ctrl-C, named as itself
+        terms.append(signum)
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    trainer.mlflow_run_id = mlflow_run_id
+    try:
+        trainer.run()
+    except KeyboardInterrupt:
+        if terms:  # the trainer marked its summary interrupted; the caller writes it
+            trainer.summary.message = "stopped by SIGTERM"
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return trainer.summary, trainer.replica.model
+
+
+def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
+    """The outcome line, then one line naming everything the run wrote."""
+    if summary.status == "completed":
+        final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
+        syncs = ""
+        if summary.world_size > 1:
+            syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)"
+        say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
+                     f"{summary.samples_per_s:,.0f} samples/s{syncs}")
+    else:
+        say_labelled(console, summary.status, summary.message or summary.status, "bold red")
+    say(console, "wrote: " + " | ".join(artifacts))

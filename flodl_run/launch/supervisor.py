@@ -1,0 +1,293 @@
+"""Local rank processes: spawn them with the torchrun environment, forward their output,
+watch them, and stop them all.
+
+Owns process lifetimes on this host. The coordinator (a thread here) decides what the run
+does; this module only tells it when a child died or the user pressed Ctrl-C. Never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from rich.console import Console
+
+from flodl_run.averaging.shm import PREFIX_ENV, remove_run, run_prefix
+from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, RecipeConfig
+from flodl_run.contracts.summary import Summary
+from flodl_run.contracts.wire import frame_limit, new_secret
+from flodl_run.control.coordinator import Coordinator
+from flodl_run.launch.rankproc import RankProcess, forward, host_store
+from flodl_run.launch.zygote import Zygote, fork_ranks
+from flodl_run.observe.observer import Observer
+from flodl_run.observe.timeline import Timeline
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
+
+
+def rank_environment(cluster: ClusterConfig, rank: int, world_size: int, coord: str,
+                     secret: bytes, run_file: Path, master_port: int,
+                     gpu_uuids: Optional[List[str]] = None,
+                     shm_prefix: Optional[str] = None) -> Dict[str, str]:
+    """The torchrun contract plus the coordinator's address, the key and the run file."""
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": cluster.master_addr,
+        "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
+        "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_FILE": str(run_file),
+        "FLODL_RUN_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+        "FLODL_RUN_STORE_HOSTED": "1",
+    })
+    if shm_prefix:  # same host as the coordinator: parameters may travel through /dev/shm
+        env[PREFIX_ENV] = shm_prefix
+    # Ranks import the recipe the way the launcher did: from the current directory first.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    if gpu_uuids:
+        env.update({"CUDA_VISIBLE_DEVICES": gpu_uuids[rank], "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                    "FLODL_RUN_DEVICE": "cuda:0"})
+    else:
+        env["FLODL_RUN_DEVICE"] = "cpu"
+        threads = cluster.threads_per_rank or 1
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
+    return env
+
+
+def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: bytes,
+                run_dir: Path, console: Console, gpu_uuids: Optional[List[str]] = None,
+                shm_prefix: Optional[str] = None) -> List[RankProcess]:
+    log_dir = run_dir / "ranks"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store = host_store(cluster.master_addr, cluster.master_port)
+    master_port = store.port
+    procs = []
+    zygote: Optional[Zygote] = None
+    for rank in range(world_size):
+        env = rank_environment(cluster, rank, world_size, coord, secret, run_dir / "run.yaml",
+                               master_port, gpu_uuids, shm_prefix)
+        # one torch import per host, not per rank
+        if zygote is None and fork_ranks(os.environ, on_gpus=bool(gpu_uuids)):
+            zygote = Zygote(env, log_dir / "zygote.log")
+        process = zygote.spawn(env) if zygote is not None else subprocess.Popen(
+            [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
+        proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"), store=store)
+        proc.log.write(f"# rank {rank} of {world_size}: pid {process.pid} on this host, started "
+                       f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+        proc.log.flush()  # a rank that prints nothing still leaves who it was and when it ran
+        proc.forwarder = threading.Thread(target=forward, args=(proc, console, f"rank {rank}"),
+                                          daemon=True)
+        proc.forwarder.start()
+        procs.append(proc)
+    if zygote is not None:
+        zygote.seal()
+    return procs
+
+
+def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL: no orphan remains."""
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.process.poll() is None]
+        if not alive:
+            break
+        for p in alive:
+            if sig is not None:
+                _signal_group(p.process, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.process.poll() is None for p in alive):
+            time.sleep(0.05)
+    for p in procs:
+        if p.forwarder is not None:
+            p.forwarder.join(timeout=2.0)
+        p.log.write(f"# rank {p.rank} exited with code {p.process.poll()}\n")
+        p.log.close()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    signal_rank = getattr(process, "signal_rank", None)  # a task of an srun step (slurm.TaskHandle)
+    if signal_rank is not None:
+        signal_rank(sig)
+        return
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankProcess]) -> None:
+    """Until the coordinator ends: report a rank that exited early, turn Ctrl-C into a stop."""
+    reported = set()
+    while thread.is_alive():
+        try:
+            time.sleep(0.2)  # not thread.join(): a Ctrl-C inside join() can break is_alive()
+            for p in procs:
+                code = p.process.poll()
+                if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
+                    reported.add(p.rank)  # exiting before it was told to stop is a death
+                    coordinator.report_death(p.rank, _exit_reason(p, code, procs))
+        except KeyboardInterrupt:
+            coordinator.request_stop(f"interrupted by {_signal_names.pop(0) if _signal_names else 'SIGINT'}")
+
+
+def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
+    """What the coordinator calls on a rank it declared dead: make sure the process is gone
+    (a stopped or hung rank must not wake up into a group that moved on)."""
+    def kill(rank: int) -> None:
+        for p in procs:
+            if p.rank == rank and p.process.poll() is None:
+                _signal_group(p.process, signal.SIGKILL)
+    return kill
+
+
+def _exit_reason(proc: RankProcess, code: int, procs: List[RankProcess]) -> str:
+    """`rank 1 exited ...`; for ssh ranks also the host, and whether the whole host is gone."""
+    if proc.host is None:
+        return f"rank {proc.rank} exited with code {code}"
+    how = "ssh connection lost" if code == 255 else f"exit code {code}"
+    if code - 128 in {s.value for s in signal.Signals}:  # how a remote shell says "killed by n"
+        how = f"killed by {signal.Signals(code - 128).name}"
+    mates = [p for p in procs if p.host == proc.host]
+    if all(_died(p) for p in mates):
+        ranks = ", ".join(str(p.rank) for p in mates)
+        return f"host {proc.host} lost: rank{'s' if len(mates) > 1 else ''} {ranks} gone ({how})"
+    return f"rank {proc.rank} on host {proc.host} exited ({how})"
+
+
+def _died(proc: RankProcess) -> bool:
+    """An ssh rank ended from outside: its connection dropped (255) or a signal killed it.
+
+    Our own teardown never causes these codes: it kills the local ssh client (a negative code).
+    """
+    code = proc.process.poll()
+    return proc.host is not None and code is not None and (
+        code == 255 or code - 128 in {s.value for s in signal.Signals})
+
+
+def _name_the_cause(summary: Summary, procs: List[RankProcess]) -> None:
+    """Put a lost host first in a failed run's message: survivors' collectives break when it
+    goes, and one of their errors may have reached the coordinator before the exit was seen."""
+    dead = [p for p in procs if _died(p)]
+    if summary.status != "failed" or not dead:
+        return
+    cause = _exit_reason(dead[0], dead[0].process.returncode, procs)
+    if cause not in (summary.message or ""):
+        summary.message = f"{cause} (then: {summary.message})"
+
+
+def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console,
+                 observer: Optional[Observer] = None, mlflow_run_id: Optional[str] = None,
+                 timeline: Optional[Timeline] = None) -> Summary:
+    """Run a distributed job on this host: coordinator thread plus one process per rank."""
+    secret = new_secret()
+    slurm = getattr(plan, "slurm", None)
+    local = config.cluster.launch_ranks and plan.hosts is None and slurm is None
+    shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
+    param_bytes = _param_bytes(config.elche.mode, config.recipe, config.data.transform)
+    coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config.cluster, plan),
+                              observer=observer, shm_prefix=shm_prefix,
+                              max_frame_bytes=frame_limit(param_bytes), timeline=timeline)
+    coordinator.mlflow_run_id = mlflow_run_id
+    summary_box: List[Summary] = []
+    thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
+                              name="coordinator", daemon=True)
+    _signal_names.clear()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    procs: List[RankProcess] = []
+    try:
+        thread.start()
+        if slurm is not None:
+            from flodl_run.launch.slurm import start_step
+
+            procs = start_step(config.cluster, slurm, coordinator.address, secret, run_dir, console,
+                               save_path=config.save_path)
+        elif config.cluster.launch_ranks and plan.hosts is not None:
+            from flodl_run.launch.hosts import start_hosts
+
+            procs = start_hosts(config.cluster, plan.hosts, coordinator.address, secret, run_dir,
+                                console, save_path=config.save_path)
+        elif config.cluster.launch_ranks:
+            uuids = [g.uuid for g in plan.gpus] if plan.gpus else None
+            procs = spawn_ranks(config.cluster, plan.world_size, coordinator.address, secret, run_dir,
+                                console, uuids, shm_prefix)
+        else:
+            _announce_controller_only(plan.world_size, coordinator.address, secret, run_dir, console)
+        coordinator.on_rank_dead = _killer(procs)
+        _watch(coordinator, thread, procs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_ranks(procs)
+        remove_run(shm_prefix)  # also what a killed rank left behind
+    summary = summary_box[0] if summary_box else coordinator.summary
+    _name_the_cause(summary, procs)
+    return summary
+
+
+def _param_bytes(mode: Mode, recipe: RecipeConfig, transform: Optional[str]) -> Optional[int]:
+    """What the model's parameters and float buffers take as flat frames (the largest tensor
+    message a rank sends the coordinator), from a build on the meta device: no memory, no
+    CUDA. Collective modes send the coordinator no tensors (0). None when the recipe cannot
+    build there (the coordinator then sets no frame limit, and says so). The recipe loads as
+    the ranks load it (`recipe`, with the data's `transform`)."""
+    if mode.is_collective:
+        return 0
+    import torch
+
+    from flodl_run.contracts.recipe import load_recipe
+
+    try:
+        loaded = load_recipe(recipe.module, recipe.params, transform, recipe.loop)
+        with torch.device("meta"):
+            model = loaded.call("build_model", torch.device("meta"))
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        return params + sum(b.numel() * 4 for b in model.buffers() if b.is_floating_point())
+    except Exception as exc:  # a recipe that loads weights or needs a real device
+        log.warning("no frame size limit on the control plane: the model could not be built on "
+                    "the meta device (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def _control_address(cluster: ClusterConfig, plan) -> tuple[str, int]:
+    """Loopback for ranks on this host; cluster.controller when ranks come from
+    other hosts (hosts topology, or controller-only for torchrun/srun); the batch host's
+    address for an srun step."""
+    if getattr(plan, "slurm", None) is not None:
+        return plan.slurm.addr, cluster.controller.port
+    if plan.hosts is not None or not cluster.launch_ranks:
+        return cluster.controller.host, cluster.controller.port
+    return "127.0.0.1", 0
+
+
+_signal_names: List[str] = []
+"""Signals other than SIGINT that were turned into a KeyboardInterrupt, oldest first."""
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops the run like Ctrl-C does, and is named as itself."""
+    _signal_names.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+def _announce_controller_only(world_size: int, coord: str,
+                              secret: bytes, run_dir: Path, console: Console) -> None:
+    secret_file = run_dir / "secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_text(secret.hex())
+    (run_dir / "controller.json").write_text(json.dumps(
+        {"coord": coord, "world_size": world_size, "run_file": str(run_dir / "run.yaml"),
+         "secret_file": str(secret_file)}))
+    console.print(
+        f"controller-only: waiting for {world_size} ranks. On each node run:\n"
+        f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
+        f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
+        markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,79 @@
+"""The rank's process edge: what it reads from its environment, and where it runs.
+
+RankEnv is the torchrun contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
+the coordinator's address and key, the run file and the fault plan, read once at start. The
+orphan check ends a rank whose launcher died. Nothing here trains or talks to the coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from flodl_run.averaging.shm import PREFIX_ENV, remove_run
+from flodl_run.rank.faults import FaultPlan, FaultSpecError
+
+REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "FLODL_RUN_COORD", "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """The torchrun environment contract plus the coordinator's address, key and run file."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    coord: str
+    secret: bytes
+    run_file: Path
+    device: Optional[str]
+    parent_pid: Optional[int]
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    """FLODL_RUN_FAULT, parsed here so a malformed spec stops the rank before it starts."""
+
+    @classmethod
+    def from_environ(cls, env: Dict[str, str]) -> "RankEnv":
+        missing = [k for k in REQUIRED if k not in env]
+        if missing:
+            raise SystemExit(f"flodl_run.rank: missing environment: {', '.join(missing)}")
+        try:
+            faults = FaultPlan.from_environ(env)
+        except FaultSpecError as exc:
+            raise SystemExit(f"flodl_run.rank: {exc}") from None
+        parent = env.get("FLODL_RUN_PARENT_PID")
+        return cls(int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])),
+                   int(env["WORLD_SIZE"]), env["FLODL_RUN_COORD"],
+                   bytes.fromhex(env["FLODL_RUN_SECRET"]), Path(env["FLODL_RUN_FILE"]),
+                   env.get("FLODL_RUN_DEVICE"), int(parent) if parent else None, faults)
+
+
+def pick_device(env: RankEnv) -> torch.device:
+    """FLODL_RUN_DEVICE when the launcher named one, else GPU LOCAL_RANK (modulo the GPUs this
+    process sees), else the CPU."""
+    if env.device:
+        return torch.device(env.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def is_orphaned(env: RankEnv) -> bool:
+    """The launcher that started this rank is gone (the rank was re-parented)."""
+    return env.parent_pid is not None and os.getppid() != env.parent_pid
+
+
+def leave_orphaned(env: RankEnv) -> None:
+    """Exit at once, from any thread, leaving nothing in /dev/shm: the launcher that would
+    have removed the run's slabs (ours and the coordinator's) was killed."""
+    remove_run(os.environ.get(PREFIX_ENV))
+    try:  # our output went to the launcher: the pipe is most likely broken
+        print(f"rank {env.rank}: the launcher is gone; exiting", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    os._exit(1)

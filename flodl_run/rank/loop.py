@@ -1,0 +1,368 @@
+"""The rank's control loop: one replica on one device, following the coordinator's orders.
+
+RankWorker handles every order that arrived, then hands the recipe's loop one batch of its
+queued windows, batch by batch, until the coordinator's Stop; it reports facts (WindowDone,
+Reduced, SnapshotTaken, Evaluated, CheckpointSaved) and decides nothing about cadence. The
+group, the two kinds of reduce, the bundle and the side channels are collaborators it owns.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Deque, Iterator, List, Optional
+
+import torch
+import zmq
+
+from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.outer import OuterOptimizer
+from flodl_run.averaging.shm import PREFIX_ENV
+from flodl_run.config.schema import ExperimentConfig, Mode, lr_factor
+from flodl_run.contracts import scalars
+from flodl_run.contracts.recipe import CallbackFailed, load_recipe
+from flodl_run.contracts.wire import (
+    Channel,
+    CheckpointSaved,
+    Evaluate,
+    Evaluated,
+    RankFailed,
+    RankJoined,
+    Reduced,
+    Regroup,
+    Regrouped,
+    SaveCheckpoint,
+    Stop,
+    SyncNow,
+    Train,
+    Update,
+    WindowDone,
+    connect_dealer,
+)
+from flodl_run.data.dataplane import DataPlane
+from flodl_run.hardware.hostinfo import node_facts
+from flodl_run.hardware.slowdown import Slowdown, factor_for
+from flodl_run.observe.timeline import RankTimeline
+from flodl_run.rank.bundle import resume, swapped_in, write_share
+from flodl_run.rank.channels import HeartbeatThread, ListenerThread
+from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
+from flodl_run.rank.group import RankGroup, timed_reduce_ms
+from flodl_run.rank.jobs import BatchCutter, Job, Waits, fill_ms
+from flodl_run.rank.reduce import CollectiveReduce, after_outer_step
+from flodl_run.rank.replica import Replica
+from flodl_run.rank.snapshot import SnapshotExchange
+from flodl_run.rank.worker import Loss, Worker, run_loop
+
+
+class RankWorker:
+    """Follows orders: Train, SyncNow, Update, Evaluate, SaveCheckpoint, Regroup, Stop."""
+
+    def __init__(self, env: RankEnv, config: ExperimentConfig):
+        self.env, self.config = env, config
+        self.device = pick_device(env)
+        if self.device.type == "cpu" and config.cluster.threads_per_rank:
+            torch.set_num_threads(config.cluster.threads_per_rank)
+        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                                  config.recipe.loop)
+        self.replica = Replica(self.recipe, self.device, config.seed,
+                               lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
+                               max_grad_norm=config.max_grad_norm)
+        self.flat = FlatParams(self.replica.model)
+        self.outer = OuterOptimizer(config.outer)
+        self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
+                                self.recipe.transform, rank=env.rank)
+        self.cutter = BatchCutter(len(self.source), config.data.augment, config.seed, config.batch_size)
+        self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
+        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, env.rank))
+        self.mode = config.elche.mode
+        self.group = RankGroup(env.rank, self.device, max(5.0, 2 * config.heartbeat_timeout_secs))
+        self.jobs: Deque[Job] = deque()
+        self._steps_since_reduce = 0
+        self._awaiting_update = False
+        self._sync_pending = False  # cpu_async: window done, SyncNow not yet received
+        self._overshoot_used = 0
+        self._reduces_seen = 0
+        self._batches_total = 0
+        self._training = False  # inside the train loop (not idle, not serving an order)
+        self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
+        self._stopped = False  # the coordinator's Stop arrived: the batches have ended
+        self._reduced_round = 0  # the last round whose reduce completed here (orders sent ahead)
+        self._heartbeat: Optional[HeartbeatThread] = None
+        self.waits = Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
+        if config.resume_from:
+            resume(config.resume_from, env.rank, self.replica, self.outer, self.mode.is_collective,
+                   self.device)
+        self.timeline = RankTimeline(env.rank, config.timeline, f"{socket.gethostname()} {self.device}",
+                                     self.device.index if self.device.type == "cuda" else None)
+        self.recorder = self.timeline.recorder
+        self.collective = CollectiveReduce(env.rank, self.replica, self.flat, self.outer, self.group,
+                                           self.recorder, config.elche.gamma, config.outer.kind,
+                                           track_start=self.mode is Mode.nccl_cadence)
+        self.ctx = zmq.Context()
+        sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
+        self.channel = Channel(sock, env.secret)
+        self.exchange = SnapshotExchange(env.rank, self.flat, self.channel, os.environ.get(PREFIX_ENV))
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        collective = self.mode.is_collective
+        if collective:  # the coordinator backend needs no process group (and no NCCL)
+            self.group.join(0, list(range(self.env.world_size)))
+        heartbeat = HeartbeatThread(self.ctx, self.env, lambda: (self._batches_total, self._training),
+                                    self.timeline.on_beat)
+        heartbeat.start()
+        self._heartbeat = heartbeat
+        listener = ListenerThread(self.ctx, self.env, self.group.abort, self.group.watch)
+        if collective:
+            listener.start()
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        reduce_ms = timed_reduce_ms(self.flat.buffers) if collective else None
+        self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
+                                     socket.gethostname(), str(self.device), name,
+                                     len(self.source), node_facts(self.device.type == "cuda"),
+                                     reduce_ms=reduce_ms))
+        if self.mode is Mode.cpu_async and self.env.rank == 0:
+            self._send_snapshot(0, steps=0)  # the EASGD center starts at the initial weights
+            self._awaiting_update = False
+        try:
+            self._run_loop()
+        finally:
+            heartbeat.stopped.set()
+            listener.stopped.set()
+            self.exchange.close()
+            self.group.leave()
+        return 0
+
+    def _regroup(self, order: Regroup) -> None:
+        if self.env.rank not in order.members:
+            raise SystemExit(f"rank {self.env.rank}: declared dead by the coordinator; exiting")
+        # orders sent ahead of a reduce that failed here are void (the coordinator redoes them)
+        self.jobs = deque(job for job in self.jobs if job.order.after_round <= self._reduced_round)
+        self.group.join(order.generation, order.members)
+        self.channel.send(Regrouped(self.env.rank, order.generation))
+
+    def _hang(self) -> None:
+        """An injected hang (FLODL_RUN_FAULT `hang`): no more batches and no more heartbeats, and
+        no exit, as a rank stuck for good looks to the coordinator. The heartbeat thread still
+        ends the process if the launcher dies; the launcher kills a rank declared dead."""
+        print(f"rank {self.env.rank}: hanging (injected fault)", file=sys.stderr, flush=True)
+        if self._heartbeat is not None:
+            self._heartbeat.silence()
+        threading.Event().wait()
+
+    # ---- orders ----------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        """The recipe's loop (or the built-in one) over this rank's batches, to the Stop."""
+        worker = Worker(self.replica, self._serve, self._report, self.env.rank, self.env.world_size)
+        run_loop(self.recipe, worker)
+        if not self._stopped:  # the batches left untrained would stall the run
+            raise RuntimeError("the recipe's loop returned before worker.batches() ended "
+                               "(a loop must consume every batch the coordinator plans)")
+
+    def _report(self, loss: Loss) -> None:
+        self._reported = loss if self._reported is None else self._reported + loss
+
+    def _serve(self) -> Iterator[Any]:
+        """Batch-granular loop: handle every order that arrived, then hand the loop one batch to
+        train if allowed; returns at the coordinator's Stop."""
+        idle_since: Optional[float] = None
+        throttled = False
+        while True:
+            can_train = self._can_train()
+            if not can_train and idle_since is None:
+                idle_since = time.perf_counter()
+                throttled = bool(self.jobs) and not self._awaiting_update  # the overshoot cap
+            received = self.channel.recv(timeout_ms=0 if can_train else 1000)
+            self._training = received is None and self._can_train()  # what heartbeats report
+            if received is None:
+                if self._can_train():
+                    yield from self._train_one()
+                elif is_orphaned(self.env):
+                    leave_orphaned(self.env)
+                continue
+            if isinstance(received.message, Stop):
+                self.waits.report(self.env.rank)
+                self.timeline.ship(self.channel, final=True)
+                self._stopped = True
+                return
+            began, began_ns = time.perf_counter(), self.recorder.now()
+            self.waits.waited(received.message, idle_since, began)
+            if idle_since is not None:  # perf_counter and perf_counter_ns read the same clock
+                self.recorder.span_between("throttled" if throttled else "wait",
+                                           int(idle_since * 1e9), began_ns,
+                                           type(received.message).__name__)
+            idle_since = None
+            self._handle(received.message, received.payloads)
+            self.waits.handled(received.message, began)
+            self.timeline.order_span(received.message, began_ns)
+
+    def _handle(self, order: Any, payloads: List[memoryview]) -> None:
+        if isinstance(order, Train):
+            if not order.after_round:  # training moved on: that reduce will not be retried
+                self.collective.forget()  # (sent ahead: a failed round may still be, and undone)
+            self.jobs.append(Job(order, self.cutter.cut(order)))
+        elif isinstance(order, SyncNow):
+            self._reduce(order)
+        elif isinstance(order, Update):
+            self._apply_update(order, payloads)
+        elif isinstance(order, Evaluate):
+            self._evaluate(order, payloads)
+        elif isinstance(order, SaveCheckpoint):
+            self._save(order, payloads)
+        elif isinstance(order, Regroup):
+            self._regroup(order)
+
+    # ---- training --------------------------------------------------------------------------
+
+    def _can_train(self) -> bool:
+        """Work queued, no update awaited (cpu_sync/cadence), within the async overshoot, and
+        not an order sent ahead of a reduce that has not completed here (nccl_sync)."""
+        if not self.jobs or self._awaiting_update or self.jobs[0].order.after_round > self._reduced_round:
+            return False
+        return not (self._sync_pending and self._overshoot_used >= self.jobs[0].order.overshoot)
+
+    def _train_one(self) -> Iterator[Any]:
+        """Hand the loop the next batch of the window; once it comes back for another, the batch
+        was trained: account for it (and end the window after its last batch)."""
+        job = self.jobs[0]
+        indices = job.batches[job.done]
+        began, began_ns = time.perf_counter(), self.recorder.now()
+        batch = self.source.gather(indices, self.jobs)
+        data_ns = self.recorder.now()
+        self._reported = None
+        yield batch
+        loss, self._reported = self._reported, None
+        if loss is not None:  # read at window end
+            job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss
+        last = job.done + 1 == len(job.batches)
+        self._settle_step(began, timed=job.done == 0 or last)
+        job.step_ms.append((time.perf_counter() - began) * 1000.0)
+        self.recorder.batch(began_ns, data_ns, self._batches_total)
+        job.done += 1
+        job.samples += len(indices)
+        self._steps_since_reduce += 1
+        self._batches_total += 1
+        self.env.faults.after_batch(self.env.rank, self._batches_total, self._hang)
+        if self._sync_pending:
+            self._overshoot_used += 1
+        if last:
+            self.jobs.popleft()
+            self._window_done(job)
+
+    def _settle_step(self, began: float, timed: bool) -> None:
+        """Wait for the device only where a clock reading needs it: the first batch of a window
+        (its fill cost), the last (the window's compute time) and every batch of an emulated
+        slower rank (its sleep is a multiple of the step time). In between the host queues
+        batches ahead of the GPU, so a step's host time is its launch cost and the wait at the
+        window's end carries the rest: the window's total stays exact."""
+        if self.device.type == "cuda" and (timed or self.slowdown.active):
+            torch.cuda.synchronize(self.device)
+        self.slowdown.after_step(began)
+
+    def _window_done(self, job: Job) -> None:
+        order = job.order
+        self.recorder.instant("window_end", order.window)
+        self.waits.sent("WindowDone")
+        self.channel.send(WindowDone(
+            self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
+            fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr, scalars.drain(),
+            reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
+            **self.source.take_stats()))
+        if self.mode is Mode.cpu_async and not self._sync_pending:
+            self._sync_pending, self._overshoot_used = True, 0
+        if order.then_sync is not None:  # the coordinator folded the SyncNow into the order
+            self._reduce(order.then_sync)
+
+    # ---- reduces ---------------------------------------------------------------------------
+
+    def _reduce(self, order: SyncNow) -> None:
+        self._training = False  # waiting on peers in a reduce is not a hang of ours
+        self._reduces_seen += 1
+        self.replica.rescale_lr(order.lr_factor)
+        if not self.mode.is_collective:
+            began_ns = self.recorder.now()
+            self._send_snapshot(order.round)
+            self.recorder.span("reduce.snapshot", began_ns, order.round)
+            return
+        fact, self._steps_since_reduce = self.collective.run(order, self._steps_since_reduce)
+        if isinstance(fact, Reduced):
+            self._reduced_round = order.round
+            self.waits.sent("Reduced")
+        self.channel.send(fact)
+
+    def _send_snapshot(self, round_: int, steps: Optional[int] = None) -> None:
+        """Coordinator backend: the snapshot out; then wait for the update (cpu_sync,
+        cpu_cadence) or keep training while the round trip is in flight (cpu_async)."""
+        self.exchange.send(round_, self._steps_since_reduce if steps is None else steps)
+        self._steps_since_reduce = 0
+        if self.mode is Mode.cpu_async:
+            self._sync_pending = False  # keep training while the round trip is in flight
+        else:
+            self._awaiting_update = True  # cpu_sync / cpu_cadence: block until the update lands
+
+    def _apply_update(self, update: Update, payloads: List[memoryview]) -> None:
+        """The coordinator's parameters in, then what they mean for the optimizer and schedule;
+        a Train order folded into the update is queued."""
+        self.exchange.apply_(update, payloads)
+        if update.outer_stepped:
+            after_outer_step(self.replica, self.config.outer.kind)
+        if update.reset:  # we were non-finite: so are the optimizer's moments
+            self.replica.optimizer.state.clear()
+        self.replica.seek_schedule(update.global_step)
+        self._awaiting_update = False
+        if update.train is not None:
+            self.jobs.append(Job(update.train, self.cutter.cut(update.train)))
+
+    # ---- evaluation and checkpoints --------------------------------------------------------
+
+    def _evaluate(self, order: Evaluate, payloads: List[memoryview]) -> None:
+        """Score the consensus (this replica after a reduce) or the parameters sent along, then
+        run the recipe's epoch_fn on the same parameters when told to. A callback that raises
+        is reported (RankFailed naming it) instead of the score."""
+        score = float("nan")
+        try:
+            with swapped_in(self.flat, payloads, order.dtypes):
+                if order.score and self.eval_data is not None:
+                    score = self.replica.evaluate(self.eval_data)
+                if order.epoch_fn:
+                    self.recipe.run_callback("epoch_fn", order.epoch, self.replica.model)
+        except CallbackFailed as failure:
+            self._callback_failed(failure)
+            return
+        self.channel.send(Evaluated(self.env.rank, order.epoch, score))
+
+    def _save(self, order: SaveCheckpoint, payloads: List[memoryview]) -> None:
+        """This rank's share of the bundle, then the recipe's checkpoint_fn on what was just
+        saved (the center under EASGD); CheckpointSaved carries a write error, if any."""
+        error, written = write_share(order, payloads, self.env.rank, self.replica, self.flat,
+                                     self.outer, self.mode.is_collective)
+        if not error and order.write_model and order.epoch is not None:
+            try:
+                with swapped_in(self.flat, payloads, order.dtypes):
+                    self.recipe.run_callback("checkpoint_fn", order.epoch, self.replica.model)
+            except CallbackFailed as failure:
+                self._callback_failed(failure)
+                return
+        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error, written))
+
+    def _callback_failed(self, failure: CallbackFailed) -> None:
+        """Print the user's exception once (this rank's log and the launcher's terminal) and
+        tell the coordinator, which fails the run with a save; this rank lives on to save."""
+        print(f"rank {self.env.rank}: {failure.describe()}", file=sys.stderr, end="", flush=True)
+        self.channel.send(RankFailed(self.env.rank, failure.error, callback=failure.name))
+
+
+def _read(total: Optional[torch.Tensor]) -> float:
+    return 0.0 if total is None else float(total)
+
+
+def _device_bytes(device: torch.device) -> int:
+    """What the caching allocator holds on the rank's GPU (its share of the device's memory, as
+    the live dashboard shows it); 0 on CPU. A counter read: no sync, no CUDA call that waits."""
+    return int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else 0

@@ -1,0 +1,61 @@
+"""The rank process: one replica on one device, driven by the coordinator's orders.
+
+Entry point `python -m flodl_run.rank`, torchrun-compatible: reads RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, plus FLODL_RUN_COORD (coordinator address),
+FLODL_RUN_SECRET (hex key) and FLODL_RUN_FILE (the resolved run.yaml). It trains what it is
+told, reduces when told, and reports facts; it decides nothing about cadence. This module is
+the process around the worker: it reads the environment and the run file, runs RankWorker
+(rank_loop) and reports a failure once, to the coordinator and on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import zmq
+
+from flodl_run.averaging.shm import PREFIX_ENV, remove_run
+from flodl_run.config.compose import experiment_from_yaml
+from flodl_run.contracts.recipe import user_traceback
+from flodl_run.contracts.wire import Channel, RankFailed, connect_dealer
+from flodl_run.rank.env import RankEnv, is_orphaned
+from flodl_run.rank.loop import RankWorker
+
+__all__ = ["RankEnv", "RankWorker", "main"]
+
+
+def main() -> int:
+    """Run one rank; an exception (the recipe's, or ours) is reported to the coordinator and
+    printed once, as the traces of the code that raised it, and the rank exits 1."""
+    env = RankEnv.from_environ(dict(os.environ))
+    config = experiment_from_yaml(env.run_file.read_text())
+    worker: Optional[RankWorker] = None
+    try:
+        worker = RankWorker(env, config)
+        return worker.run()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        when = "failed" if worker is not None else "failed to start"
+        print(f"rank {env.rank}: {when}: {error}\n{user_traceback(exc)}", file=sys.stderr, end="")
+        _report_failure(env, worker, RankFailed(env.rank, error))
+        return 1
+    finally:
+        if is_orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays
+            remove_run(os.environ.get(PREFIX_ENV))
+
+
+def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFailed) -> None:
+    """Tell the coordinator (a worker that failed to start has no channel yet: open one)."""
+    if worker is not None and hasattr(worker, "channel"):
+        worker.channel.send(failed)
+        return
+    ctx = zmq.Context.instance()
+    sock = connect_dealer(ctx, env.coord, env.secret, linger_ms=1000)  # delivered before exit
+    Channel(sock, env.secret).send(failed)
+    sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""One model replica on one device: built from a recipe, stepped batch by batch, evaluated.
+
+Owns the per-step mechanics every rank shares (LR scaling, gradient clipping, the scheduler,
+eval on the replica's weights). It does not decide when to reduce or which data to train.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from flodl_run.contracts.recipe import Recipe, RecipeError
+from flodl_run.data.passes import BatchSource
+
+EVAL_BATCH_SIZE = 512  # eval has no backward pass: larger batches cost nothing in accuracy
+
+
+class Optimizers:
+    """Several optimizers (a GAN's generator and discriminator) seen by the runtime as one: LR
+    scaling and the schedule reach every param group, a state reset clears every optimizer's
+    state, and a checkpoint holds each one's state dict in order."""
+
+    def __init__(self, members: Sequence[torch.optim.Optimizer]):
+        self.members = list(members)
+        self.state = _States(self.members)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return [group for member in self.members for group in member.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for member in self.members:
+            member.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for member in self.members:
+            member.step()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizers": [member.state_dict() for member in self.members]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for member, member_state in zip(self.members, state["optimizers"], strict=True):
+            member.load_state_dict(member_state)
+
+
+class _States:
+    """`Optimizers.state`: what the runtime does to an optimizer's state (clear it), for all."""
+
+    def __init__(self, members: List[torch.optim.Optimizer]):
+        self.members = members
+
+    def clear(self) -> None:
+        for member in self.members:
+            member.state.clear()
+
+
+def as_one_optimizer(built: Any) -> Any:
+    """What build_optimizer returned, as one optimizer: itself, or Optimizers over a tuple, list
+    or dict (in its order) of them."""
+    if isinstance(built, dict):
+        return Optimizers(list(built.values()))
+    if isinstance(built, (list, tuple)):
+        return Optimizers(built)
+    return built
+
+
+class Replica:
+    """Model, optimizer and scheduler of one rank, seeded identically on every rank.
+    `optimizers` is what the recipe's build_optimizer returned (one optimizer, or a tuple, list
+    or dict of them); `optimizer` is the same seen as one (Optimizers for several)."""
+
+    def __init__(self, recipe: Recipe, device: torch.device, seed: int, lr_scale: float = 1.0,
+                 max_grad_norm: Optional[float] = None):
+        self.recipe = recipe
+        self.device = device
+        self.max_grad_norm = max_grad_norm
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        self.model = recipe.call("build_model", device)
+        self.optimizers = recipe.call("build_optimizer", self.model.parameters(), model=self.model)
+        self.optimizer = as_one_optimizer(self.optimizers)
+        if recipe.build_scheduler and isinstance(self.optimizer, Optimizers):
+            raise RecipeError("recipe.module", recipe.name, "must not define build_scheduler when "
+                              "build_optimizer returns several optimizers (step their schedulers "
+                              "in the loop)")
+        for group in self.optimizer.param_groups:
+            group["lr"] *= lr_scale  # before the scheduler captures its base LRs
+        self.lr_scale = lr_scale
+        self.scheduler = recipe.call("build_scheduler", self.optimizer) if recipe.build_scheduler else None
+        self.steps = 0
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on `batch`; returns the loss, detached, on the device. Clips after
+        backward, before step. Reading the loss (`float()`) waits for the device: callers sum
+        the tensors and read them once per window or report, never per step."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.recipe.train_step(self.model, batch)
+        loss.backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.steps += 1
+        return loss.detach()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def evaluate(self, dataset: Dataset) -> float:
+        """Recipe metric over `dataset`: sum of metric_sum / sum of count (eval_step), or the
+        mean over batches of eval_fn's value (each batch weighs the same, as floDl averages).
+        What eval_fn raises comes back as CallbackFailed."""
+        source = BatchSource(dataset, self.device)
+        total, count = 0.0, 0
+        self.model.eval()
+        with torch.no_grad():
+            for batch in source.batches(torch.arange(len(source)), EVAL_BATCH_SIZE):
+                if self.recipe.eval_fn is not None:
+                    total += float(self.recipe.run_callback("eval_fn", self.model, batch))
+                    count += 1
+                    continue
+                metric_sum, n = self.recipe.eval_step(self.model, batch)
+                total += float(metric_sum)
+                count += int(n)
+        return total / count if count else math.nan
+
+    def rescale_lr(self, lr_scale: float) -> None:
+        """Move to another LR factor (the cohort shrank): current and base LRs scale alike."""
+        if lr_scale <= 0 or lr_scale == self.lr_scale:
+            return
+        ratio = lr_scale / self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] *= ratio
+        if self.scheduler is not None:
+            self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+        self.lr_scale = lr_scale
+
+    def seek_schedule(self, global_step: int) -> None:
+        """Put the LR schedule at the cohort's step count; no-op without one."""
+        if self.scheduler is None:
+            return
+        self.scheduler.last_epoch = global_step
+        closed_form = getattr(self.scheduler, "_get_closed_form_lr", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # get_lr() outside step() warns; the value is right
+            lrs = closed_form() if closed_form else self.scheduler.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr

@@ -1,0 +1,294 @@
+"""In-process training on one device: the path of `cluster=solo` and of hosts with 0-1 GPU.
+
+Owns the epoch loop of a single replica (permutation per pass, batches, eval cadence, epoch
+records, the recipe's callbacks at the moments a run of ranks calls them), and its bundle:
+written when the run completes and every `checkpoint_every` epochs, read back by
+`resume_from`. It reports through an Observer and never prints (a raising callback is logged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Generator, Iterator, Optional
+
+import torch
+
+from flodl_run.config.compose import dotted_items
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.contracts import checkpoint
+from flodl_run.contracts.recipe import CallbackFailed, Recipe
+from flodl_run.contracts.scalars import drain, roll_up
+from flodl_run.contracts.summary import EpochRecord, Summary
+from flodl_run.data.dataplane import DataPlane
+from flodl_run.data.passes import num_batches, permutation
+from flodl_run.hardware.slowdown import Slowdown, factor_for
+from flodl_run.observe.observer import Observer
+from flodl_run.rank.replica import Replica
+from flodl_run.rank.worker import Loss, Worker, run_loop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run hands back: the trained model and its summary."""
+
+    model: torch.nn.Module
+    summary: Summary
+
+
+def resolve_device(spec: str) -> torch.device:
+    """`auto` is CUDA when a GPU is visible, else CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+class SoloTrainer:
+    """One replica trained over the whole data set, epoch by epoch."""
+
+    def __init__(self, config: ExperimentConfig, recipe: Recipe,
+                 observer: Optional[Observer] = None):
+        self.config = config
+        self.recipe = recipe
+        self.observer = observer or Observer()
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cluster.threads_per_rank:
+            torch.set_num_threads(config.cluster.threads_per_rank)
+        # the bench's solo runs at each rank's speed
+        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, 0))
+        self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
+        self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
+                                      recipe.transform)
+        self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
+        self.summary = Summary(mode="solo", outer="none", world_size=1,
+                               devices=[device_name(self.device)])
+        self.mlflow_run_id: Optional[str] = None
+        """The tracked run, recorded in the bundle so a resume can link to it."""
+        self._compute_s = 0.0
+        self._trained = 0  # epochs whose training the replica holds: where a resume starts
+        self._samples = 0
+        self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
+
+    @property
+    def total_epochs(self) -> int:
+        return self.config.num_epochs * self.config.data.epoch_splits
+
+    def run(self) -> TrainResult:
+        """Train every epoch, then the final eval. Ctrl-C marks the summary interrupted and
+        re-raises; a recipe callback that raises ends the run failed, with a bundle."""
+        start = time.perf_counter()
+        first = self._restore() if self.config.resume_from else 0
+        self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
+        self._trained = first
+        try:
+            self._run_loop(first)
+            self.summary.final_eval = self._final_eval()
+            self.summary.status = "completed"
+        except KeyboardInterrupt:
+            self.summary.status = "interrupted"
+            self.summary.message = "stopped by SIGINT"
+            raise
+        except CallbackFailed as failure:
+            self._fail_callback(failure, self._trained)
+        finally:
+            self._finish(time.perf_counter() - start)
+        if self.summary.status == "completed":
+            try:  # outside wall_s, as before bundles
+                self._save_bundle("checkpoint", self.total_epochs)
+            except CallbackFailed as failure:
+                self._fail_callback(failure, self.total_epochs)
+        return TrainResult(self.replica.model, self.summary)
+
+    def _run_loop(self, first: int) -> None:
+        """The recipe's loop (or the built-in one) over every epoch's batches; epochs close
+        (eval, callbacks, checkpoints) between two batches, as on a rank."""
+        worker = Worker(self.replica, lambda: self._epochs(first), self._report, 0, 1)
+        run_loop(self.recipe, worker)
+        if self._trained < self.total_epochs:
+            raise RuntimeError("the recipe's loop returned before worker.batches() ended "
+                               "(a loop must consume every batch of the run)")
+
+    def _report(self, loss: Loss) -> None:
+        self._reported = loss if self._reported is None else self._reported + loss
+
+    def _epochs(self, first: int) -> Iterator[Any]:
+        for epoch in range(first, self.total_epochs):
+            record = yield from self._train_epoch(epoch)
+            self.summary.epochs.append(record)
+            self._close_epoch(record)
+
+    def _close_epoch(self, record: EpochRecord) -> None:
+        """After the epoch's eval, in a multi-rank run's order: epoch_fn, the observers,
+        eval_result_fn and metrics_fn, then checkpoint_every (and checkpoint_fn)."""
+        self.recipe.run_callback("epoch_fn", record.epoch, self.replica.model)
+        self.observer.on_epoch(record)
+        self.recipe.report_epoch(record)
+        self._maybe_checkpoint(record.epoch + 1)
+
+    def _fail_callback(self, failure: CallbackFailed, epoch: int) -> None:
+        """A recipe callback raised: log its traceback once, save the replica (resume at
+        `epoch`; no callback runs during this save) and mark the run failed."""
+        log.error("%s", failure.describe().rstrip())
+        self.summary.status = "failed"
+        try:
+            self._save_bundle("callback_failed", epoch)
+            saved = f"saved {self.summary.checkpoint}" if self.config.save_path else \
+                "not saved (no save_path)"
+        except Exception as exc:  # a non-finite replica is refused: the earlier bundle stays
+            saved = f"the save failed: {type(exc).__name__}: {exc}"
+        self.summary.message = f"{failure}; {saved}"
+
+    def _epoch_indices(self, epoch: int) -> torch.Tensor:
+        """The slice of the pass that epoch `epoch` covers (epoch_splits cuts a pass into slices)."""
+        splits = self.config.data.epoch_splits
+        n = len(self.train_source) * self.config.data.augment
+        order = permutation(n, self.config.seed, epoch // splits) % len(self.train_source)
+        part = epoch % splits
+        return order[part * n // splits:(part + 1) * n // splits]
+
+    def _batches_in_epoch(self, epoch: int) -> int:
+        return num_batches(len(self._epoch_indices(epoch)), self.config.batch_size)
+
+    def _train_epoch(self, epoch: int) -> Generator[Any, None, EpochRecord]:
+        """Hand the loop each batch of the epoch; returns the epoch's record."""
+        indices = self._epoch_indices(epoch)
+        losses = _LossReader(self.observer, epoch)
+        began = time.perf_counter()
+        for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
+            step_began = time.perf_counter()
+            self._reported = None
+            yield batch
+            if self._reported is not None:
+                losses.add(self._reported)
+            self.slowdown.after_step(step_began, self.device)
+        losses.flush()
+        self._trained = epoch + 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
+        compute_s = time.perf_counter() - began
+        self._compute_s += compute_s
+        self._samples += len(indices)
+        return EpochRecord(
+            epoch=epoch,
+            avg_loss=losses.mean,
+            eval=self._maybe_eval(epoch),
+            epoch_ms=compute_s * 1000.0,
+            per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
+            per_rank_batch_share=[1.0],
+            scalars=roll_up(drain(), self.config.scalar_reductions),
+            **self.train_source.stats.take_epoch(),
+        )
+
+    def _maybe_eval(self, epoch: int) -> Optional[float]:
+        every = self.config.eval_every_epochs
+        if self.eval_data is None or every is None or (epoch + 1) % every:
+            return None
+        return self.replica.evaluate(self.eval_data)
+
+    def _final_eval(self) -> Optional[float]:
+        if self.eval_data is None:
+            return None
+        last = self.summary.epochs[-1].eval if self.summary.epochs else None
+        if last is not None:
+            return last
+        score = self.replica.evaluate(self.eval_data)
+        if self.summary.epochs:
+            self.recipe.run_callback("eval_result_fn", self.summary.epochs[-1].epoch, score)
+        return score
+
+    def _finish(self, wall_s: float) -> None:
+        self.summary.wall_s = wall_s
+        self.summary.samples_per_s = self._samples / self._compute_s if self._compute_s else 0.0
+
+    def _maybe_checkpoint(self, epochs_done: int) -> None:
+        """`checkpoint_every`: a bundle every n epochs (the last one is saved by run())."""
+        every = self.config.checkpoint_every
+        if every and epochs_done % every == 0 and epochs_done < self.total_epochs:
+            self._save_bundle("checkpoint", epochs_done)
+
+    def _save_bundle(self, reason: str, epoch: int) -> None:
+        """The bundle a multi-rank run writes, for a world of one: model, optimizer (also as
+        rank 0's own), meta. `epoch` is where a resume starts."""
+        stem = self.config.save_path
+        if not stem:
+            return
+        generation = checkpoint.next_generation(stem)
+        data_stem = checkpoint.generation_stem(stem, generation)
+        files = checkpoint.paths(data_stem)
+        model = self.replica.model.state_dict()
+        checkpoint.require_finite(model, "model")  # a NaN replica never replaces a finite bundle
+        optim = self.replica.optimizer.state_dict()  # device tensors load anywhere: map_location
+        own = checkpoint.rank_optim_path(data_stem, 0)
+        hashes = {path.name: checkpoint.save_tensors(path, state)
+                  for path, state in ((files["model"], model), (files["optim"], optim), (own, optim))}
+        data = self.config.data
+        coverage = checkpoint.Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch)
+        steps = sum(self._batches_in_epoch(e) for e in range(epoch))
+        meta = checkpoint.BundleMeta(checkpoint.SCHEMA_VERSION, epoch, steps, 0, 1, reason, {}, coverage,
+                                     json.loads(json.dumps(dotted_items(self.config), default=str)),
+                                     self.mlflow_run_id, generation=generation, files=hashes)
+        checkpoint.save_meta(stem, meta)  # the atomic step: this generation is now the bundle
+        checkpoint.prune(stem, generation)
+        self.summary.checkpoint = stem
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        if reason == "checkpoint" and epoch > 0:  # the epoch the saved weights end with
+            self.recipe.run_callback("checkpoint_fn", epoch - 1, self.replica.model)
+
+    def _restore(self) -> int:
+        """Load `resume_from`'s model and optimizer; returns the epoch to start at."""
+        stem = self.config.resume_from
+        meta = checkpoint.read_meta(stem)
+        files = checkpoint.bundle_files(stem, meta)
+        self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
+        self.replica.optimizer.load_state_dict(checkpoint.load_tensors(files["optim"]))
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch}")
+        return meta.epoch
+
+
+class _LossReader:
+    """Sums the epoch's losses on the device and reads them in batches: reading a loss waits
+    for the GPU, so once per READ_EVERY batches (and at the epoch's end) keeps the host ahead."""
+
+    READ_EVERY = 50
+
+    def __init__(self, observer: Observer, epoch: int):
+        self.observer, self.epoch = observer, epoch
+        self.pending: Optional[torch.Tensor] = None
+        self.pending_count = self.count = 0
+        self.total = 0.0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending = loss if self.pending is None else self.pending + loss
+        self.pending_count += 1
+        if self.pending_count == self.READ_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        chunk = float(self.pending)
+        self.total += chunk
+        self.count += self.pending_count
+        self.observer.on_batch(self.epoch, self.count, chunk / self.pending_count)
+        self.pending, self.pending_count = None, 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.count, 1)
+
+
+def train_solo(config: ExperimentConfig, recipe: Recipe,
+               observer: Optional[Observer] = None) -> TrainResult:
+    return SoloTrainer(config, recipe, observer).run()
+
+

@@ -1,0 +1,95 @@
+"""Progress on the launcher's terminal: a live bar on a TTY, plain lines in logs (CI).
+
+An Observer; everything here is presentation. The bar shows epoch, batches, loss, the last
+epoch's samples/s per rank, elapsed time and ETA; every epoch (and sub-epoch report) also
+prints one plain line, which is all a non-terminal (CI log) gets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from flodl_run.contracts.summary import EpochRecord, ReportRecord
+from flodl_run.observe.observer import Observer
+from flodl_run.report.say import say, say_labelled
+
+
+def _fmt(value: Optional[float], spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class TerminalProgress(Observer):
+    """Epochs, batches, loss, throughput and ETA; degrades to one line per epoch without a TTY."""
+
+    def __init__(self, console: Optional[Console] = None):
+        self.console = console or Console()
+        self.live = self.console.is_terminal
+        self._progress: Optional[Progress] = None
+        self._task = None
+        self._total_epochs = 0
+        self._batches_per_epoch = 0
+        self._started = 0.0
+
+    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
+        self._total_epochs = total_epochs
+        self._batches_per_epoch = batches_per_epoch
+        self._started = time.perf_counter()
+        if not self.live:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rates]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "epoch 1", total=total_epochs * batches_per_epoch, loss="-",
+            rates="samples/s -" if world_size > 1 else "")
+
+    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+        if self._progress is not None:
+            done = epoch * self._batches_per_epoch + batches_done
+            self._progress.update(self._task, completed=done, loss=f"{loss:.4f}",
+                                  description=f"epoch {epoch + 1}/{self._total_epochs}")
+
+    def on_epoch(self, record: EpochRecord) -> None:
+        done = record.epoch + 1
+        elapsed = time.perf_counter() - self._started
+        eta = elapsed / done * (self._total_epochs - done)
+        rates = " ".join(f"{r:,.0f}" for r in record.per_rank_throughput)
+        shares = " ".join(f"{s:.2f}" for s in record.per_rank_batch_share)
+        line = (f"epoch {done}/{self._total_epochs}  loss {_fmt(record.avg_loss)}  "
+                f"eval {_fmt(record.eval)}  {record.epoch_ms:,.0f} ms  samples/s [{rates}]  "
+                f"share [{shares}]  ETA {eta:,.0f}s")
+        say(self.console, line)
+        if self._progress is not None:  # the bar shows the last epoch's per-rank rates
+            label = "rank samples/s" if len(record.per_rank_throughput) > 1 else "samples/s"
+            self._progress.update(self._task, rates=f"{label} {rates.replace(' ', ' | ')}")
+
+    def on_report(self, record: ReportRecord) -> None:
+        """Sub-epoch reports get a line of their own (long epochs in CI logs)."""
+        say(self.console, f"epoch {record.epoch + 1}/{self._total_epochs}  report {record.index}  "
+                          f"{record.fraction:.0%}  loss {_fmt(record.avg_loss)}  step {record.global_step}")
+
+    def on_event(self, kind: str, message: str) -> None:
+        """Events that change who trains (rank lost, shutdown) are worth a line; the rest go to
+        the record log, the dashboard and MLflow."""
+        if kind.startswith(("rank_", "shutdown")) or kind in ("failed", "interrupted"):
+            say_labelled(self.console, kind, message, "yellow")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

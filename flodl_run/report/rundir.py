@@ -1,0 +1,120 @@
+"""The run directory as a user reads it after a run.
+
+Owns `events.jsonl` (every event of the run, one JSON object a line), the `outputs/latest`
+link to the last run, the list of what a run wrote (the launcher's final line), a fresh
+directory for runs started from Python, and tidying away a directory a config error left.
+run.yaml, summary.json, the bundle and the dashboard are written by their own owners.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import List, Optional
+
+from flodl_run.contracts.summary import Summary
+from flodl_run.observe.observer import Observer
+
+# What the runner itself puts in a run dir before the run starts: a config error removes only these.
+STARTUP_FILES = (".hydra", "cli.log", "run.yaml")
+
+
+class EventFile(Observer):
+    """`<run dir>/events.jsonl`: a start line, every event, and an end line with the status."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "events.jsonl"
+
+    def _write(self, kind: str, message: str) -> None:
+        line = json.dumps({"time": time.time(), "kind": kind, "message": message})
+        with open(self.path, "a") as out:  # append and close: a crash keeps every line written
+            out.write(line + "\n")
+
+    def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
+        self._write("start", f"{total_epochs} epochs on {world_size} rank(s)")
+
+    def on_event(self, kind: str, message: str) -> None:
+        self._write(kind, message)
+
+    def finish(self, summary: Summary, run_dir: Path) -> None:
+        self._write("end", summary.status if not summary.message
+                    else f"{summary.status}: {summary.message}")
+
+
+def new_run_dir(outputs: Path) -> Path:
+    """`outputs/<date>/<time>` as the CLI names it, with a suffix when that second is taken."""
+    now = datetime.now()
+    base = outputs / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    path, n = base, 0
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+def link_latest(run_dir: Path, outputs: Path) -> Optional[Path]:
+    """Point `outputs/latest` at `run_dir` (relative, swapped in atomically) when the run dir is
+    under `outputs`; returns the link, or None for a run dir elsewhere."""
+    run_dir, outputs = run_dir.resolve(), outputs.resolve()
+    if outputs not in run_dir.parents:
+        return None
+    link = outputs / "latest"
+    tmp = outputs / f".latest.{os.getpid()}"
+    if tmp.is_symlink():
+        tmp.unlink()
+    os.symlink(os.path.relpath(run_dir, outputs), tmp)
+    os.replace(tmp, link)
+    return link
+
+
+def written(run_dir: Path, summary: Summary, latest: Optional[Path] = None,
+            tracking_uri: Optional[str] = None) -> List[str]:
+    """What the run left, for the final line: the run dir's entries (folders end in `/`, the
+    bundle's files as one `<stem>.*`), a bundle saved elsewhere, the latest link, the MLflow run."""
+    stem = Path(summary.checkpoint) if summary.checkpoint else None
+    bundle_here = stem is not None and stem.resolve().parent == run_dir.resolve()
+    names = []
+    for path in sorted(run_dir.iterdir()):
+        if path.name.startswith("."):
+            continue
+        if bundle_here and path.name.startswith(stem.name + "."):
+            name = f"{stem.name}.* (bundle)"
+        else:
+            name = path.name + ("/" if path.is_dir() else "")
+        if name not in names:
+            names.append(name)
+    items = [f"{run_dir}/: {', '.join(names)}"]
+    if stem is not None and not bundle_here:
+        items.append(f"bundle {stem}.*")
+    if latest is not None:
+        items.append(f"{latest} -> this run")
+    if summary.mlflow_run_id:
+        items.append(f"mlflow run {summary.mlflow_run_id}" + (f" in {tracking_uri}" if tracking_uri else ""))
+    return items
+
+
+def remove_startup_files(run_dir: Path, outputs: Path) -> None:
+    """After a config error: remove what the runner put in `run_dir`, then the folder, and its
+    parents up to `outputs` included, each only while empty: a stray `outputs/` is not left in
+    a directory the run never started in. A folder holding anything else stays."""
+    import shutil
+
+    for name in STARTUP_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+    run_dir, outputs = run_dir.resolve(), outputs.resolve()
+    folders = [run_dir]
+    if outputs in run_dir.parents:
+        folders += [p for p in run_dir.parents if outputs in p.parents] + [outputs]
+    for folder in folders:
+        try:
+            folder.rmdir()  # only succeeds when empty
+        except OSError:
+            return

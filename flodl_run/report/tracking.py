@@ -1,0 +1,322 @@
+"""MLflow tracking from the launcher/coordinator process only.
+
+Owns the MLflow run of one job: params (batched, short values), tags (mode, outer, devices, git
+commit of the recipe's repo, the sweep parent), system figures once per node, per-epoch and
+per-reduce metrics (the latter buffered and sent in batches), sub-epoch reports, events, the
+artifacts (run.yaml, summary.json, events.jsonl, the dashboard) and the final status. mlflow is
+imported only when tracking is on, so a `tracking=off` run needs no mlflow at all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+from flodl_run.config.compose import dotted_items
+from flodl_run.config.schema import ExperimentConfig, TrackingConfig, TrackingKind
+from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
+from flodl_run.elche.phase import Phase
+from flodl_run.hardware.hostinfo import HostInfo, metric_safe, this_host
+from flodl_run.observe.observer import Observer
+
+log = logging.getLogger(__name__)
+
+MAX_PARAMS_PER_BATCH = 100   # MLflow's log_batch limit on params
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit on metrics
+MAX_PARAM_CHARS = 250        # keep values short: long lists belong in run.yaml
+MAX_TAG_CHARS = 5000         # below every MLflow version's tag value limit
+STATUS = {"completed": "FINISHED", "interrupted": "KILLED", "failed": "FAILED",
+          "shutdown_with_save": "FAILED"}
+# Events that end a run or shrink it; the last one is also a tag (the rest: events.jsonl).
+STOP_EVENT_KINDS = ("rank_lost", "rank_forgotten", "shutdown", "shutdown_with_save",
+                    "interrupted", "failed")
+PHASE_NUMBER = {p.name.lower(): float(p.value) for p in Phase}
+VERDICT_NUMBER = {"stable": 0.0, "suppressgrowth": 1.0, "nudgedown": 2.0}
+OWN_EPOCH_KEYS = ("loss", "eval", "epoch_ms")
+
+
+def _git(path: Path, *args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def recipe_git(module: str) -> Dict[str, str]:
+    """Commit (and dirtiness) of the git repo holding the recipe module's file; {} outside one.
+
+    The module's own directory decides, not the current directory: a recipe from another
+    checkout is versioned by that checkout.
+    """
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return {}
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    if origin is None or not origin.is_file():
+        return {}
+    commit = _git(origin.parent, "rev-parse", "HEAD")
+    if not commit:
+        return {}
+    dirty = _git(origin.parent, "status", "--porcelain", "--untracked-files=no")
+    tags = {"git_commit": commit, "mlflow.source.git.commit": commit}
+    if dirty is not None:
+        tags["git_dirty"] = str(bool(dirty)).lower()
+    return tags
+
+
+def _params(config: ExperimentConfig) -> Dict[str, str]:
+    items = dotted_items(config)
+    return {k: str(v)[:MAX_PARAM_CHARS] for k, v in items.items()}
+
+
+def _verdict_number(verdict: str) -> Optional[float]:
+    """`Stable()` / `SuppressGrowth()` / `NudgeDown(factor=..)` (or their labels) as 0 / 1 / 2."""
+    key = "".join(ch for ch in verdict.split("(")[0].lower() if ch.isalpha())
+    return VERDICT_NUMBER.get(key)
+
+
+def reduce_values(record: ReduceRecord) -> Dict[str, float]:
+    """The numbers of one reduce, keyed as logged (`reduce/...`, step = reduce round)."""
+    values = {"reduce/anchor": float(record.anchor), "reduce/sync_ms": record.sync_ms,
+              "reduce/epoch": float(record.epoch)}
+    optional = {"reduce/divergence": record.divergence, "reduce/overhead": record.overhead,
+                "reduce/phase": PHASE_NUMBER.get(record.phase),
+                "reduce/verdict": _verdict_number(record.verdict),
+                "reduce/anchor_rank": record.anchor_rank, "reduce/nudge_factor": record.nudge_factor}
+    values.update({k: float(v) for k, v in optional.items() if v is not None})
+    for rank, count in enumerate(record.batch_counts):
+        values[f"reduce/batches/rank{rank}"] = float(count)
+    for name, per_rank in (("cosine", record.cosine), ("magnitude", record.magnitude)):
+        values.update({f"reduce/{name}/rank{rank}": float(v) for rank, v in enumerate(per_rank)
+                       if v is not None})
+    return values
+
+
+def epoch_values(record: EpochRecord) -> Dict[str, float]:
+    """The numbers of one epoch (step = epoch); user scalars under their own name."""
+    values = {"loss": record.avg_loss, "epoch_ms": record.epoch_ms}
+    if record.eval is not None:
+        values["eval"] = record.eval
+    for r, (rate, share) in enumerate(zip(record.per_rank_throughput, record.per_rank_batch_share)):
+        values[f"throughput/rank{r}"] = rate
+        values[f"batch_share/rank{r}"] = share
+    for r, starve_ms in enumerate(record.per_rank_data_starve_ms):
+        values[f"data_starve_ms/rank{r}"] = starve_ms
+    for r, delivery in enumerate(record.per_rank_delivery):
+        values[f"data_resident/rank{r}"] = float(delivery == "resident")
+    for r, rates in enumerate(record.per_rank_cache_hit_rate):
+        values.update({f"cache_hit/{tier}/rank{r}": rate for tier, rate in rates.items()})
+    for name, value in record.scalars.items():
+        key = metric_safe(name)
+        values[f"user/{key}" if key in OWN_EPOCH_KEYS or key in values else key] = value
+    return values
+
+
+def _resumed_run_id(resume_from: Optional[str]) -> Optional[str]:
+    if not resume_from:
+        return None
+    from flodl_run.contracts.checkpoint import BundleError, read_meta
+
+    try:
+        return read_meta(resume_from).mlflow_run_id
+    except BundleError:
+        return None
+
+
+class NullTracker(Observer):
+    """tracking=off: observes nothing, logs nothing."""
+
+    run_id: Optional[str] = None
+
+    def start(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str] = None,
+              outer: Optional[str] = None) -> None:
+        pass
+
+    def finish(self, summary: Summary, run_dir: Path) -> None:
+        pass
+
+
+class MlflowTracker(NullTracker):
+    """One MLflow run per job, in the store `tracking.uri` names.
+
+    Hooks run on the coordinator's thread during training; an MLflow error there is logged once
+    and ends tracking for the run, it never stops training. Errors in `start` do propagate: a
+    store that cannot be reached is reported before any work is done.
+    """
+
+    def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = ()):
+        """`artifacts`: files of the run dir (the dashboard, the timeline) uploaded at the end
+        when the run wrote them."""
+        import mlflow  # lazy: only tracked runs pay for it
+
+        self.tracking, self.artifacts = tracking, tuple(artifacts)
+        self.client = mlflow.MlflowClient(tracking_uri=tracking.uri)
+        self.run_id: Optional[str] = None
+        self._pending: List[Any] = []  # per-reduce Metric objects not sent yet
+        self._events: List[Dict[str, Any]] = []
+        self._nodes_logged: Set[str] = set()
+        self._broken = False
+
+    # ---- start ------------------------------------------------------------------------------
+
+    def _experiment_id(self) -> str:
+        name = self.tracking.experiment
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        uri = self.tracking.uri or ""
+        location = None
+        if uri.startswith("sqlite:///"):  # artifacts beside the local store
+            location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def _start_tags(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str],
+                    outer: Optional[str]) -> Dict[str, str]:
+        tags = {"mode": mode or config.elche.mode.value, "outer": outer or config.outer.kind.value,
+                "emulate_slowdown": str(config.cluster.emulate_slowdown),
+                "run_dir": str(run_dir)}
+        tags.update(recipe_git(config.recipe.module))
+        return tags
+
+    def start(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str] = None,
+              outer: Optional[str] = None) -> None:
+        """Create the run; `mode`/`outer` are what actually trains when that is not the config's
+        (an in-process run is `solo`/`none`, as summary.json says)."""
+        from mlflow.entities import Param
+
+        from flodl_run.report import sweep
+
+        experiment_id = self._experiment_id()
+        tags = self._start_tags(config, run_dir, mode, outer)
+        parent = sweep.parent_run_id(self.client, experiment_id)
+        if parent is not None:
+            tags["mlflow.parentRunId"] = parent
+        resumed = _resumed_run_id(config.resume_from)
+        if resumed:
+            tags["resumed_from_run_id"] = resumed  # a resume is a new run linked to the old one
+        run = self.client.create_run(experiment_id, run_name=config.run_name, tags=tags)
+        self.run_id = run.info.run_id
+        params = [Param(k, v) for k, v in _params(config).items()]
+        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + MAX_PARAMS_PER_BATCH])
+        self.client.log_artifact(self.run_id, str(run_dir / "run.yaml"))
+        if config.tracking.system_metrics:
+            self._log_system()
+
+    def _log_system(self, host: Optional[HostInfo] = None) -> None:
+        """Once per node: the launcher's at start, the ranks' nodes when they have joined."""
+        from mlflow.entities import RunTag
+
+        host = host or this_host()
+        if host.host in self._nodes_logged:
+            return
+        self._nodes_logged.add(host.host)
+        self._send(host.metrics(), step=0)
+        if host.tags():
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in host.tags().items()])
+
+    # ---- during training (coordinator thread) -----------------------------------------------
+
+    def _guarded(self, what: str, fn: Callable[[], None]) -> None:
+        if self._broken or self.run_id is None:
+            return
+        try:
+            fn()
+        except Exception as exc:  # the tracking server went away, the disk filled, ...
+            self._broken = True
+            log.warning("mlflow: %s failed for run %s (%s: %s); tracking stops, training goes on",
+                        what, self.run_id, type(exc).__name__, exc)
+
+    def _metrics(self, values: Dict[str, float], step: int) -> List[Any]:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        return [Metric(k, float(v), now, step) for k, v in values.items()]
+
+    def _send(self, values: Dict[str, float], step: int) -> None:
+        self._send_metrics(self._metrics(values, step))
+
+    def _send_metrics(self, metrics: List[Any]) -> None:
+        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        self._send_metrics(pending)
+
+    def on_reduce(self, record: ReduceRecord) -> None:
+        """Buffered: one log_batch per MAX_METRICS_PER_BATCH metrics (and at each epoch end)."""
+        self._pending.extend(self._metrics(reduce_values(record), record.round))
+        if len(self._pending) >= MAX_METRICS_PER_BATCH:
+            self._guarded("logging reduce metrics", self._flush)
+
+    def on_report(self, record: ReportRecord) -> None:
+        values = {"report/loss": record.avg_loss, "report/epoch": record.epoch + record.fraction}
+        values.update({f"report/{metric_safe(k)}": v for k, v in record.scalars.items()})
+        self._guarded("logging a report", lambda: self._send(values, record.global_step))
+
+    def on_epoch(self, record: EpochRecord) -> None:
+        def send() -> None:
+            pending, self._pending = self._pending, []
+            self._send_metrics(pending + self._metrics(epoch_values(record), record.epoch))
+
+        self._guarded("logging epoch metrics", send)
+
+    def on_event(self, kind: str, message: str) -> None:
+        self._events.append({"time": time.time(), "kind": kind, "message": message})
+
+    def on_nodes(self, nodes: List[HostInfo]) -> None:
+        def log() -> None:
+            for node in nodes:
+                self._log_system(node)
+
+        if self.tracking.system_metrics:
+            self._guarded("logging system metrics", log)
+
+    # ---- teardown ---------------------------------------------------------------------------
+
+    def finish(self, summary: Summary, run_dir: Path) -> None:
+        if self.run_id is None:
+            return
+        if summary.status != "completed":
+            self.on_event(summary.status, summary.message or summary.status)
+        self._guarded("flushing reduce metrics", self._flush)
+        self._guarded("logging the run's outcome", lambda: self._log_outcome(summary, run_dir))
+        try:  # even after an error above: the status is what the run list shows
+            self.client.set_terminated(self.run_id, STATUS.get(summary.status, "FAILED"))
+        except Exception as exc:
+            log.warning("mlflow: could not end run %s (%s: %s); summary.json has the outcome",
+                        self.run_id, type(exc).__name__, exc)
+
+    def _log_outcome(self, summary: Summary, run_dir: Path) -> None:
+        from mlflow.entities import RunTag
+
+        tags = {"devices": ", ".join(summary.devices), "world_size": str(summary.world_size),
+                "status": summary.status}
+        stops = [e for e in self._events if e["kind"] in STOP_EVENT_KINDS]
+        if stops:
+            tags["last_event"] = f"{stops[-1]['kind']}: {stops[-1]['message']}"[:MAX_TAG_CHARS]
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        if self._events:
+            self.client.log_text(self.run_id, "".join(json.dumps(e) + "\n" for e in self._events),
+                                 "events.jsonl")
+        self.client.log_artifact(self.run_id, str(run_dir / "summary.json"))
+        for name in self.artifacts:
+            if (run_dir / name).is_file():
+                self.client.log_artifact(self.run_id, str(run_dir / name))
+
+
+def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = ()) -> NullTracker:
+    """The run's tracker: nothing for `tracking=off`, else MLflow uploading `artifacts` (files
+    of the run dir) at the end when they exist."""
+    if tracking.kind is TrackingKind.off:
+        return NullTracker()
+    return MlflowTracker(tracking, artifacts)
