@@ -156,6 +156,19 @@ def start_controller(run_dir: Path, num_ranks: int, *overrides: str) -> tuple:
     return launcher, env
 
 
+def external_imports(path: Path) -> list[str]:
+    """The absolute imports of a file that leave the package (`import time`, `from torch import
+    nn`), in order, lazy ones included."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names if not a.name.startswith("flodl_run")]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                and not node.module.startswith("flodl_run"):
+            names.append(node.module)
+    return names
+
+
 def module_name(path: Path, root: Path) -> str:
     """`flodl_run/config/schema.py` -> `flodl_run.config.schema` (`__init__.py` names its
     package); `root` is the folder that holds the package."""

@@ -31,7 +31,12 @@ WHOLE_CONFIG = {
     "flodl_run.launch.launcher._train_in_process": "the solo trainer trains the whole run",
     "flodl_run.launch.supervisor.launch_ranks": "builds the Coordinator, which runs the whole run",
     "flodl_run.control.coordinator.Coordinator.__init__": "the coordinator runs the whole run",
-    "flodl_run.rank.process.RankWorker.__init__": "the rank process trains its replica of the whole run",
+    "flodl_run.rank.loop.RankWorker.__init__": "the rank process trains its replica of the whole run",
+    "flodl_run.control.saving.Saving.__init__": "a bundle's meta records the whole run's config",
+    "flodl_run.control.epochs.Epochs.__init__": "inside control/: the coordinator's part for epochs",
+    "flodl_run.control.windows.Windows.__init__": "inside control/: the coordinator's part for windows",
+    "flodl_run.control.reduces.Reduces.__init__": "inside control/: the coordinator's part for reduces",
+    "flodl_run.control.overlap.AsyncLoop.__init__": "inside control/: the coordinator's cpu_async loop",
     "flodl_run.rank.solo.SoloTrainer.__init__": "the in-process trainer trains the whole run",
     "flodl_run.rank.solo.train_solo": "the in-process trainer trains the whole run",
     "flodl_run.data.dataplane.DataPlane.__init__":
@@ -49,10 +54,7 @@ WHOLE_CONFIG = {
 why it needs the whole run rather than part of it. config/ (materialize, validate, compose)
 is a whole-run consumer by definition and is not listed."""
 
-TOLERATED_CYCLES = {
-    frozenset({"flodl_run.control.coordinator", "flodl_run.control.overlap"}):
-        "the async loop reaches back into the Coordinator; goes when the coordinator is composed",
-}
+TOLERATED_CYCLES: dict = {}
 """Import cycles known and not yet removed, each with the reason it still stands."""
 
 
