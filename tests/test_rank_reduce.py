@@ -1,11 +1,18 @@
 """The rank's collective reduce over a lone group (no process group needed): what a retry of
-the same round undoes, and what a broken group leaves alone."""
+the same round undoes, and what a broken group leaves alone; and, over a real Gloo pair, that a
+rank leaving a round unfinished frees the peer waiting on it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
@@ -16,6 +23,7 @@ from flodl_run.rank.group import RankGroup
 from flodl_run.rank.reduce import CollectiveReduce
 
 GAMMA = 0.5
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _lone_reduce(seeks: list) -> tuple:
@@ -53,3 +61,58 @@ def test_a_reduce_on_an_aborted_group_fails_and_keeps_the_count():
     group.abort(AbortGroup(0, []))
     fact, steps = reduce.run(SyncNow(round=3, global_step=0), steps=5)
     assert isinstance(fact, ReduceFailed) and fact.round == 3 and steps == 5
+
+
+# One rank of a Gloo pair reducing round 1 through CollectiveReduce. Rank 0 was aborted before
+# the round (the listener's AbortGroup) and reports ReduceFailed without entering the collective;
+# it then stays alive, its process (and so its sockets) held open until stdin closes. Rank 1
+# enters the collective and waits for rank 0 there. Each prints its fact's error.
+_GLOO_RANK = """
+import sys, torch
+from types import SimpleNamespace
+from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.outer import OuterOptimizer
+from flodl_run.config.schema import OuterConfig, OuterKind
+from flodl_run.contracts.wire import AbortGroup, SyncNow
+from flodl_run.observe.timeline import Recorder
+from flodl_run.rank.group import RankGroup
+from flodl_run.rank.reduce import CollectiveReduce
+rank = int(sys.argv[1])
+group = RankGroup(rank, torch.device("cpu"), limit_s=float(sys.argv[2]))
+group.join(0, [0, 1])
+replica = SimpleNamespace(seek_schedule=lambda step: None, optimizer=SimpleNamespace(state={}))
+reduce = CollectiveReduce(rank, replica, FlatParams(torch.nn.Linear(3, 2)),
+                          OuterOptimizer(OuterConfig()), group, Recorder(), 0.5, OuterKind.none,
+                          track_start=True)
+if rank == 0:
+    group.abort(AbortGroup(0, [2]))
+fact, _ = reduce.run(SyncNow(round=1, global_step=0), steps=3)
+print(type(fact).__name__, fact.error, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.e2e
+def test_a_gloo_rank_that_leaves_a_round_unfinished_frees_the_peer_waiting_on_it():
+    """Pins the release of a Gloo round after a death: Gloo has no abort, so a survivor that
+    reports ReduceFailed without completing the round (here: its group was aborted before it
+    began) destroys its group at once, and a survivor waiting on it inside the collective fails
+    with the connection closed (or reset), instead of sitting there until the group timeout (the Regroup
+    that would free it only comes once it has answered too)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "FLODL_RUN_STORE_HOSTED": "1", "PYTHONPATH": str(REPO)}
+    limit_s = "60"  # the group timeout: only a regression would wait that long
+    ranks = [subprocess.Popen([sys.executable, "-c", _GLOO_RANK, str(r), limit_s], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        aborted = ranks[0].stdout.readline()
+        waiting = ranks[1].stdout.readline()
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+    assert aborted.startswith("ReduceFailed process group aborted"), aborted
+    assert waiting.startswith("ReduceFailed") and "Timed out" not in waiting, waiting
+    assert "Connection closed" in waiting or "Connection reset" in waiting, waiting

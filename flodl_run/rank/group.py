@@ -36,6 +36,7 @@ class RankGroup:
     def __init__(self, rank: int, device: torch.device, limit_s: float):
         self.rank, self.device, self.limit_s = rank, device, limit_s
         self._tcp_store: Optional[dist.Store] = None
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
         self._lock = threading.Lock()  # the listener thread aborts what the main thread built
         self._group: Optional[dist.ProcessGroup] = None  # the NCCL group the listener may abort
         self.alone = False  # the only member left: no group, the reduce is the identity
@@ -59,7 +60,7 @@ class RankGroup:
         """(Re)build the process group of one membership generation. A rank left alone builds
         none: its reduce is the identity."""
         self.leave()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = self.backend
         if backend == "nccl":
             for name, value in NCCL_ABORTABLE.items():
                 os.environ.setdefault(name, value)
@@ -99,6 +100,20 @@ class RankGroup:
             except Exception as exc:  # never let the listener die: the regroup destroys it anyway
                 print(f"rank {self.rank}: aborting generation {notice.generation}: {exc}",
                       file=sys.stderr)
+
+    def fail(self) -> None:
+        """Main thread: this rank will not complete a reduce of this generation (its collective
+        failed, or the group was aborted before it began). Gloo: the group is destroyed now, so
+        a peer waiting on this rank inside a collective sees its connections close and fails at
+        once. It would otherwise wait out the group timeout: Gloo has no abort, and the Regroup
+        that destroys the group comes only once every survivor has answered the round. Until
+        that Regroup, reduces here fail at once (`broken`). NCCL: nothing (every survivor's
+        listener aborts its communicator)."""
+        if self.backend != "gloo" or self.alone:
+            return
+        with self._lock:
+            self._aborted_generation = self.generation
+        self.leave()
 
     def watch(self) -> None:
         """Listener thread, our stand-in for NCCL's watchdog (whose teardown is off): a reduce

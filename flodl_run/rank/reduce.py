@@ -74,12 +74,14 @@ class CollectiveReduce:
         if self._last is not None and self._last.round == order.round:
             steps = self._undo()  # a retry after a death: start again from our own replica
         if self.group.broken():  # a member died: wait for the Regroup, touch nothing
+            self.group.fail()  # (peers already inside this round must not wait on us)
             return ReduceFailed(self.rank, order.round, "process group aborted"), steps
         outer_before = self._outer_copy()
         began_ns = self.recorder.now()
         try:
             outcome = self._weighted_reduce(steps, order.measure)
         except CollectiveError as exc:
+            self.group.fail()
             return ReduceFailed(self.rank, order.round, str(exc)), steps
         averaged_ns = self.recorder.now()
         self._last = _Undo(order.round, outcome.scratch, steps, outer_before, self._start)
