@@ -63,7 +63,7 @@ def sweep_stale(root: str = SHM_DIR) -> None:
         return
     for entry in entries:
         match = _RUN_DIR.fullmatch(entry.name)
-        if match is None or not entry.is_dir(follow_symlinks=False) or _alive(int(match[1])):
+        if match is None or not entry.is_dir(follow_symlinks=False) or pid_alive(int(match[1])):
             continue
         if entry.stat(follow_symlinks=False).st_uid == os.getuid():
             remove_run(entry.path + os.sep)
@@ -81,7 +81,8 @@ def remove_run(prefix: Optional[str]) -> None:
             "could not remove %s: %s", path, exc[1]))
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -43,6 +43,8 @@ import threading
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from flodl_run.averaging.shm import pid_alive
+
 START_ENV = "FLODL_RUN_RANK_START"
 ZYGOTE_NAME = "flodl_zygote"
 MAX_MESSAGE = 1 << 20  # an environment is a few kB; a seqpacket message is read whole or not at all
@@ -138,7 +140,7 @@ class ForkedRank:
     def poll(self) -> Optional[int]:
         if self.returncode is None:
             self.returncode = self.zygote.returncode(self.pid)
-            if self.returncode is None and self.zygote.closed and not _alive(self.pid):
+            if self.returncode is None and self.zygote.closed and not pid_alive(self.pid):
                 self.returncode = 1  # the zygote died first; the rank left as an orphan
         return self.returncode
 
@@ -152,15 +154,6 @@ class ForkedRank:
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 # ---------------------------------------------------------------- the zygote's side
