@@ -21,22 +21,27 @@ tests, so every test that uses one is put in one xdist group (named after its mo
 on one worker. A run several modules need is a session fixture computed once for all workers
 (`shared_once`): `solo_eval`, `lockstep_run`.
 
-Helpers (running the CLI, a free port, a small model, the PAIR and LOCKSTEP overrides) live in
+Helpers (running the CLI, a free port, a small model, the PAIR and LOCKSTEP overrides, the
+loopback HOSTS, headless chromium) live in
 tests/support.py; test modules import them from there and never from each other.
 """
 
 from __future__ import annotations
 
 import fcntl
+import getpass
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from tests.support import LOCKSTEP, _run
+from flodl_run.config.schema import SshConfig
+from tests.support import HOSTS, LOCKSTEP, _run, free_common_port
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups to schedule
@@ -131,3 +136,71 @@ def mlflow_db(migrated_mlflow_db, tmp_path) -> Path:
     path.parent.mkdir()
     shutil.copyfile(migrated_mlflow_db, path)
     return path
+
+
+# ---- a real sshd for two "hosts" on loopback -------------------------------------------------
+
+
+def _sshd_binary() -> str | None:
+    return shutil.which("sshd") or shutil.which("sshd", path="/usr/sbin:/usr/local/sbin:/sbin")
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """sshd on 127.0.0.2 and 127.0.0.3 (one port), accepting one generated key for this user."""
+    binary = _sshd_binary()
+    if binary is None:
+        pytest.skip("sshd is not installed (Debian: apt-get install openssh-server; .ci/run does)")
+    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
+        pytest.skip("the OpenSSH client (ssh, ssh-keygen) is not installed")
+    root = tmp_path_factory.mktemp("sshd")
+    if os.geteuid() == 0:
+        try:  # sshd refuses to start as root without its privilege-separation directory
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        except OSError as exc:
+            pytest.skip(f"cannot create /run/sshd for a root sshd: {exc}")
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)],
+                       check=True)
+    (root / "authorized_keys").write_text((root / "user_key.pub").read_text())
+    try:
+        port = free_common_port(HOSTS)
+    except OSError as exc:
+        pytest.skip(f"cannot bind {' and '.join(HOSTS)} here: {exc}")
+    listen = "".join(f"ListenAddress {h}\n" for h in HOSTS)
+    (root / "sshd_config").write_text(
+        f"{listen}Port {port}\nHostKey {root / 'host_key'}\n"
+        f"AuthorizedKeysFile {root / 'authorized_keys'}\nPidFile {root / 'sshd.pid'}\n"
+        "StrictModes no\nPubkeyAuthentication yes\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nUsePAM no\nPermitRootLogin prohibit-password\n"
+        "LogLevel ERROR\n")
+    log = open(root / "sshd.log", "w")
+    daemon = subprocess.Popen([binary, "-D", "-e", "-f", str(root / "sshd_config")],
+                              stdout=log, stderr=subprocess.STDOUT)
+    ssh = SshConfig(user=getpass.getuser(), port=port, identity_file=str(root / "user_key"),
+                    options=["StrictHostKeyChecking=accept-new",
+                             f"UserKnownHostsFile={root / 'known_hosts'}", "LogLevel=ERROR"])
+    try:
+        _await_login(daemon, ssh, root)
+        yield ssh
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=10)
+        log.close()
+
+
+def _await_login(daemon: subprocess.Popen, ssh: SshConfig, root: Path) -> None:
+    """Until a real login works on both addresses (sshd binds asynchronously); else skip."""
+    from flodl_run.launch.ssh import ssh_argv
+
+    deadline = time.monotonic() + 15
+    while True:
+        tries = [subprocess.run(ssh_argv(h, ssh, "true"), capture_output=True, text=True,
+                                timeout=20) for h in HOSTS]
+        if all(t.returncode == 0 for t in tries):
+            return
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            why = next(t.stderr.strip() for t in tries if t.returncode != 0)
+            pytest.skip(f"sshd cannot serve logins here: {why} | sshd: "
+                        f"{(root / 'sshd.log').read_text().strip()[-300:]}")
+        time.sleep(0.2)

@@ -9,15 +9,19 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.bench.run import Rig
+from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Topology, WorkerConfig
+from flodl_run.launch.probe import HostReport
 from flodl_run.launch.zygote import ZYGOTE_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,3 +272,84 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
                 if len(group) > 1:
                     groups.append(group)
     return groups
+
+
+# ---- two "hosts" on loopback (the `sshd` fixture of conftest.py serves them) ----------------
+
+HOSTS = ("127.0.0.2", "127.0.0.3")
+"""The loopback addresses the test sshd listens on, one "host" each."""
+
+
+def free_common_port(hosts) -> int:
+    """A port free on every address in `hosts` (sshd listens on all of them with one port)."""
+    for _ in range(20):
+        with socket.socket() as probe_sock:
+            probe_sock.bind((hosts[0], 0))
+            port = probe_sock.getsockname()[1]
+        try:
+            for host in hosts:
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+            return port
+        except OSError:
+            continue
+    raise OSError("no common free port")
+
+
+# ---- chromium, headless ------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium not installed (Debian: apt-get install -y chromium; .ci/run does)")
+
+
+def _chromium(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run",
+         f"--user-data-dir={tmp_path / 'profile'}", *args],
+        capture_output=True, text=True, timeout=60)
+
+
+# ---- host inventories without hosts (facts and configs as the probe would see them) ------
+
+GPUS = [[0, "GPU-aaaa-0", "NVIDIA H200", 141 * 2**30], [1, "GPU-bbbb-1", "NVIDIA A100", 80 * 2**30]]
+
+
+def facts(gpus=(), **more) -> dict:
+    base = {"python": "3.11.7", "flodl_run": "0.1.0", "path": "/srv/x", "cpu_count": 8,
+            "free_port": 29511, "gpus": list(gpus)}
+    base.update(more)
+    return base
+
+
+def config(*workers: WorkerConfig, mode: Mode = Mode.nccl_cadence, **cluster) -> ExperimentConfig:
+    cfg = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=list(workers),
+                                                 **cluster))
+    cfg.elche.mode = mode
+    return cfg
+
+
+def fake_ask(by_host: dict):
+    """An inventory that answers from a table (host -> facts, or an error string)."""
+    def ask(worker, path, full):
+        answer = by_host[worker.host]
+        if isinstance(answer, str):
+            return HostReport(worker.host, answer)
+        return HostReport(worker.host, None, answer)
+    return ask
+
+
+# ---- bench documents without bench runs -------------------------------------------------
+
+def _summary(evals, epoch_ms=1000.0, status="completed", samples_per_s=100.0):
+    return {"status": status, "samples_per_s": samples_per_s, "final_eval": evals[-1],
+            "epochs": [{"epoch": i, "avg_loss": 1.0 / (i + 1), "eval": e, "epoch_ms": epoch_ms,
+                        "per_rank_throughput": [samples_per_s], "per_rank_batch_share": [1.0]}
+                       for i, e in enumerate(evals)]}
+
+
+def _pair_rig() -> Rig:
+    cluster = ClusterConfig(topology=Topology.cpu, num_ranks=2, threads_per_rank=1,
+                            emulate_slowdown=[1.0, 2.5])
+    return Rig("cpu_pair", ("cluster.emulate_slowdown=[1.0,2.5]",), cluster, 2)

@@ -32,6 +32,7 @@ from flodl_run.bench.run import (
 )
 from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology
 from flodl_run.contracts.summary import Summary
+from tests.support import _pair_rig, _summary
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ('bench.recipes=[{name:synthetic_mlp,overrides:["recipe.params.num_samples=512",'
@@ -44,19 +45,6 @@ def run_bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flodl_run.bench", f"hydra.run.dir={tmp_path}",
                            "tracking=off", *overrides], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=240)
-
-
-def _summary(evals, epoch_ms=1000.0, status="completed", samples_per_s=100.0):
-    return {"status": status, "samples_per_s": samples_per_s, "final_eval": evals[-1],
-            "epochs": [{"epoch": i, "avg_loss": 1.0 / (i + 1), "eval": e, "epoch_ms": epoch_ms,
-                        "per_rank_throughput": [samples_per_s], "per_rank_batch_share": [1.0]}
-                       for i, e in enumerate(evals)]}
-
-
-def _pair_rig() -> Rig:
-    cluster = ClusterConfig(topology=Topology.cpu, num_ranks=2, threads_per_rank=1,
-                            emulate_slowdown=[1.0, 2.5])
-    return Rig("cpu_pair", ("cluster.emulate_slowdown=[1.0,2.5]",), cluster, 2)
 
 
 def test_plan_runs_solo_at_each_speed_then_peers_then_modes_by_outer():

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,10 +10,7 @@ import pytest
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.report.dashboard import Dashboard
 from flodl_run.report.svgchart import nice_ticks
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium not installed (Debian: apt-get install -y chromium; .ci/run does)")
+from tests.support import _chromium, needs_chromium
 
 
 def _dashboard(path: Path, theme: str) -> Path:
@@ -36,14 +31,6 @@ def _dashboard(path: Path, theme: str) -> Path:
     board.finish(Summary(status="completed", mode="nccl_cadence", world_size=2,
                          devices=["cpu", "cpu"], final_eval=0.85, wall_s=4.0, syncs=8), path.parent)
     return path
-
-
-def _chromium(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run",
-         f"--user-data-dir={tmp_path / 'profile'}", *args],
-        capture_output=True, text=True, timeout=60)
 
 
 def test_dashboard_is_one_offline_file_with_every_chart(tmp_path):

@@ -22,7 +22,7 @@ from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import validate
 from flodl_run.report.liveserver import LiveServer
-from tests.test_dashboard import _chromium, needs_chromium
+from tests.support import _chromium, needs_chromium
 
 REPO = Path(__file__).resolve().parents[1]
 URL_LINE = re.compile(r"dashboard: (http://127\.0\.0\.1:\d+/) \(live")

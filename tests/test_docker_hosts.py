@@ -26,9 +26,7 @@ from flodl_run.launch.dockerhost import NOT_UP_EXIT, docker_command, docker_reas
 from flodl_run.launch.hosts import rank_command, rank_environment, start_hosts
 from flodl_run.launch.probe import inventory, probe
 from flodl_run.launch.ssh import decode_handshake
-from tests.support import plan_layout
-from tests.test_hosts import GPUS, config, facts, fake_ask
-from tests.test_multi_host import HOSTS, sshd  # noqa: F401  (the real-sshd fixture)
+from tests.support import GPUS, HOSTS, config, facts, fake_ask, plan_layout
 
 SECRET = bytes(range(32))
 
@@ -136,7 +134,7 @@ def test_docker_key_is_validated_as_a_service_name():
 
 
 @pytest.mark.e2e
-def test_probe_names_host_and_service_when_docker_compose_fails_for_real(sshd, tmp_path):  # noqa: F811
+def test_probe_names_host_and_service_when_docker_compose_fails_for_real(sshd, tmp_path):
     """Pins the probe's error path against the real docker client with no engine behind it
     (over real ssh): not ready, and the message names the host, the path and the service; the
     launcher's layout refuses the worker naming cluster.workers.0.docker (exit 2)."""

@@ -10,12 +10,9 @@ import pytest
 
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import (
-    ClusterConfig,
     ControllerConfig,
-    ExperimentConfig,
     Mode,
     SshConfig,
-    Topology,
     WorkerConfig,
 )
 from flodl_run.config.validate import validate
@@ -23,34 +20,7 @@ from flodl_run.hardware.devices import GpuInfo
 from flodl_run.launch.hosts import hosts_line, rank_environment
 from flodl_run.launch.probe import HostReport, host_problems, resolve_devices, skew_flags
 from flodl_run.launch.ssh import decode_handshake, encode_handshake, remote_command, ssh_argv
-from tests.support import plan_layout
-
-GPUS = [[0, "GPU-aaaa-0", "NVIDIA H200", 141 * 2**30], [1, "GPU-bbbb-1", "NVIDIA A100", 80 * 2**30]]
-
-
-def facts(gpus=(), **more) -> dict:
-    base = {"python": "3.11.7", "flodl_run": "0.1.0", "path": "/srv/x", "cpu_count": 8,
-            "free_port": 29511, "gpus": list(gpus)}
-    base.update(more)
-    return base
-
-
-def config(*workers: WorkerConfig, mode: Mode = Mode.nccl_cadence, **cluster) -> ExperimentConfig:
-    cfg = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=list(workers),
-                                                 **cluster))
-    cfg.elche.mode = mode
-    return cfg
-
-
-def fake_ask(by_host: dict):
-    """An inventory that answers from a table (host -> facts, or an error string)."""
-    def ask(worker, path, full):
-        answer = by_host[worker.host]
-        if isinstance(answer, str):
-            return HostReport(worker.host, answer)
-        return HostReport(worker.host, None, answer)
-    return ask
-
+from tests.support import GPUS, config, facts, fake_ask, plan_layout
 
 # ---- ssh command line and handshake ---------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import FORBIDDEN_ROOTS, external_imports, import_graph
+from tests.support import FORBIDDEN_ROOTS, _imports, external_imports, import_graph
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flodl_run"
 
@@ -142,3 +142,12 @@ def test_hydra_stays_at_the_edge(graph) -> None:
             continue
         hydra = [n for n in external_imports(source(name)) if n.split(".")[0] in {"hydra", "omegaconf"}]
         assert not hydra, f"{name} imports {hydra}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in tests/support.py and shared fixtures in conftest.py: a test module
+    that imports another runs that module's fixtures and couples two files nobody reads together."""
+    tests = PACKAGE.parent / "tests"
+    offenders = {path.name: [name for name in _imports(path) if name.startswith("tests.test_")]
+                 for path in sorted(tests.glob("*.py"))}
+    assert {name: found for name, found in offenders.items() if found} == {}

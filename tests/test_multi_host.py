@@ -7,11 +7,9 @@ cannot be bound, or it refuses our key.
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,93 +24,12 @@ import pytest
 from flodl_run.config.schema import ClusterConfig, SshConfig, Topology, WorkerConfig
 from flodl_run.hardware.hostinfo import metric_safe
 from flodl_run.launch.probe import probe
+from tests.support import HOSTS, free_common_port
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-HOSTS = ("127.0.0.2", "127.0.0.3")
 SECRET_LIKE = re.compile(r"\b[0-9a-f]{64}\b")  # the run secret's hex form
-
-
-def _free_port(hosts=HOSTS) -> int:
-    """A port free on every address (sshd listens on both with one port)."""
-    for _ in range(20):
-        with socket.socket() as probe_sock:
-            probe_sock.bind((hosts[0], 0))
-            port = probe_sock.getsockname()[1]
-        try:
-            for host in hosts:
-                with socket.socket() as sock:
-                    sock.bind((host, port))
-            return port
-        except OSError:
-            continue
-    raise OSError("no common free port")
-
-
-def _sshd_binary() -> str | None:
-    return shutil.which("sshd") or shutil.which("sshd", path="/usr/sbin:/usr/local/sbin:/sbin")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    """sshd on 127.0.0.2 and 127.0.0.3 (one port), accepting one generated key for this user."""
-    binary = _sshd_binary()
-    if binary is None:
-        pytest.skip("sshd is not installed (Debian: apt-get install openssh-server; .ci/run does)")
-    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        pytest.skip("the OpenSSH client (ssh, ssh-keygen) is not installed")
-    root = tmp_path_factory.mktemp("sshd")
-    if os.geteuid() == 0:
-        try:  # sshd refuses to start as root without its privilege-separation directory
-            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        except OSError as exc:
-            pytest.skip(f"cannot create /run/sshd for a root sshd: {exc}")
-    for name in ("host_key", "user_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)],
-                       check=True)
-    (root / "authorized_keys").write_text((root / "user_key.pub").read_text())
-    try:
-        port = _free_port()
-    except OSError as exc:
-        pytest.skip(f"cannot bind {' and '.join(HOSTS)} here: {exc}")
-    listen = "".join(f"ListenAddress {h}\n" for h in HOSTS)
-    (root / "sshd_config").write_text(
-        f"{listen}Port {port}\nHostKey {root / 'host_key'}\n"
-        f"AuthorizedKeysFile {root / 'authorized_keys'}\nPidFile {root / 'sshd.pid'}\n"
-        "StrictModes no\nPubkeyAuthentication yes\nPasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\nUsePAM no\nPermitRootLogin prohibit-password\n"
-        "LogLevel ERROR\n")
-    log = open(root / "sshd.log", "w")
-    daemon = subprocess.Popen([binary, "-D", "-e", "-f", str(root / "sshd_config")],
-                              stdout=log, stderr=subprocess.STDOUT)
-    ssh = SshConfig(user=getpass.getuser(), port=port, identity_file=str(root / "user_key"),
-                    options=["StrictHostKeyChecking=accept-new",
-                             f"UserKnownHostsFile={root / 'known_hosts'}", "LogLevel=ERROR"])
-    try:
-        _await_login(daemon, ssh, root)
-        yield ssh
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
-        log.close()
-
-
-def _await_login(daemon: subprocess.Popen, ssh: SshConfig, root: Path) -> None:
-    """Until a real login works on both addresses (sshd binds asynchronously); else skip."""
-    from flodl_run.launch.ssh import ssh_argv
-
-    deadline = time.monotonic() + 15
-    while True:
-        tries = [subprocess.run(ssh_argv(h, ssh, "true"), capture_output=True, text=True,
-                                timeout=20) for h in HOSTS]
-        if all(t.returncode == 0 for t in tries):
-            return
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            why = next(t.stderr.strip() for t in tries if t.returncode != 0)
-            pytest.skip(f"sshd cannot serve logins here: {why} | sshd: "
-                        f"{(root / 'sshd.log').read_text().strip()[-300:]}")
-        time.sleep(0.2)
 
 
 def _workers(ssh: SshConfig, devices=(["cpu", "cpu"], ["cpu"])) -> List[WorkerConfig]:
@@ -191,7 +108,7 @@ def test_probe_reports_both_hosts(sshd, tmp_path):
         row = next(line for line in done.stdout.splitlines() if host in line)
         assert "ssh" in row and "0.1.0" in row and "yes" in row
     assert "2 hosts: ready" in done.stdout
-    bad = _workers(SshConfig(**{**vars(sshd), "port": _free_port()}))[:1]
+    bad = _workers(SshConfig(**{**vars(sshd), "port": free_common_port(HOSTS)}))[:1]
     reports, problems, _ = probe(ClusterConfig(topology=Topology.hosts, workers=bad))
     assert not reports[0].reachable and "ssh failed" in problems[0][0]
 

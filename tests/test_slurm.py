@@ -36,8 +36,7 @@ from flodl_run.launch.slurm import (
 )
 from flodl_run.launch.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
-from tests.support import world_rules
-from tests.test_averaging import _free_port
+from tests.support import _free_port, world_rules
 
 REPO = Path(__file__).resolve().parents[1]
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"

@@ -237,7 +237,7 @@ def test_bench_runs_a_mode_again_with_the_timeline_and_reports_its_cost(tmp_path
     from flodl_run.bench.report import RecipeBench, RunOutcome, bench_document
     from flodl_run.bench.run import BenchConfig, BenchRunConfig, plan
     from flodl_run.config.schema import ClusterConfig, Mode, Topology
-    from tests.test_bench import _pair_rig, _summary
+    from tests.support import _pair_rig, _summary
 
     cfg = BenchRunConfig(bench=BenchConfig(modes=[Mode.nccl_cadence], timeline=[Mode.nccl_cadence],
                                            solo=False, runner_solo=False, torch_ddp=False,
