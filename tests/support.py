@@ -23,6 +23,7 @@ from flodl_run.bench.run import Rig
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Topology, WorkerConfig
 from flodl_run.launch.probe import HostReport
 from flodl_run.launch.zygote import ZYGOTE_NAME
+from tests.launchserver import LaunchServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,20 +57,27 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
          tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
     """`python -m flodl_run` with its run dir at `<tmp_path>/run`: the finished process (with
     the launcher's `pid`, to look for what it left behind) and the parsed summary.json ({} when
-    none was written)."""
+    none was written). The launcher is forked from this worker's launch server (tests/
+    launchserver.py says what that changes: nothing the run can see); FLODL_TESTS_FRESH=1 in
+    the environment of pytest starts a fresh interpreter instead."""
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "flodl_run", f"tracking={tracking}", f"hydra.run.dir={run_dir}",
-            *overrides]
-    with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env) as launcher:
-        try:
-            out, err = launcher.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.communicate()
-            raise
-    proc = subprocess.CompletedProcess(argv, launcher.returncode, out, err)
-    proc.pid = launcher.pid
+    args = [f"tracking={tracking}", f"hydra.run.dir={run_dir}", *overrides]
+    argv = [sys.executable, "-m", "flodl_run", *args]
+    if os.environ.get("FLODL_TESTS_FRESH") == "1":
+        with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) as launcher:
+            try:
+                out, err = launcher.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.communicate()
+                raise
+        pid, code = launcher.pid, launcher.returncode
+    else:
+        pid, code, out, err = LaunchServer.get(str(REPO)).run(
+            args, str(REPO), dict(os.environ if env is None else env), timeout)
+    proc = subprocess.CompletedProcess(argv, code, out, err)
+    proc.pid = pid
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     return proc, summary
