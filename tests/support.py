@@ -42,6 +42,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """`torch.multiprocessing.start_processes(fn, args, nprocs)` for a test's ranks, forked from
+    multiprocessing's forkserver: it imports torch, torch.distributed and these helpers once per
+    pytest worker, where a spawned rank spends about two CPU-seconds importing them."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "torch.distributed", "tests.support"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def _model(seed: int) -> nn.Module:
     """A small model with BatchNorm buffers set off their defaults (so averaging them shows)."""
     torch.manual_seed(seed)

@@ -7,11 +7,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flodl_run.averaging.collective import CollectiveError, consensus_weight, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams, relative_distance
-from tests.support import _free_port, _model
+from tests.support import _free_port, _model, start_ranks
 
 START_SEED = 99
 
@@ -32,8 +31,7 @@ def _worker(rank: int, world: int, port: int, steps: list, gamma: float, out_dir
 
 
 def _run(tmp_path, steps, gamma=1.0):
-    mp.start_processes(_worker, args=(len(steps), _free_port(), steps, gamma, str(tmp_path)),
-                       nprocs=len(steps), start_method="spawn")
+    start_ranks(_worker, (len(steps), _free_port(), steps, gamma, str(tmp_path)), len(steps))
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(steps))]
 
 
@@ -164,7 +162,6 @@ def test_a_peer_dead_before_the_weights_all_reduce_is_a_collective_error(tmp_pat
     failing must surface as CollectiveError (the rank reports ReduceFailed and the round is
     retried among survivors), not as a RuntimeError that kills the survivor, and must leave the
     replica untouched."""
-    mp.start_processes(_dying_peer_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_dying_peer_worker, (_free_port(), str(tmp_path)), 2)
     result = torch.load(tmp_path / "rank0.pt")
     assert result == {"raised": "CollectiveError", "same": True}

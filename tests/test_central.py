@@ -8,14 +8,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flodl_run.averaging.central import CentralAverager, Snapshot, blend_
 from flodl_run.averaging.collective import weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig, OuterKind
-from tests.support import _free_port, _model
+from tests.support import _free_port, _model, start_ranks
 
 
 def _snap(rank, steps, seed, n=30, buffers=3):
@@ -123,8 +122,7 @@ def _noise(rank, round_, n):
 def test_outer_on_the_coordinator_equals_the_collective_backend(tmp_path, kind):
     """Pins that SlowMo/DiLoCo run once on the coordinator give what the replicated collective
     path gives, over three rounds of unequal work."""
-    mp.start_processes(_collective_worker, args=(2, _free_port(), kind, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_collective_worker, (2, _free_port(), kind, str(tmp_path)), 2)
     collective = torch.load(tmp_path / "rank0.pt")
     assert torch.equal(collective, torch.load(tmp_path / "rank1.pt"))
     avg = CentralAverager(OuterOptimizer(OuterConfig(kind=kind, lr=0.7, momentum=0.9)), 1.0, None)

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flodl_run.averaging.collective import CollectiveError, weighted_reduce_
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.contracts.checkpoint import read_meta
-from tests.support import _free_port, _model, _run
+from tests.support import _free_port, _model, _run, start_ranks
 
 TRIO = ("cluster=cpu", "cluster.num_ranks=3", "cluster.threads_per_rank=1")
 NUM_TRAIN = 1437  # digits train split
@@ -134,8 +133,7 @@ def test_a_reduce_whose_group_was_aborted_meanwhile_restores_the_replica(tmp_pat
     garbage instead of raising, so a rank whose group was aborted while it reduced must report
     CollectiveError and hold its pre-reduce parameters and BatchNorm statistics again, while
     a rank whose group was not aborted keeps the consensus."""
-    mp.start_processes(_aborted_reduce_worker, args=(_free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_aborted_reduce_worker, (_free_port(), str(tmp_path)), 2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert results[0] == {"raised": "CollectiveError", "same": True}
     assert results[1] == {"raised": "nothing", "same": False}

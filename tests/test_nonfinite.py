@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flodl_run.averaging.central import CentralAverager, Snapshot, blend_
 from flodl_run.averaging.collective import weighted_reduce_
@@ -17,7 +16,7 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.checkpoint import bundle_files, check_resume, load_tensors, read_meta
-from tests.support import REPO, _free_port, _model, _run
+from tests.support import REPO, _free_port, _model, _run, start_ranks
 
 
 def _poisoned_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -42,8 +41,7 @@ def test_a_non_finite_rank_gives_weight_0_to_the_collective_and_adopts_the_conse
     """Rule: in a collective reduce a rank with NaN/inf parameters or float buffers contributes
     zeros (not 0 x NaN), reports itself non-finite, and ends with the others' consensus: here
     rank 0's own replica, bit for bit, on both ranks."""
-    mp.start_processes(_poisoned_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_poisoned_worker, (2, _free_port(), str(tmp_path)), 2)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["finite"] for r in results] == [True, False]
     assert results[1]["weight"] == 0.0
