@@ -16,6 +16,13 @@ Cores: an e2e test marked `alone` has a bound in seconds (a hang detected within
 within 10 s, a share of batches that depends on relative speed). It holds a lock that keeps
 every other e2e test from running beside it; other e2e tests share that lock.
 
+Starting processes: `support._run` forks each CLI run from a per-worker launch server that
+has imported torch, Hydra and the runner (tests/launchserver.py says what that changes: nothing
+the run can see), and `support.start_ranks` forks a test's Gloo ranks from multiprocessing's
+forkserver; a fresh interpreter spends about two CPU-seconds importing torch. Tests about an
+interpreter's start or about signals to a launcher start `python -m flodl_run` themselves.
+`FLODL_TESTS_FRESH=1` makes `_run` start a fresh interpreter every time.
+
 Sharing across workers: a module-scoped fixture would run once per worker that gets one of its
 tests, so every test that uses one is put in one xdist group (named after its module) and runs
 on one worker. A run several modules need is a session fixture computed once for all workers
@@ -33,6 +40,7 @@ import getpass
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -42,6 +50,15 @@ import pytest
 
 from flodl_run.config.schema import SshConfig
 from tests.support import HOSTS, LOCKSTEP, _run, free_common_port
+
+
+def pytest_configure(config):
+    """Launchers started here must see SIGINT as a terminal's Ctrl-C sends it: a shell that runs
+    pytest in the background without job control starts it with SIGINT ignored, an interpreter
+    started with SIGINT ignored keeps ignoring it, and the tests that press Ctrl-C on a launcher
+    would then watch it train on."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups to schedule
