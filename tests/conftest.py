@@ -64,7 +64,10 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups to schedule
 def pytest_collection_modifyitems(config, items):
     """Every test outside the coordinator and e2e tiers is `unit`; every test that uses a
-    module-scoped fixture joins the xdist group of its module."""
+    module-scoped fixture joins the xdist group of its module. Then the order the workers take
+    them in: end-to-end runs first, two side by side; the `alone` ones spread through the fast
+    tiers, so that while one holds the machine the other worker has quick tests to take."""
+    groups: dict = {}
     for item in items:
         if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
             item.add_marker(pytest.mark.unit)
@@ -72,6 +75,23 @@ def pytest_collection_modifyitems(config, items):
         scopes = [d[-1].scope for d in defs.name2fixturedefs.values()] if defs else []
         if "module" in scopes:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            groups.setdefault(item.module.__name__, []).append(item)
+    tier = {id(item): _order_tier(item) for item in items}
+    for members in groups.values():  # a group runs as one unit, in one place in the order
+        first = min(tier[id(item)] for item in members)
+        tier.update({id(item): first for item in members})
+    runs, alone, quick = ([item for item in items if tier[id(item)] == t] for t in range(3))
+    step = max(1, len(quick) // (len(alone) + 1))
+    for n, item in enumerate(alone, 1):
+        quick.insert(min(len(quick), n * step + n - 1), item)
+    items[:] = runs + quick
+
+
+def _order_tier(item) -> int:
+    """0: an end-to-end run; 1: one that runs `alone`; 2: the unit and coordinator tiers."""
+    if item.get_closest_marker("e2e") is None:
+        return 2
+    return 1 if item.get_closest_marker("alone") is not None else 0
 
 
 def _invocation_root(tmp_path_factory) -> Path:
