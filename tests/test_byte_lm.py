@@ -6,9 +6,6 @@ file; the shipped size is GPU-sized (counted on the meta device, never allocated
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ import torch
 import yaml
 
 from flodl_run.contracts.recipe import load_recipe
+from tests.support import _run
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, d_model=64, num_layers=2, num_heads=4, max_bytes=120_000, lr=3e-3,
@@ -139,12 +137,8 @@ def test_two_cpu_ranks_train_it_end_to_end(tmp_path):
     small = ["recipe.params.d_model=32", "recipe.params.num_layers=1", "recipe.params.num_heads=2",
              "recipe.params.seq_len=32", "recipe.params.max_bytes=60000", "recipe.params.lr=0.01",
              "recipe.params.warmup_steps=5"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", "recipe=byte_lm", *small, "cluster=cpu_pair",
-         "num_epochs=1", "tracking=off", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc, summary = _run(tmp_path, "recipe=byte_lm", *small, "cluster=cpu_pair", "num_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert 0 < summary["final_eval"] < 7.5, summary["final_eval"]
     assert yaml.safe_load((run_dir / "run.yaml").read_text())["recipe"]["eval_direction"] == "min"

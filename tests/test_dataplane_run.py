@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import _run
 
 
 @pytest.mark.e2e
@@ -18,15 +14,11 @@ def test_two_cpu_ranks_choose_different_modes_in_one_run(tmp_path):
     """Pins the issue's done-criterion: in one real run, rank 0 (a simulated device the set fits)
     goes resident while rank 1 (too small a device) streams, and summary.json says so per rank
     and per epoch with its data-starve ms."""
-    run_dir = tmp_path / "run"
     env = dict(os.environ, FLODL_RUN_SIM_DEVICE_BYTES_0="1e9",
                FLODL_RUN_SIM_DEVICE_BYTES_1="100000")  # digits: 1437 x 264 B = 379 kB
-    proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", "tracking=off", "cluster=cpu", "cluster.num_ranks=2",
-         "num_epochs=2", "eval_every_epochs=2", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    proc, summary = _run(tmp_path, "cluster=cpu", "cluster.num_ranks=2", "num_epochs=2",
+                         "eval_every_epochs=2", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
     last = summary["epochs"][-1]
     assert last["per_rank_delivery"] == ["resident", "streaming"]
     assert last["per_rank_cache_hit_rate"][0]["vram"] == 1.0

@@ -4,8 +4,6 @@ and real 2-rank runs whose timeline.json is parsed and checked for consistency."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List
@@ -15,6 +13,7 @@ import pytest
 
 from flodl_run.contracts.wire import CONTROL_FRAME_BYTES, ClockPing, TimelineEvents
 from flodl_run.observe.timeline import MAX_CHUNK_EVENTS, ClockSync, RankTimeline, trace_events
+from tests.support import _run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["cluster=cpu_pair", "recipe=synthetic_mlp", "recipe.params.num_samples=2048",
@@ -123,12 +122,10 @@ def test_trace_events_apply_each_tracks_offset():
 
 # ---- real runs ------------------------------------------------------------------------------
 
-def _run(tmp_path: Path, *overrides: str, tracking: List[str] = ("tracking=off",)) -> dict:
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "flodl_run", *tracking, f"hydra.run.dir={run_dir}",
-                           *TINY, *overrides], cwd=REPO, capture_output=True, text=True, timeout=240)
+def _traced(tmp_path: Path, *overrides: str, tracking: str = "off") -> dict:
+    proc, _ = _run(tmp_path, *TINY, *overrides, tracking=tracking, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((run_dir / "timeline.json").read_text())
+    return json.loads((tmp_path / "run" / "timeline.json").read_text())
 
 
 def _spans(trace: dict) -> Dict[int, List[dict]]:
@@ -175,8 +172,8 @@ def test_cpu_cadence_trace_orders_every_round_coordinator_between_ranks(tmp_path
     snapshot begins before the coordinator averages and its apply begins after the average
     ended (the update cannot arrive earlier), within the clocks' uncertainty; plus the
     per-track checks, and the trace attached to the MLflow run."""
-    trace = _run(tmp_path, "elche=cpu_cadence",
-                 tracking=["tracking=mlflow", f"tracking.uri=sqlite:///{mlflow_db}"])
+    trace = _traced(tmp_path, "elche=cpu_cadence", f"tracking.uri=sqlite:///{mlflow_db}",
+                    tracking="mlflow")
     _check_tracks(trace)
     spans, slack = _spans(trace), _tolerance_us(trace)
     averages = {e["args"]["round"]: e for e in spans[0] if e["name"] == "reduce.average"}
@@ -201,7 +198,7 @@ def test_nccl_cadence_reduce_spans_share_rounds_and_overlap(tmp_path):
     round's averaging spans (the parameters' all-reduce, which cannot end on one rank before
     the other joined it) overlap across the ranks, and neither rank's wait for its peers ends
     before the other's began, within the clocks' uncertainty; plus the per-track checks."""
-    trace = _run(tmp_path, "elche=nccl_cadence")
+    trace = _traced(tmp_path, "elche=nccl_cadence")
     _check_tracks(trace)
     spans, slack = _spans(trace), _tolerance_us(trace)
     per_rank = [{e["args"]["round"]: e for e in spans[pid] if e["name"] == "reduce.average"}

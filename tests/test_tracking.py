@@ -11,10 +11,11 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support import _run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,13 +84,11 @@ def pair_run(tmp_path_factory):
     db = root / "store" / "mlflow.db"
     db.parent.mkdir()
     run_dir = root / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", f"hydra.run.dir={run_dir}", f"tracking.uri=sqlite:///{db}",
-         "cluster=cpu_pair", "num_epochs=3", "run_name=tracked", "recipe=custom",
-         "recipe.module=tracked_recipe", "reports_per_epoch=2", "record_log_dir=records",
-         "dashboard_html=dashboard.html", "+scalar_reductions.batch_max_abs=max"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, PYTHONPATH=str(recipe_repo)))
+    proc, _ = _run(root, f"tracking.uri=sqlite:///{db}", "cluster=cpu_pair", "num_epochs=3",
+                   "run_name=tracked", "recipe=custom", "recipe.module=tracked_recipe",
+                   "reports_per_epoch=2", "record_log_dir=records", "dashboard_html=dashboard.html",
+                   "+scalar_reductions.batch_max_abs=max", tracking="mlflow",
+                   env=dict(os.environ, PYTHONPATH=str(recipe_repo)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     import mlflow
