@@ -1,0 +1,46 @@
+"""The tests' launch server (tests/launchserver.py): a launcher forked from it sees what one
+started by `python -m flodl_run` sees."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.support import _run
+
+RECIPE = '''
+import json, os, sys
+with open(os.environ["SEEN_FILE"], "a") as seen:
+    seen.write(json.dumps({"cwd": os.getcwd(), "path": sys.path, "argv0": sys.argv[0],
+                           "env": os.environ.get("SEEN_MARK"), "main": sys.modules["__main__"].__spec__.name,
+                           "stdin": sys.stdin.read()}) + "\\n")
+from recipes.digits_mlp import *  # noqa: F401,F403  (the contract, from the default recipe)
+'''
+
+
+@pytest.mark.e2e
+def test_a_forked_launcher_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatch):
+    """Pins the launch server's promise: the same run, forked and in a fresh interpreter, gets
+    the same working directory, the request's PYTHONPATH right after it on sys.path, the
+    request's environment, `-m flodl_run`'s argv[0] and __main__, and an empty stdin; and the
+    same exit code and summary status."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "seen_recipe.py").write_text(RECIPE)
+    seen = tmp_path / "seen.jsonl"
+    outcomes = []
+    for fresh in ("1", "0"):
+        monkeypatch.setenv("FLODL_TESTS_FRESH", fresh)
+        env = dict(os.environ, PYTHONPATH=str(pkg), SEEN_FILE=str(seen), SEEN_MARK=f"mark-{fresh}")
+        proc, summary = _run(tmp_path / fresh, "cluster=solo", "num_epochs=1", "recipe=custom",
+                             "recipe.module=seen_recipe", env=env)
+        outcomes.append((proc.returncode, summary.get("status")))
+    fresh_view, forked_view = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert outcomes == [(0, "completed")] * 2
+    assert fresh_view["env"] == "mark-1" and forked_view["env"] == "mark-0"
+    for view in (fresh_view, forked_view):
+        view.pop("env")
+    assert forked_view == fresh_view
+    assert str(pkg) in fresh_view["path"] and fresh_view["main"] == "flodl_run.__main__"
