@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from flodl_run.contracts.wire import Evaluate, SaveCheckpoint, new_secret
 from flodl_run.control.coordinator import Coordinator
 from flodl_run.rank.replica import EVAL_BATCH_SIZE, Replica
 from tests.fakes import FakeRank, drive
+from tests.support import _run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -286,15 +285,10 @@ def pair_fails_at_epoch_1(tmp_path_factory):
     name = _write_recipe(root / "pkg", "noting_pair")
     log, run_dir = root / "notes.jsonl", root / "run"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "pkg"), str(REPO)]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
-         "cluster=cpu_pair", "num_epochs=3", "checkpoint_every=1", "epoch_callback_policy=rank:1",
-         "recipe=custom", f"recipe.module={name}", f"+recipe.params.log={log}",
-         "+recipe.params.epoch_fn_fails_at=1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = proc.communicate(timeout=180)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return proc.pid, proc.returncode, out, summary, _notes(log), run_dir
+    proc, summary = _run(root, "cluster=cpu_pair", "num_epochs=3", "checkpoint_every=1",
+                         "epoch_callback_policy=rank:1", "recipe=custom", f"recipe.module={name}",
+                         f"+recipe.params.log={log}", "+recipe.params.epoch_fn_fails_at=1", env=env)
+    return proc.pid, proc.returncode, proc.stdout + proc.stderr, summary, _notes(log), run_dir
 
 
 @pytest.mark.e2e
