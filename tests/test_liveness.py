@@ -136,6 +136,7 @@ def test_an_injected_hang_is_declared_dead_by_heartbeat_timeout(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
     assert "rank 1: hanging (injected fault)" in proc.stdout + proc.stderr
+    assert "| rank 1 lost (events.jsonl says why)" in proc.stdout.splitlines()[-2]  # the done line
     silent = float(re.search(r"rank 1 lost: silent for ([0-9.]+)s", proc.stdout)[1])
     assert 3.0 <= silent <= 8.0
     assert all(e["samples"] == 1437 for e in summary["epochs"])

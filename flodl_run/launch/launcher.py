@@ -316,8 +316,12 @@ def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
         syncs = ""
         if summary.world_size > 1:
             syncs = f" | {summary.syncs} syncs ({summary.avg_sync_ms:.2f} ms avg)"
+        lost = ""
+        if summary.dead_ranks:  # the survivors finished the run; the last line still says who did not
+            ranks = ", ".join(str(r) for r in summary.dead_ranks)
+            lost = f" | rank{'s' if len(summary.dead_ranks) > 1 else ''} {ranks} lost (events.jsonl says why)"
         say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
-                     f"{summary.samples_per_s:,.0f} samples/s{syncs}")
+                     f"{summary.samples_per_s:,.0f} samples/s{syncs}{lost}")
     else:
         say_labelled(console, summary.status, summary.message or summary.status, "bold red")
     say(console, "wrote: " + " | ".join(artifacts))
