@@ -14,7 +14,7 @@ one file).
 
 Cores: an e2e test marked `alone` has a bound in seconds (a hang detected within 3-8 s, a stop
 within 10 s, a share of batches that depends on relative speed). It holds a lock that keeps
-every other e2e test from running beside it; other e2e tests share that lock.
+every other test from running beside it; all other tests share that lock.
 
 Starting processes: `support._run` forks each CLI run from a per-worker launch server that
 has imported torch, Hydra and the runner (tests/launchserver.py says what that changes: nothing
@@ -65,8 +65,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Every test outside the coordinator and e2e tiers is `unit`; every test that uses a
     module-scoped fixture joins the xdist group of its module. Then the order the workers take
-    them in: end-to-end runs first, two side by side; the `alone` ones spread through the fast
-    tiers, so that while one holds the machine the other worker has quick tests to take."""
+    them in: end-to-end runs first, two side by side, so that the last minutes are quick tests
+    rather than one long run; the `alone` ones spread among the quick tests."""
     groups: dict = {}
     for item in items:
         if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
@@ -104,9 +104,11 @@ def _invocation_root(tmp_path_factory) -> Path:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Setup, call and teardown of an e2e test under the cores lock: exclusive for `alone`
-    tests, shared for the others (so fixtures that start runs are covered too)."""
-    if item.get_closest_marker("e2e") is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+    """Setup, call and teardown of every test under the cores lock: exclusive for `alone`
+    tests, shared for the others (so fixtures that start runs are covered too). Unit tests
+    share it as well: one beside a run whose bound is relative speed took the fast rank's
+    share of a 2.5x-skewed pair from 0.71 to 0.58."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
         return (yield)
     root = _invocation_root(item.config._tmp_path_factory)
     with open(root / "cores.lock", "w") as lock:
