@@ -66,7 +66,8 @@ def pytest_collection_modifyitems(config, items):
     """Every test outside the coordinator and e2e tiers is `unit`; every test that uses a
     module-scoped fixture joins the xdist group of its module. Then the order the workers take
     them in: end-to-end runs first, two side by side, so that the last minutes are quick tests
-    rather than one long run; the `alone` ones spread among the quick tests."""
+    rather than one long run; the `alone` ones (every other test waits for them anyway) keep
+    their place among the quick tests."""
     groups: dict = {}
     for item in items:
         if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
@@ -76,22 +77,16 @@ def pytest_collection_modifyitems(config, items):
         if "module" in scopes:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
             groups.setdefault(item.module.__name__, []).append(item)
-    tier = {id(item): _order_tier(item) for item in items}
+    run_first = {id(item): _run_first(item) for item in items}
     for members in groups.values():  # a group runs as one unit, in one place in the order
-        first = min(tier[id(item)] for item in members)
-        tier.update({id(item): first for item in members})
-    runs, alone, quick = ([item for item in items if tier[id(item)] == t] for t in range(3))
-    step = max(1, len(quick) // (len(alone) + 1))
-    for n, item in enumerate(alone, 1):
-        quick.insert(min(len(quick), n * step + n - 1), item)
-    items[:] = runs + quick
+        first = any(run_first[id(item)] for item in members)
+        run_first.update({id(item): first for item in members})
+    items.sort(key=lambda item: not run_first[id(item)])  # stable: collection order otherwise
 
 
-def _order_tier(item) -> int:
-    """0: an end-to-end run; 1: one that runs `alone`; 2: the unit and coordinator tiers."""
-    if item.get_closest_marker("e2e") is None:
-        return 2
-    return 1 if item.get_closest_marker("alone") is not None else 0
+def _run_first(item) -> bool:
+    """An end-to-end run that other end-to-end runs may go beside (not `alone`)."""
+    return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is None
 
 
 def _invocation_root(tmp_path_factory) -> Path:

@@ -29,6 +29,7 @@ import json
 import os
 import runpy
 import select
+import signal
 import socket
 import sys
 from typing import Dict, List, Optional
@@ -92,12 +93,9 @@ def _become_launcher(request: dict, base_path: List[str]) -> None:
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *extra, *base_path]
     sys.argv = ["-m", *request["argv"]]
-    import torch
+    from flodl_run.launch.zygote import fresh_random_state
 
-    torch.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    fresh_random_state()  # as the rank zygote does for the ranks it forks
     runpy.run_module("flodl_run", run_name="__main__", alter_sys=True)
     raise SystemExit(0)
 
@@ -159,7 +157,7 @@ class LaunchServer:
             left = deadline - time.monotonic()
             ready = select.select(open_fds, [], [], max(left, 0))[0] if left > 0 else []
             if not ready:
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
                 for fd in (out_r, err_r):
                     os.close(fd)
                 self._wait(pid)

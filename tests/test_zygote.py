@@ -48,14 +48,14 @@ def test_a_forked_rank_draws_fresh_random_state_like_a_new_interpreter():
     import numpy as np
     import torch
 
-    from flodl_run.launch.zygote import _fresh_random_state
+    from flodl_run.launch.zygote import fresh_random_state
 
     saved_torch, saved_numpy = torch.get_rng_state(), np.random.get_state()
     try:
         before = (torch.rand(4).tolist(), np.random.rand(4).tolist())
         torch.set_rng_state(saved_torch)
         np.random.set_state(saved_numpy)
-        _fresh_random_state()
+        fresh_random_state()
         after = (torch.rand(4).tolist(), np.random.rand(4).tolist())
         assert after[0] != before[0] and after[1] != before[1]
     finally:

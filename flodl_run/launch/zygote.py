@@ -254,14 +254,14 @@ def _run_rank(env: Dict[str, str]) -> int:
     os.environ.clear()
     os.environ.update(env)
     os.environ["FLODL_RUN_PARENT_PID"] = str(os.getppid())  # our parent is the zygote
-    _fresh_random_state()
+    fresh_random_state()
     from flodl_run.rank import process as rank
 
     sys.argv = [rank.__file__]  # what `python -m flodl_run.rank` would have shown the rank
     return rank.main()
 
 
-def _fresh_random_state() -> None:
+def fresh_random_state() -> None:
     """Seed torch's and numpy's global generators from the OS, as a new interpreter does:
     forked ranks would otherwise share the zygote's state (Python's `random` reseeds itself
     after a fork). What a rank seeds explicitly (its model, its data order) is unaffected."""
