@@ -24,7 +24,6 @@ closes.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import runpy
@@ -39,15 +38,15 @@ MAX_MESSAGE = 1 << 20
 
 def _preload() -> None:
     import hydra  # noqa: F401
-    import torch
 
     import flodl_run.cli  # noqa: F401
     import flodl_run.launch.launcher  # noqa: F401
     import flodl_run.launch.supervisor  # noqa: F401  (the coordinator, zmq, the averaging)
+    from flodl_run.launch.zygote import preload
 
-    if torch.cuda.is_initialized():
-        raise RuntimeError("importing the launcher initialized CUDA; it cannot be forked")
-    gc.freeze()  # a child's collections leave these objects (and the pages they share) alone
+    # What the rank zygote imports, for the spare each launcher forks (the CUDA check and
+    # gc.freeze included: a child's collections leave these objects and their pages alone).
+    preload()
 
 
 def _serve(sock: socket.socket) -> Optional[dict]:

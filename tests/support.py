@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,6 @@ from torch import nn
 from flodl_run.bench.run import Rig
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Topology, WorkerConfig
 from flodl_run.launch.probe import HostReport
-from flodl_run.launch.zygote import ZYGOTE_NAME
 from tests.launchserver import LaunchServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,21 +96,27 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
     return proc, summary
 
 
-def _flodl_children(launcher_pid: int) -> list[int]:
-    """PIDs of this launcher's live ranks (they carry FLODL_RUN_PARENT_PID; the zygote that
-    forks them carries it too, and is told apart by its process name)."""
+def _live_ranks(run_dir: Path) -> list[int]:
+    """PIDs of the run's rank processes still alive (zombies aside), from the pid each
+    ranks/rankN.log names in its first line, written when the supervisor started it. Forked
+    ranks carry no trace of their launcher in /proc (they show the command line and environ
+    of the process they were forked from), so the run's own record is what finds them; a pid
+    taken since by another program is told apart by name (`flodl_rankN`) or command line."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for log in sorted((run_dir / "ranks").glob("rank*.log")):
+        first = log.read_text().split("\n", 1)[0]
+        match = re.search(r"pid (\d+)", first)
+        if match is None:
             continue
+        pid = int(match[1])
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"FLODL_RUN_PARENT_PID={launcher_pid}".encode() in environ and ") Z " not in stat \
-                and not stat.split(" (", 1)[-1].startswith(ZYGOTE_NAME + ")"):
-            found.append(int(entry.name))
+        ours = stat.split(" (", 1)[-1].startswith("flodl_rank") or b"flodl_run.rank" in cmdline
+        if ours and ") Z " not in stat:
+            found.append(pid)
     return found
 
 

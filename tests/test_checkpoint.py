@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flodl_run.contracts.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
-from tests.support import LOCKSTEP, PAIR, REPO, _flodl_children, _run
+from tests.support import LOCKSTEP, PAIR, REPO, _live_ranks, _run
 
 pytestmark = pytest.mark.e2e
 
@@ -149,7 +149,7 @@ def test_sigint_saves_a_graceful_bundle(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=30)
     assert proc.returncode == 130
-    assert _flodl_children(proc.pid) == []
+    assert _live_ranks(run_dir) == []
     meta = read_meta(str(run_dir / "checkpoint"))
     assert meta.save_reason == "graceful_shutdown" and meta.epoch >= 2
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"

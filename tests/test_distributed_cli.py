@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, _flodl_children, _free_port, _run, start_controller
+from tests.support import REPO, _free_port, _live_ranks, _run, start_controller
 
 pytestmark = pytest.mark.e2e
 
@@ -85,13 +85,13 @@ def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
     for line in proc.stdout:  # wait until training is under way
         if line.startswith("epoch 1/"):
             break
-    assert _flodl_children(proc.pid), "ranks should be running"
+    assert _live_ranks(run_dir), "ranks should be running"
     began = time.monotonic()
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=30)
     assert time.monotonic() - began < 10
     assert proc.returncode == 130
-    assert _flodl_children(proc.pid) == []
+    assert _live_ranks(run_dir) == []
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support import REPO, _flodl_children, _run
+from tests.support import REPO, _live_ranks, _run
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +62,7 @@ def test_sigterm_is_named_sigterm(tmp_path, cluster):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
-    assert _flodl_children(proc.pid) == []
+    assert _live_ranks(run_dir) == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert "SIGTERM" in summary["message"] and "SIGINT" not in summary["message"]

@@ -18,7 +18,7 @@ from flodl_run.contracts.wire import Heartbeat
 from flodl_run.control.membership import Membership, hung_limit_s
 from flodl_run.control.runstate import ShutdownWithSave
 from flodl_run.observe.observer import Observer
-from tests.support import REPO, _flodl_children, _run
+from tests.support import REPO, _live_ranks, _run
 
 # Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.
 HANGING_RECIPE = """
@@ -140,7 +140,7 @@ def test_an_injected_hang_is_declared_dead_by_heartbeat_timeout(tmp_path):
     silent = float(re.search(r"rank 1 lost: silent for ([0-9.]+)s", proc.stdout)[1])
     assert 3.0 <= silent <= 8.0
     assert all(e["samples"] == 1437 for e in summary["epochs"])
-    assert _flodl_children(proc.pid) == []
+    assert _live_ranks(tmp_path / "run") == []
 
 
 @pytest.mark.e2e
@@ -156,13 +156,13 @@ def test_a_sigkilled_launcher_leaves_no_rank_and_no_slab(tmp_path):
         if line.startswith("epoch 1/"):
             break
     slabs = glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*/*")
-    ranks = _flodl_children(proc.pid)
+    ranks = _live_ranks(tmp_path / "run")
     assert slabs and len(ranks) == 2
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
-    while (_flodl_children(proc.pid) or glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*")) and \
+    while (_live_ranks(tmp_path / "run") or glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*")) and \
             time.monotonic() < deadline:
         time.sleep(0.1)  # polling an outcome, bounded; not ordering anything
-    assert _flodl_children(proc.pid) == []
+    assert _live_ranks(tmp_path / "run") == []
     assert glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*") == []

@@ -1,18 +1,23 @@
 """The rank zygote: a rank forked from it looks to the supervisor like one it spawned (its own
 environment, output pipe, process group and exit code), and the zygote does not outlive the
-launcher's end of its socket. Full runs through the zygote are every other e2e test's default;
+launcher's end of its socket. The spare that `python -m flodl_run` forks when it starts gives its
+ranks what a spawned rank has. Full runs through the zygote are every other e2e test's default;
 a SIGKILLed launcher is test_liveness's."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
+from tests.support import REPO, _run
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -69,7 +74,7 @@ def test_a_forked_rank_runs_the_rank_with_its_environment_and_its_output_and_exi
     and the rank names exactly those), writes to the pipe passed with the request, and its exit
     code comes back as Popen's returncode would. Sealed, the zygote exits after its last child."""
     env = {**_base_env(), "RANK": "0", "WORLD_SIZE": "2"}
-    zygote = Zygote(env, tmp_path / "zygote.log")
+    zygote = Zygote.start(env, tmp_path / "zygote.log")
     rank = zygote.spawn(env)
     zygote.seal()
     output = rank.stdout.read()
@@ -90,7 +95,7 @@ def test_forked_ranks_lead_their_own_groups_die_by_them_and_the_zygote_leaves_on
     env = {**_base_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
            "FLODL_RUN_COORD": "tcp://127.0.0.1:1", "FLODL_RUN_SECRET": "00",
            "FLODL_RUN_FILE": str(run_file)}
-    zygote = Zygote(env, tmp_path / "zygote.log")
+    zygote = Zygote.start(env, tmp_path / "zygote.log")
     ranks = [zygote.spawn({**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     try:
         for r, rank in enumerate(ranks):
@@ -108,3 +113,88 @@ def test_forked_ranks_lead_their_own_groups_die_by_them_and_the_zygote_leaves_on
                 os.killpg(rank.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+SPARE_SCRIPT = """
+import json, os, sys, threading, time
+from flodl_run.launch import zygote
+if sys.argv[1] == "thread":
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+zygote.prefork()
+spare, seen = zygote._spare, {}
+if spare is not None:
+    pid = spare.process.pid
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{pid}/comm").read() != "flodl_zygote\\n" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    seen = {"comm": open(f"/proc/{pid}/comm").read().strip(), "leads": os.getsid(pid) == pid,
+            "parent": os.getpid()}
+    zygote.ready_spare(None)
+    seen["code"] = spare.process.returncode
+print(json.dumps({"spare": spare is not None, **seen}))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("threads", ["bare", "thread"])
+def test_the_spare_is_forked_only_from_one_bare_thread_and_a_run_without_ranks_dismisses_it(threads):
+    """prefork: from a process that is one thread, a child named flodl_zygote leading its own
+    session; `ready_spare(None)` (a run whose ranks do not fork here) makes it exit 0, reaped.
+    With a second thread running, no fork (it would copy only the calling thread)."""
+    out = subprocess.run([sys.executable, "-c", SPARE_SCRIPT, threads], cwd=REPO, text=True,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    if threads == "thread":
+        assert seen == {"spare": False}
+    else:
+        assert seen == {"spare": True, "comm": "flodl_zygote", "leads": True,
+                        "parent": seen["parent"], "code": 0}
+
+
+VIEW_RECIPE = '''
+import json, logging, os, signal, sys, torch
+parent = f"/proc/{os.getppid()}/"
+if "RANK" in os.environ:  # the ranks; the launcher imports this recipe too
+    with open(os.environ["SEEN_FILE"], "a") as seen:
+        seen.write(json.dumps({
+            "rank": os.environ["RANK"], "threads": torch.get_num_threads(),
+            "stdout": [type(sys.stdout.buffer).__name__, sys.stdout.write_through],
+            "stderr": [type(sys.stderr.buffer).__name__, sys.stderr.write_through],
+            "cwd": os.getcwd(), "path": list(dict.fromkeys(sys.path)),
+            "argv0": os.path.basename(sys.argv[0]), "leads": os.getsid(0) == os.getpid(),
+            "watches": os.environ["FLODL_RUN_PARENT_PID"] == str(os.getppid()),
+            "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "sigterm": str(signal.getsignal(signal.SIGTERM)),
+            "logging": [len(logging.root.handlers), logging.root.level],
+            "parent": [open(parent + "comm").read().strip(),
+                       b"flodl_run.launch.zygote" in open(parent + "cmdline", "rb").read()]}) + "\\n")
+from recipes.digits_mlp import *  # noqa: F401,F403  (the contract, from the default recipe)
+'''
+
+
+@pytest.mark.e2e
+def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, monkeypatch):
+    """The spare was forked from the launcher, not started by the supervisor: its ranks must
+    still get the rank's threads (OMP_NUM_THREADS, which torch read before), unbuffered
+    output, the working directory, sys.path, argv[0], their own session, a parent they watch,
+    default signal handlers and no logging handler, exactly as the same run's spawned ranks."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "view_recipe.py").write_text(VIEW_RECIPE)
+    views = {}
+    for start in ("spawn", "zygote"):
+        seen = tmp_path / f"{start}.jsonl"
+        env = dict(os.environ, PYTHONPATH=str(pkg), SEEN_FILE=str(seen), FLODL_RUN_RANK_START=start)
+        proc, summary = _run(tmp_path / start, "cluster=cpu_pair", "cluster.threads_per_rank=null",
+                             "num_epochs=1", "recipe=custom", "recipe.module=view_recipe", env=env)
+        assert proc.returncode == 0 and summary["status"] == "completed", proc.stderr[-2000:]
+        views[start] = sorted((json.loads(line) for line in seen.read_text().splitlines()),
+                              key=lambda view: view["rank"])
+    assert [view["rank"] for view in views["spawn"]] == ["0", "1"]
+    parents = {start: [view.pop("parent") for view in views[start]] for start in views}
+    assert parents["zygote"] == [["flodl_zygote", False]] * 2  # the spare, not a new interpreter
+    assert all(comm != "flodl_zygote" for comm, _ in parents["spawn"])
+    for key in views["spawn"][0]:
+        assert [view[key] for view in views["zygote"]] == [view[key] for view in views["spawn"]], key
+    assert views["spawn"][0]["threads"] == 1 and views["spawn"][0]["stdout"] == ["FileIO", True]

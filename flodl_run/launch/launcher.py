@@ -22,6 +22,7 @@ from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentCo
 from flodl_run.config.validate import Problem, validate
 from flodl_run.contracts.summary import Summary, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
+from flodl_run.launch.zygote import fork_ranks, ready_spare
 from flodl_run.observe.observer import Observer, Observers
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.observe.timeline import TimelineFile
@@ -138,6 +139,7 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
+    ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
     live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
     _say_plan(config.cluster.topology, plan, console)
     tracker = make_tracker(config.tracking, _uploads(config))
@@ -264,6 +266,14 @@ def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"])
     if reasons:
         raise ConfigError([Problem("resume_from", config.resume_from, f"cannot be resumed here: {r}")
                            for r in reasons])
+
+
+def _zygote_log(cluster: ClusterConfig, plan: Plan, run_dir: Path) -> Optional[Path]:
+    """Where the zygote of this run logs when its ranks fork on this host; None otherwise."""
+    local = not plan.in_process and plan.hosts is None and plan.slurm is None
+    if local and cluster.launch_ranks and fork_ranks(os.environ, on_gpus=bool(plan.gpus)):
+        return run_dir / "ranks" / "zygote.log"
+    return None
 
 
 def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:

@@ -77,7 +77,7 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
                                master_port, gpu_uuids, shm_prefix)
         # one torch import per host, not per rank
         if zygote is None and fork_ranks(os.environ, on_gpus=bool(gpu_uuids)):
-            zygote = Zygote(env, log_dir / "zygote.log")
+            zygote = Zygote.start(env, log_dir / "zygote.log")
         process = zygote.spawn(env) if zygote is not None else subprocess.Popen(
             [sys.executable, "-m", "flodl_run.rank"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, bufsize=1,

@@ -24,6 +24,15 @@ In `ps`, a forked rank shows the zygote's command line (`-m flodl_run.launch.zyg
 `flodl_rankN`; the zygote is named `flodl_zygote`. Their /proc/PID/environ is the zygote's
 (the rank-independent part of the ranks' environment); `os.environ` inside is the rank's own.
 
+The spare: `python -m flodl_run` forks a zygote from itself before it does anything else
+(`prefork`), while it is one thread that has imported next to nothing, so the state it copies is
+a new interpreter's. The first run of local ranks takes that spare instead of starting an
+interpreter: the launcher hands it the run's log as soon as the plan says ranks will fork here
+(`ready_spare`), and it imports torch and the rank while the launcher starts the tracker, the
+dashboard and the coordinator. A run that forks no ranks here dismisses it. Runs after the
+first (a multirun sweep, `flodl_run.train` from a script) start a new interpreter as before.
+A rank forked from the spare shows the launcher's command line and /proc environ instead.
+
 `FLODL_RUN_RANK_START=spawn` in the launcher's environment turns this off (one interpreter per
 rank, as on platforms without fork and SCM_RIGHTS). Ranks on GPUs spawn unless
 `FLODL_RUN_RANK_START=zygote` is set, until the forked path is measured on GPU machines.
@@ -32,6 +41,7 @@ rank, as on platforms without fork and SCM_RIGHTS). Ranks on GPUs spawn unless
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import select
@@ -40,10 +50,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
-
-from flodl_run.averaging.shm import pid_alive
 
 START_ENV = "FLODL_RUN_RANK_START"
 ZYGOTE_NAME = "flodl_zygote"
@@ -70,19 +79,53 @@ class Zygote:
     """The supervisor's handle on one zygote process. Thread-safe: the supervisor's watch loop,
     the coordinator's killer and the forwarders may call `ForkedRank.poll` concurrently."""
 
-    def __init__(self, env: Dict[str, str], log_path: Path):
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self, sock: socket.socket, process):
+        self.sock, self.process = sock, process  # process: a Popen, or the spare's `_Child`
+        self.lock = threading.Lock()
+        self.started: List[int] = []
+        self.exits: Dict[int, int] = {}
+        self.closed = False
+        self.warmed = False
+
+    @classmethod
+    def start(cls, env: Dict[str, str], log_path: Path) -> "Zygote":
+        """The zygote for one run's ranks on this host: this process's spare when it has one
+        (`prefork`), a new interpreter with `env` (less the per-rank keys) otherwise."""
+        spare = _take_spare()
+        if spare is not None and spare.warm(log_path):
+            return spare
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "flodl_run.launch.zygote", str(theirs.fileno())],
                 env={k: v for k, v in env.items() if k not in PER_RANK_KEYS},
                 pass_fds=(theirs.fileno(),), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # Ctrl-C reaches the launcher only, as for ranks
         theirs.close()
-        self.lock = threading.Lock()
-        self.started: List[int] = []
-        self.exits: Dict[int, int] = {}
-        self.closed = False
+        return cls(ours, process)
+
+    def warm(self, log_path: Path) -> bool:
+        """The spare only: send it the run's log (its stdout and stderr from now on), upon
+        which it imports torch and the rank. Once; False when the spare is gone."""
+        if self.warmed:
+            return True
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            socket.send_fds(self.sock, [b'{"log": true}'], [fd])
+        except OSError:  # it exited (killed from outside): start an interpreter instead
+            self.dismiss()
+            return False
+        finally:
+            os.close(fd)
+        self.warmed = True
+        return True
+
+    def dismiss(self) -> None:
+        """The spare only, before it is warmed: close our end; it exits, and we reap it."""
+        self.sock.close()
+        self.closed = True
+        self.process.wait()
 
     def spawn(self, env: Dict[str, str]) -> "ForkedRank":
         """Fork one rank with `env`; its stdout and stderr go to the returned handle's pipe."""
@@ -140,7 +183,7 @@ class ForkedRank:
     def poll(self) -> Optional[int]:
         if self.returncode is None:
             self.returncode = self.zygote.returncode(self.pid)
-            if self.returncode is None and self.zygote.closed and not pid_alive(self.pid):
+            if self.returncode is None and self.zygote.closed and not _alive(self.pid):
                 self.returncode = 1  # the zygote died first; the rank left as an orphan
         return self.returncode
 
@@ -156,10 +199,128 @@ class ForkedRank:
 
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process has taken the pid
+    return True
+
+
+# ---------------------------------------------------------------- the spare
+
+
+_spare: Optional[Zygote] = None
+"""The zygote `prefork` forked from this process, until a run takes it or dismisses it."""
+
+
+class _Child:
+    """The part of `subprocess.Popen` a `Zygote` uses, for the spare (our own forked child)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            done, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
+            else:
+                time.sleep(0.02)
+        return self.returncode
+
+
+def prefork() -> None:
+    """Fork the spare zygote from this process, now. `python -m flodl_run` calls this before
+    anything else: the process is then one thread (a fork copies only the calling one) with
+    next to nothing imported, so the spare starts from a new interpreter's state. Does nothing
+    when ranks are asked to spawn, off Linux, or when another thread already runs. In the
+    spare, this call does not return: the process exits through SystemExit when it is done."""
+    global _spare
+    if _spare is not None or os.environ.get(START_ENV) == "spawn" or not fork_ranks({}) \
+            or _thread_count() != 1:
+        return
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        _spare = Zygote(ours, _Child(pid))
+        return
+    ours.close()
+    raise SystemExit(_spare_main(theirs))
+
+
+def ready_spare(log_path: Optional[Path]) -> None:
+    """The launcher, once its plan is known: with the path of the run's zygote log when its
+    ranks fork on this host (the spare starts importing now, while the launcher sets up the
+    rest), with None when they do not (the spare exits)."""
+    if _spare is None:
+        return
+    if log_path is None or _spare.warmed:  # warmed for an earlier run that never got to ranks
+        _take_spare().dismiss()
+    elif not _spare.warm(log_path):
+        _take_spare()
+
+
+def _take_spare() -> Optional[Zygote]:
+    global _spare
+    spare, _spare = _spare, None
+    return spare
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0  # unknown: do not fork
+
+
+def _spare_main(sock: socket.socket) -> int:
+    """The spare, from its fork: out of the launcher's session and off its output, wait for
+    a run's log (or for the launcher to go), then be that run's zygote."""
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    _name(ZYGOTE_NAME)
+    launcher = os.getppid()
+    while not select.select([sock], [], [], 1.0)[0]:
+        if os.getppid() != launcher:
+            return 0
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+    if not data:
+        return 0  # dismissed, or the launcher exited
+    for fd in (1, 2):
+        os.dup2(fds[0], fd)
+    os.close(fds[0])
+    _unbuffered_output()
+    return _zygote(sock)
+
+
+def _unbuffered_output() -> None:
+    """Ranks run with PYTHONUNBUFFERED (their output is forwarded as it comes); the spare's
+    sys.stdout and sys.stderr were made for the launcher's streams: make them as such an
+    interpreter makes them, unbuffered and writing through."""
+    for name in ("stdout", "stderr"):
+        old = getattr(sys, name)
+        stream = io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False),
+                                  encoding=old.encoding, errors=old.errors, write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
 # ---------------------------------------------------------------- the zygote's side
 
 
-def _preload() -> None:
+def preload() -> None:
     """Import what every rank imports, and make sure none of it initialized CUDA: a CUDA
     context does not survive fork, and each rank must choose its own devices."""
     import torch
@@ -255,10 +416,22 @@ def _run_rank(env: Dict[str, str]) -> int:
     os.environ.update(env)
     os.environ["FLODL_RUN_PARENT_PID"] = str(os.getppid())  # our parent is the zygote
     fresh_random_state()
+    _intra_op_threads(env)
     from flodl_run.rank import process as rank
 
-    sys.argv = [rank.__file__]  # what `python -m flodl_run.rank` would have shown the rank
+    sys.argv = [str(Path(rank.__file__).with_name("__main__.py"))]  # as `-m flodl_run.rank` sets it
     return rank.main()
+
+
+def _intra_op_threads(env: Dict[str, str]) -> None:
+    """torch sized its thread pool from OMP_NUM_THREADS when the zygote imported it, under the
+    zygote's environment (the spare's is the launcher's): size it from the rank's, as a new
+    interpreter would have."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def fresh_random_state() -> None:
@@ -273,14 +446,17 @@ def fresh_random_state() -> None:
         numpy.random.seed()
 
 
+def _zygote(sock: socket.socket) -> int:
+    """Import, then fork ranks until done; in a forked child, run the rank."""
+    preload()
+    env = _serve(sock)
+    return 0 if env is None else _run_rank(env)
+
+
 def main(argv: List[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     _name(ZYGOTE_NAME)
-    _preload()
-    env = _serve(sock)
-    if env is None:
-        return 0
-    return _run_rank(env)
+    return _zygote(sock)
 
 
 if __name__ == "__main__":
