@@ -9,11 +9,14 @@ all of it in those imports. Forked from here, a launcher starts with them done.
 What a forked launcher sees is what `python -m flodl_run` would have given it: the request's
 working directory, environment and arguments, `sys.path` built from that directory and the
 request's PYTHONPATH as the interpreter builds it, standard input from /dev/null, its output on
-the request's pipes, fresh random generators, and the module run through `runpy` as `-m` runs it,
-through the interpreter's normal exit (atexit included). What it cannot see differently is only
-what an interpreter reads when it starts (PYTHON* variables other than PYTHONPATH, `-X` options):
-those are this server's. Tests about the interpreter's own start (the README's commands, signals
-sent to a launcher by pid) start a real `python -m flodl_run` instead.
+the request's pipes (buffered as an interpreter buffers pipes, PYTHONUNBUFFERED included), fresh
+random generators, Python's default signal handlers (the server's own), and the module run
+through `runpy` as `-m` runs it, through the interpreter's normal exit (atexit included). What
+it cannot see differently is only what an interpreter reads when it starts (PYTHON* variables
+other than PYTHONPATH and PYTHONUNBUFFERED, `-X` options): those are this server's. Tests about
+the interpreter's own start (the README's commands, a user's module found from another
+directory) start a real `python -m flodl_run` instead. `LaunchServer.start` gives a running
+launcher as a Popen-like handle, for tests that read its output as it comes or signal it.
 
 Protocol (one server per pytest worker, started by `support.LaunchServer`): each request is one
 SOCK_SEQPACKET message, JSON {"argv", "cwd", "env"}, with the write ends of the stdout and stderr
@@ -24,6 +27,7 @@ closes.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import runpy
@@ -82,6 +86,20 @@ def _take_output(stdout: int, stderr: int) -> None:
         os.close(fd)
 
 
+def _fresh_stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr as an interpreter starting on these pipes makes them (ours
+    were made for the server's own streams): stdout block-buffered and stderr line-buffered,
+    both unbuffered and writing through under PYTHONUNBUFFERED."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding,
+                                  errors=old.errors, line_buffering=name == "stderr" and not unbuffered,
+                                  write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
 def _become_launcher(request: dict, base_path: List[str]) -> None:
     """Take the request's directory, environment, path and arguments, then run the CLI module
     as `python -m flodl_run` does. Raises SystemExit with the CLI's exit code."""
@@ -89,6 +107,7 @@ def _become_launcher(request: dict, base_path: List[str]) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    _fresh_stdio(bool(env.get("PYTHONUNBUFFERED")))
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *extra, *base_path]
     sys.argv = ["-m", *request["argv"]]
@@ -135,49 +154,32 @@ class LaunchServer:
     def run(self, argv: List[str], cwd: str, env: Dict[str, str], timeout: float):
         """(pid, returncode, stdout, stderr) of `python -m flodl_run *argv`; on timeout the run
         is killed and subprocess.TimeoutExpired raised, as `communicate` would."""
-        import subprocess
-        import time
+        launched = self.start(argv, cwd, env, merge_stderr=False)
+        out, err = launched.communicate(timeout=timeout)
+        return launched.pid, launched.returncode, out, err
 
+    def start(self, argv: List[str], cwd: str, env: Dict[str, str],
+              merge_stderr: bool = True) -> "Launched":
+        """`python -m flodl_run *argv` forked and running: a handle that behaves like the
+        `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT or PIPE, text=True)` of it."""
         out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
         try:
             socket.send_fds(self.sock, [json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()],
                             [out_w, err_w])
         finally:
             os.close(out_w)
-            os.close(err_w)
+            if err_r is not None:
+                os.close(err_w)
         pid = None
         while pid is None:
             pid = self._message().get("started")
-        deadline = time.monotonic() + timeout
-        chunks: Dict[int, List[bytes]] = {out_r: [], err_r: []}
-        open_fds = [out_r, err_r]
-        while open_fds:
-            left = deadline - time.monotonic()
-            ready = select.select(open_fds, [], [], max(left, 0))[0] if left > 0 else []
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-                for fd in (out_r, err_r):
-                    os.close(fd)
-                self._wait(pid)
-                raise subprocess.TimeoutExpired(["python", "-m", "flodl_run", *argv], timeout)
-            for fd in ready:
-                data = os.read(fd, 1 << 16)
-                if data:
-                    chunks[fd].append(data)
-                else:
-                    open_fds.remove(fd)
-        os.close(out_r)
-        os.close(err_r)
-        code = self._wait(pid)
-        return pid, code, b"".join(chunks[out_r]).decode(), b"".join(chunks[err_r]).decode()
+        return Launched(self, pid, argv, out_r, err_r)
 
-    def _wait(self, pid: int) -> int:
-        while pid not in self.exits:
-            self._message()
-        return self.exits.pop(pid)
-
-    def _message(self) -> dict:
+    def _message(self, timeout: Optional[float] = None) -> dict:
+        """The server's next message ({} when none came within `timeout`)."""
+        if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return {}
         data = self.sock.recv(MAX_MESSAGE)
         if not data:
             raise RuntimeError(f"the launch server (pid {self.process.pid}) exited with code "
@@ -186,6 +188,85 @@ class LaunchServer:
         if "code" in message:
             self.exits[message["pid"]] = message["code"]
         return message
+
+
+class Launched:
+    """A launcher forked by the server, as the part of `subprocess.Popen` tests use: `pid`,
+    `stdout` (and `stderr` unless merged) as text files, `poll`, `wait`, `communicate`,
+    `send_signal`, `terminate`, `kill`, `returncode`. It is the server's child, not ours: its
+    exit code comes from the server."""
+
+    def __init__(self, server: LaunchServer, pid: int, argv: List[str], out_fd: int,
+                 err_fd: Optional[int]):
+        self.server, self.pid, self.args = server, pid, ["python", "-m", "flodl_run", *argv]
+        self.stdout = open(out_fd, "r", buffering=1)
+        self.stderr = None if err_fd is None else open(err_fd, "r", buffering=1)
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            while self.pid not in self.server.exits and self.server._message(timeout=0):
+                pass
+            self.returncode = self.server.exits.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        import subprocess
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.server._message(timeout=left)
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None):
+        """Read the streams to their end and wait. On timeout the launcher is killed (Popen's
+        leaves it running; a test has no use for it) and subprocess.TimeoutExpired raised."""
+        import subprocess
+        import threading
+        import time
+
+        streams = [f for f in (self.stdout, self.stderr) if f is not None]
+        read: Dict[int, str] = {}
+        readers = [threading.Thread(target=lambda i=i, f=f: read.__setitem__(i, f.read()), daemon=True)
+                   for i, f in enumerate(streams)]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        if any(reader.is_alive() for reader in readers):
+            self.kill()
+            self.wait()
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait()
+        for f in streams:
+            f.close()
+        return read.get(0), (read.get(1) if self.stderr is not None else None)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> "Launched":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.poll() is None:
+            self.kill()
+        self.wait()
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
 
 
 if __name__ == "__main__":

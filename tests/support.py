@@ -68,13 +68,23 @@ def _model(seed: int) -> nn.Module:
 
 def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
          tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
-    """`python -m flodl_run` with its run dir at `<tmp_path>/run`: the finished process (with
-    the launcher's `pid`, to look for what it left behind) and the parsed summary.json ({} when
-    none was written). The launcher is forked from this worker's launch server (tests/
-    launchserver.py says what that changes: nothing the run can see); FLODL_TESTS_FRESH=1 in
-    the environment of pytest starts a fresh interpreter instead."""
+    """`python -m flodl_run` with its run dir at `<tmp_path>/run` (`run_cli`): the finished
+    process (with the launcher's `pid`, to look for what it left behind) and the parsed
+    summary.json ({} when none was written)."""
     run_dir = tmp_path / "run"
-    args = [f"tracking={tracking}", f"hydra.run.dir={run_dir}", *overrides]
+    proc = run_cli(f"tracking={tracking}", f"hydra.run.dir={run_dir}", *overrides, timeout=timeout,
+                   env=env)
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    return proc, summary
+
+
+def run_cli(*args: str, timeout: float = 180, env=None) -> subprocess.CompletedProcess:
+    """`python -m flodl_run *args` run to its end in the repo, as `subprocess.run(...,
+    capture_output=True, text=True)` would, with the launcher's `pid` added. The launcher is
+    forked from this worker's launch server (tests/launchserver.py says what that changes:
+    nothing the run can see); FLODL_TESTS_FRESH=1 in the environment of pytest starts a fresh
+    interpreter instead."""
     argv = [sys.executable, "-m", "flodl_run", *args]
     if os.environ.get("FLODL_TESTS_FRESH") == "1":
         with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -88,12 +98,23 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
         pid, code = launcher.pid, launcher.returncode
     else:
         pid, code, out, err = LaunchServer.get(str(REPO)).run(
-            args, str(REPO), dict(os.environ if env is None else env), timeout)
+            list(args), str(REPO), dict(os.environ if env is None else env), timeout)
     proc = subprocess.CompletedProcess(argv, code, out, err)
     proc.pid = pid
-    summary_file = run_dir / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    return proc, summary
+    return proc
+
+
+def start_cli(*args: str, env=None):
+    """`python -m flodl_run *args`, running in the repo with its stdout and stderr merged into
+    `.stdout` (text): for tests that read its output as it comes or send it signals. Forked
+    from this worker's launch server, like `_run`'s, and Popen-like (`pid`, `poll`, `wait`,
+    `communicate`, `send_signal`); FLODL_TESTS_FRESH=1 makes it a real `subprocess.Popen` of a
+    fresh interpreter."""
+    if os.environ.get("FLODL_TESTS_FRESH") == "1":
+        return subprocess.Popen([sys.executable, "-m", "flodl_run", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return LaunchServer.get(str(REPO)).start(list(args), str(REPO),
+                                             dict(os.environ if env is None else env))
 
 
 def _live_ranks(run_dir: Path) -> list[int]:
@@ -174,10 +195,8 @@ def _imports(path: Path) -> list[str]:
 def start_controller(run_dir: Path, num_ranks: int, *overrides: str) -> tuple:
     """A controller-only launcher (`cluster.launch_ranks=false`) for `num_ranks` CPU ranks, read
     up to its announcement; (the launcher process, the environment its ranks need)."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu",
-         f"cluster.num_ranks={num_ranks}", "cluster.launch_ranks=false", *overrides],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu",
+                         f"cluster.num_ranks={num_ranks}", "cluster.launch_ranks=false", *overrides)
     for line in launcher.stdout:
         if "controller-only" in line:
             break

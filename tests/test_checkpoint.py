@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from flodl_run.contracts.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
-from tests.support import LOCKSTEP, PAIR, REPO, _live_ranks, _run
+from tests.support import LOCKSTEP, PAIR, _live_ranks, _run, start_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -139,10 +137,8 @@ def test_sigint_saves_a_graceful_bundle(tmp_path):
     """Pins SIGINT: the launcher saves at the next reduce boundary (reason graceful_shutdown),
     marks the summary interrupted, exits 130 and leaves no rank behind."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
-         *PAIR, "elche=nccl_cadence", "num_epochs=500"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", *PAIR, "elche=nccl_cadence",
+                     "num_epochs=500")
     for line in proc.stdout:
         if line.startswith("epoch 2/"):
             break

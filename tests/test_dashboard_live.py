@@ -22,7 +22,7 @@ from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import validate
 from flodl_run.report.liveserver import LiveServer
-from tests.support import _chromium, needs_chromium
+from tests.support import _chromium, needs_chromium, run_cli, start_cli
 
 REPO = Path(__file__).resolve().parents[1]
 URL_LINE = re.compile(r"dashboard: (http://127\.0\.0\.1:\d+/) \(live")
@@ -53,10 +53,8 @@ def live_run(tmp_path_factory):
     """A 2-rank CPU run (cpu_pair: one rank 2.5x slower) long enough to be read while it goes;
     the last test stops it with Ctrl-C. Yields the URL, the process, its run dir and output."""
     run_dir = tmp_path_factory.mktemp("live") / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "cluster=cpu_pair", "tracking=off", "num_epochs=3000",
-         "dashboard.serve=0", "dashboard_html=dashboard.html", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = start_cli("cluster=cpu_pair", "tracking=off", "num_epochs=3000", "dashboard.serve=0",
+                     "dashboard_html=dashboard.html", f"hydra.run.dir={run_dir}")
     lines: "queue.Queue[str]" = queue.Queue()
     output: list = []
 
@@ -147,10 +145,8 @@ def test_port_in_use_is_a_config_error_before_anything_starts(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, "-m", "flodl_run", "cluster=cpu_pair", "tracking=off", "num_epochs=1",
-             f"dashboard.serve={port}", f"hydra.run.dir={tmp_path / 'run'}"],
-            cwd=REPO, capture_output=True, text=True, timeout=120)
+        done = run_cli("cluster=cpu_pair", "tracking=off", "num_epochs=1", f"dashboard.serve={port}",
+                       f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert "dashboard.serve: must be a port free on 127.0.0.1" in output and str(port) in output

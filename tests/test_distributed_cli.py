@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, _free_port, _live_ranks, _run, start_controller
+from tests.support import REPO, _free_port, _live_ranks, _run, start_cli, start_controller
 
 pytestmark = pytest.mark.e2e
 
@@ -78,10 +78,7 @@ def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
     """Pins Ctrl-C: the launcher stops ranks and coordinator in < 10 s, exits 130, marks the
     summary interrupted and leaves no rank process behind."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
-         "cluster=cpu_pair", "num_epochs=500"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu_pair", "num_epochs=500")
     for line in proc.stdout:  # wait until training is under way
         if line.startswith("epoch 1/"):
             break

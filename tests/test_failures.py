@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import REPO, _live_ranks, _run
+from tests.support import REPO, _live_ranks, _run, start_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -52,10 +50,7 @@ def test_sigterm_is_named_sigterm(tmp_path, cluster):
     without a summary), ends interrupted with exit 130 and leaves no rank behind; a distributed
     run saves at the next reduce boundary."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={run_dir}",
-         f"cluster={cluster}", "num_epochs=500"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", f"cluster={cluster}", "num_epochs=500")
     for line in proc.stdout:  # wait until training is under way
         if line.startswith("epoch 1/"):
             break

@@ -15,6 +15,8 @@ import json, os, sys
 with open(os.environ["SEEN_FILE"], "a") as seen:
     seen.write(json.dumps({"cwd": os.getcwd(), "path": sys.path, "argv0": sys.argv[0],
                            "env": os.environ.get("SEEN_MARK"), "main": sys.modules["__main__"].__spec__.name,
+                           "stdio": [[type(f.buffer).__name__, f.line_buffering, f.write_through]
+                                     for f in (sys.stdout, sys.stderr)],
                            "stdin": sys.stdin.read()}) + "\\n")
 from recipes.digits_mlp import *  # noqa: F401,F403  (the contract, from the default recipe)
 '''
@@ -24,8 +26,8 @@ from recipes.digits_mlp import *  # noqa: F401,F403  (the contract, from the def
 def test_a_forked_launcher_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypatch):
     """Pins the launch server's promise: the same run, forked and in a fresh interpreter, gets
     the same working directory, the request's PYTHONPATH right after it on sys.path, the
-    request's environment, `-m flodl_run`'s argv[0] and __main__, and an empty stdin; and the
-    same exit code and summary status."""
+    request's environment, `-m flodl_run`'s argv[0] and __main__, stdout and stderr buffered as
+    an interpreter buffers pipes, and an empty stdin; and the same exit code and summary status."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "seen_recipe.py").write_text(RECIPE)

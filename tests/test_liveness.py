@@ -7,8 +7,6 @@ import glob
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +16,7 @@ from flodl_run.contracts.wire import Heartbeat
 from flodl_run.control.membership import Membership, hung_limit_s
 from flodl_run.control.runstate import ShutdownWithSave
 from flodl_run.observe.observer import Observer
-from tests.support import REPO, _live_ranks, _run
+from tests.support import REPO, _live_ranks, _run, start_cli
 
 # Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.
 HANGING_RECIPE = """
@@ -148,10 +146,8 @@ def test_a_sigkilled_launcher_leaves_no_rank_and_no_slab(tmp_path):
     """Pins orphan handling: SIGKILL the launcher of a cpu_sync pair mid-run (slabs in use);
     its ranks notice from their heartbeat thread, remove the run's /dev/shm directory (theirs
     and the coordinator's slabs) and exit: none is left re-parented to init."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_run", "tracking=off", f"hydra.run.dir={tmp_path / 'run'}",
-         "cluster=cpu_pair", "elche=cpu_sync", "num_epochs=500"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_cli("tracking=off", f"hydra.run.dir={tmp_path / 'run'}", "cluster=cpu_pair",
+                     "elche=cpu_sync", "num_epochs=500")
     for line in proc.stdout:  # wait until training is under way
         if line.startswith("epoch 1/"):
             break

@@ -24,7 +24,7 @@ import pytest
 from flodl_run.config.schema import ClusterConfig, SshConfig, Topology, WorkerConfig
 from flodl_run.hardware.hostinfo import metric_safe
 from flodl_run.launch.probe import probe
-from tests.support import HOSTS, free_common_port
+from tests.support import HOSTS, free_common_port, run_cli, start_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -53,7 +53,7 @@ def _conf_dir(tmp_path: Path, ssh: SshConfig, devices=(["cpu", "cpu"], ["cpu"]))
 
 def _command(tmp_path: Path, ssh: SshConfig, run_dir: Path, *overrides: str,
              tracking: str = "tracking=off", devices=(["cpu", "cpu"], ["cpu"])) -> List[str]:
-    return [sys.executable, "-m", "flodl_run", tracking, f"hydra.run.dir={run_dir}",
+    return [tracking, f"hydra.run.dir={run_dir}",
             f"hydra.searchpath=[file://{_conf_dir(tmp_path, ssh, devices)}]", "cluster=loopback_hosts",
             *overrides]
 
@@ -122,9 +122,8 @@ def test_two_host_run_completes(sshd, tmp_path, mode):
     and in MLflow (besides the launcher's own node)."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
     db = tmp_path / "mlflow.db"
-    done = subprocess.run(_command(tmp_path, sshd, run_dir, f"elche={mode}", "num_epochs=1",
-                                   tracking=f"tracking.uri=sqlite:///{db}"),
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    done = run_cli(*_command(tmp_path, sshd, run_dir, f"elche={mode}", "num_epochs=1",
+                             tracking=f"tracking.uri=sqlite:///{db}"))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -157,11 +156,9 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     # heartbeat_timeout_secs=10 sets the survivors' group timeout (twice that) to 20 s instead of
     # 60, the backstop should a survivor again wait in a collective on a peer that failed the
     # round but kept its Gloo group open (4 runs of 8 did, before such a peer destroyed it).
-    launcher = subprocess.Popen(_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=100",
-                                         "heartbeat_timeout_secs=10",
-                                         devices=(["cpu"], ["cpu", "cpu"])), cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=100",
+                                   "heartbeat_timeout_secs=10", devices=(["cpu"], ["cpu", "cpu"])),
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []
     for line in launcher.stdout:  # wait for training to be under way, then lose 127.0.0.2
         seen.append(line)

@@ -36,7 +36,7 @@ from flodl_run.launch.slurm import (
 )
 from flodl_run.launch.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
-from tests.support import _free_port, world_rules
+from tests.support import _free_port, run_cli, world_rules
 
 REPO = Path(__file__).resolve().parents[1]
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"
@@ -187,9 +187,8 @@ def test_cluster_slurm_outside_an_allocation_exits_2_naming_the_key(tmp_path):
     """Pins the launcher's allocation check: no SLURM_JOB_ID is a config error (exit 2, no
     traceback) that says where to run it, and no run dir is left."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, "-m", "flodl_run", "cluster=slurm", "tracking=off",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("cluster=slurm", "tracking=off", f"hydra.run.dir={tmp_path / 'run'}", env=env,
+                   timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "cluster.topology: must run inside a Slurm allocation" in proc.stderr
     assert "Traceback" not in proc.stderr

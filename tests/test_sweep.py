@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flodl_run.report.compare import JobOutcome, rows, to_csv
 from flodl_run.report.sweep import _parent_status
+from tests.support import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,10 +23,8 @@ def test_two_job_sweep_gives_one_parent_two_children_and_the_comparison(tmp_path
     import mlflow
 
     db, sweep_dir = mlflow_db, tmp_path / "multirun"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", "-m", "elche=nccl_sync,nccl_cadence", "cluster=solo",
-         "num_epochs=2", f"tracking.uri=sqlite:///{db}", f"hydra.sweep.dir={sweep_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = run_cli("-m", "elche=nccl_sync,nccl_cadence", "cluster=solo", "num_epochs=2",
+                   f"tracking.uri=sqlite:///{db}", f"hydra.sweep.dir={sweep_dir}", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     client = mlflow.MlflowClient(f"sqlite:///{db}")
     runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import run_cli
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,10 +74,8 @@ def test_job_logs_to_a_real_tracking_server(mlflow_server, tmp_path):
     import mlflow
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flodl_run", f"hydra.run.dir={run_dir}", "tracking=mlflow_server",
-         f"tracking.uri={mlflow_server}", "cluster=solo", "num_epochs=2", "run_name=served"],
-        cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = run_cli(f"hydra.run.dir={run_dir}", "tracking=mlflow_server", f"tracking.uri={mlflow_server}",
+                   "cluster=solo", "num_epochs=2", "run_name=served")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     client = mlflow.MlflowClient(mlflow_server)
