@@ -66,8 +66,10 @@ def pytest_collection_modifyitems(config, items):
     """Every test outside the coordinator and e2e tiers is `unit`; every test that uses a
     module-scoped fixture joins the xdist group of its module. Then the order the workers take
     them in: end-to-end runs first, two side by side, so that the last minutes are quick tests
-    rather than one long run; the `alone` ones (every other test waits for them anyway) keep
-    their place among the quick tests."""
+    rather than one long run, with the coordinator tier spread evenly among them (those tests
+    mostly wait out timeouts, and a run beside one has the cores to itself meanwhile; at the
+    end, two of them side by side left both cores idle); the `alone` ones (every other test
+    waits for them anyway) keep their place among the quick tests."""
     groups: dict = {}
     for item in items:
         if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
@@ -77,14 +79,28 @@ def pytest_collection_modifyitems(config, items):
         if "module" in scopes:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
             groups.setdefault(item.module.__name__, []).append(item)
-    run_first = {id(item): _run_first(item) for item in items}
-    for members in groups.values():  # a group runs as one unit, in one place in the order
-        first = any(run_first[id(item)] for item in members)
-        run_first.update({id(item): first for item in members})
-    items.sort(key=lambda item: not run_first[id(item)])  # stable: collection order otherwise
+    group_of = {id(item): members for members in groups.values() for item in members}
+    units = [group_of.get(id(item), [item]) for item in items  # a group runs as one unit,
+             if group_of.get(id(item), [item])[0] is item]      # in one place in the order
+    runs, waits, rest = [], [], []
+    for unit in units:
+        if any(_runs_beside(item) for item in unit):
+            runs.append(unit)
+        elif any(item.get_closest_marker("coordinator") for item in unit):
+            waits.append(unit)
+        else:
+            rest.append(unit)
+    items[:] = [item for unit in _spread(runs, waits) + rest for item in unit]
 
 
-def _run_first(item) -> bool:
+def _spread(first: list, second: list) -> list:
+    """Both lists in their own order, `second` spread evenly through `first`."""
+    placed = [((i + 0.5) / len(first), unit) for i, unit in enumerate(first)]
+    placed += [((j + 0.5) / len(second), unit) for j, unit in enumerate(second)]
+    return [unit for _, unit in sorted(placed, key=lambda pair: pair[0])]
+
+
+def _runs_beside(item) -> bool:
     """An end-to-end run that other end-to-end runs may go beside (not `alone`)."""
     return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is None
 

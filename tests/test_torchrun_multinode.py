@@ -52,7 +52,7 @@ def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
     agent's two ranks carry on (the coordinator drops the silent rank after its heartbeat
     timeout), and the run completes with exactly that rank dead. The surviving agent then
     waits in torchrun's exit barrier for the dead one (300 s), so it is stopped here."""
-    launcher, env = start_controller(tmp_path / "run", 3, *RANKS, "heartbeat_timeout_secs=10")
+    launcher, env = start_controller(tmp_path / "run", 3, *RANKS, "heartbeat_timeout_secs=4")
     doomed = dict(env, FLODL_RUN_FAULT="0:8:SIGKILL,1:8:SIGKILL,2:8:SIGKILL")
     agents = _agents(env, doomed)
     try:
@@ -68,11 +68,12 @@ def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
 
 
 def _stop(agent: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 20 s: an agent waiting in torchrun's exit barrier has no
-    rank left to stop, and on a loaded machine its SIGTERM path has taken over a minute."""
+    """SIGTERM, then SIGKILL after 3 s: an agent waiting in torchrun's exit barrier has no
+    rank left to stop, and its SIGTERM path waits out the barrier's store calls (in the suite
+    it took 20 s or more)."""
     agent.terminate()
     try:
-        agent.communicate(timeout=20)
+        agent.communicate(timeout=3)
     except subprocess.TimeoutExpired:
         agent.kill()
         agent.communicate()
