@@ -12,9 +12,11 @@ time importing torch in the launcher, then in each rank, so a lone run keeps abo
 busy and two runs side by side use both. `-n0` runs in one process (for a debugger, or `-x` on
 one file).
 
-Cores: an e2e test marked `alone` has a bound in seconds (a hang detected within 3-8 s, a stop
-within 10 s, a share of batches that depends on relative speed). It holds a lock that keeps
-every other test from running beside it; all other tests share that lock.
+Cores: an e2e test marked `alone` has a bound that depends on relative speed (the share of
+batches a skewed pair's fast rank takes). It holds a lock that keeps every other test from
+running beside it; all other tests share that lock. One marked `apart` has a bound in seconds
+(a hang detected within 3-8 s, a stop within 10 s): a second lock keeps the other runs (e2e
+and coordinator tests) from running beside it, while unit tests, one light process, may.
 
 Starting processes: `support._run` forks each CLI run from a per-worker launch server that
 has imported torch, Hydra and the runner (tests/launchserver.py says what that changes: nothing
@@ -68,8 +70,8 @@ def pytest_collection_modifyitems(config, items):
     them in: end-to-end runs first, two side by side, so that the last minutes are quick tests
     rather than one long run, with the coordinator tier spread evenly among them (those tests
     mostly wait out timeouts, and a run beside one has the cores to itself meanwhile; at the
-    end, two of them side by side left both cores idle); the `alone` ones (every other test
-    waits for them anyway) keep their place among the quick tests."""
+    end, two of them side by side left both cores idle); the `alone` and `apart` ones keep
+    their place among the quick tests (which may go beside an `apart` one)."""
     groups: dict = {}
     for item in items:
         if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
@@ -101,8 +103,9 @@ def _spread(first: list, second: list) -> list:
 
 
 def _runs_beside(item) -> bool:
-    """An end-to-end run that other end-to-end runs may go beside (not `alone`)."""
-    return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is None
+    """An end-to-end run that other end-to-end runs may go beside (not `alone` or `apart`)."""
+    return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is None \
+        and item.get_closest_marker("apart") is None
 
 
 def _invocation_root(tmp_path_factory) -> Path:
@@ -118,13 +121,17 @@ def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown of every test under the cores lock: exclusive for `alone`
     tests, shared for the others (so fixtures that start runs are covered too). Unit tests
     share it as well: one beside a run whose bound is relative speed took the fast rank's
-    share of a 2.5x-skewed pair from 0.71 to 0.58."""
+    share of a 2.5x-skewed pair from 0.71 to 0.58. Then runs (e2e and coordinator tests) take
+    the runs lock, exclusive for `apart` ones, shared otherwise; unit tests leave it alone."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return (yield)
     root = _invocation_root(item.config._tmp_path_factory)
-    with open(root / "cores.lock", "w") as lock:
+    with open(root / "cores.lock", "w") as cores, open(root / "runs.lock", "w") as runs:
         alone = item.get_closest_marker("alone") is not None
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if item.get_closest_marker("unit") is None:
+            apart = item.get_closest_marker("apart") is not None
+            fcntl.flock(runs, fcntl.LOCK_EX if apart else fcntl.LOCK_SH)
         return (yield)
 
 

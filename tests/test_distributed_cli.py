@@ -73,7 +73,7 @@ def test_outer_optimizers_complete_in_collective_modes(tmp_path, mode, outer):
     assert summary["status"] == "completed" and summary["outer"] == outer
 
 
-@pytest.mark.alone
+@pytest.mark.apart
 def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
     """Pins Ctrl-C: the launcher stops ranks and coordinator in < 10 s, exits 130, marks the
     summary interrupted and leaves no rank process behind."""

@@ -103,7 +103,7 @@ def test_a_silent_rank_dies_once_and_the_last_death_ends_the_run_with_a_save():
     assert ranks.alive == set() and [r for r, _ in lost.dead] == [1, 0]
 
 
-@pytest.mark.alone
+@pytest.mark.apart
 @pytest.mark.e2e
 def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path):
     """Pins hung-rank detection: rank 1 blocks in its 5th train_step while its heartbeats go
@@ -121,7 +121,7 @@ def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path
     assert all(e["samples"] == 1437 for e in summary["epochs"])
 
 
-@pytest.mark.alone
+@pytest.mark.apart
 @pytest.mark.e2e
 def test_an_injected_hang_is_declared_dead_by_heartbeat_timeout(tmp_path):
     """Pins the `hang` fault end to end: rank 1 of a cpu_cadence pair stops after its 8th batch,

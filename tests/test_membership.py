@@ -59,7 +59,7 @@ def _lost_to_end_s(run_dir: Path, rank: int) -> float:
     return (run_dir / "summary.json").stat().st_mtime - lost
 
 
-@pytest.mark.alone
+@pytest.mark.apart
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence"])
 def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
@@ -80,7 +80,7 @@ def test_a_lone_collective_survivor_finishes_the_run(tmp_path, mode):
     assert _lost_to_end_s(tmp_path / "run", 1) <= 60 + 10
 
 
-@pytest.mark.alone
+@pytest.mark.apart
 @pytest.mark.e2e
 def test_a_stopped_rank_inside_a_collective_is_dropped_within_the_heartbeat_timeout(tmp_path):
     """Pins the hung-peer path of a collective: rank 1 of an nccl_sync pair is SIGSTOPped after

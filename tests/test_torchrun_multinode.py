@@ -45,7 +45,7 @@ def test_two_torchrun_agents_form_one_run_over_c10d(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
+@pytest.mark.apart
 def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
     """Pins what a lost node means under torchrun: the second agent's only rank is SIGKILLed
     after 8 batches (whichever global rank torchrun gave it); that agent ends failed, the first
