@@ -15,18 +15,20 @@ timed() {  # timed LABEL ENV... -- ARGS...: wall, first epoch, done line
   local label=$1; shift
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  local t0; t0=$(date +%s.%N)
+  local t0; t0=$(date +%s%N)
   env "${envs[@]}" python3 -m flodl_run tracking=off "hydra.run.dir=/tmp/z_$label" "$@" 2>&1 \
     | while IFS= read -r line; do
-        case "$line" in epoch\ 1/*) echo "first_epoch_s=$(echo "$(date +%s.%N) - $t0" | bc)";; esac
+        case "$line" in epoch\ 1/*) echo "first_epoch_ms=$(( ($(date +%s%N) - t0) / 1000000 ))";; esac
         case "$line" in done:*|failed*|interrupted*|*Error*) echo "$line";; esac
       done
-  echo "$label wall_s=$(echo "$(date +%s.%N) - $t0" | bc) zygote_log=$(wc -c < /tmp/z_$label/ranks/zygote.log 2>/dev/null || echo none)"
+  local log=none
+  [ -f "/tmp/z_$label/ranks/zygote.log" ] && log=$(wc -c < "/tmp/z_$label/ranks/zygote.log")
+  echo "$label wall_ms=$(( ($(date +%s%N) - t0) / 1000000 )) zygote_log_bytes=$log"
 }
 
 {
   timed solo_gpu FLODL_X=1 -- num_epochs=2
-  for round in 1 2; do
+  for round in 1 2 3; do
     for start in spawn zygote; do
       timed "pair_${start}_$round" FLODL_RUN_RANK_START=$start -- cluster=local_gpus \
         "cluster.devices=[0,0]" elche=cpu_cadence num_epochs=3
