@@ -70,8 +70,9 @@ def pytest_collection_modifyitems(config, items):
     them in: end-to-end runs first, two side by side, so that the last minutes are quick tests
     rather than one long run, with the coordinator tier spread evenly among them (those tests
     mostly wait out timeouts, and a run beside one has the cores to itself meanwhile; at the
-    end, two of them side by side left both cores idle); the `alone` and `apart` ones keep
-    their place among the quick tests (which may go beside an `apart` one)."""
+    end, two of them side by side left both cores idle); then the quick tests, with the
+    `alone` and `apart` ones spread evenly among them (one worker runs quick tests beside an
+    `apart` one; all of them in a row at the end left the other worker with nothing to do)."""
     groups: dict = {}
     for item in items:
         if item.get_closest_marker("coordinator") is None and item.get_closest_marker("e2e") is None:
@@ -84,15 +85,17 @@ def pytest_collection_modifyitems(config, items):
     group_of = {id(item): members for members in groups.values() for item in members}
     units = [group_of.get(id(item), [item]) for item in items  # a group runs as one unit,
              if group_of.get(id(item), [item])[0] is item]      # in one place in the order
-    runs, waits, rest = [], [], []
+    runs, waits, timed, rest = [], [], [], []
     for unit in units:
         if any(_runs_beside(item) for item in unit):
             runs.append(unit)
         elif any(item.get_closest_marker("coordinator") for item in unit):
             waits.append(unit)
+        elif any(item.get_closest_marker("alone") or item.get_closest_marker("apart") for item in unit):
+            timed.append(unit)
         else:
             rest.append(unit)
-    items[:] = [item for unit in _spread(runs, waits) + rest for item in unit]
+    items[:] = [item for unit in _spread(runs, waits) + _spread(rest, timed) for item in unit]
 
 
 def _spread(first: list, second: list) -> list:
