@@ -79,15 +79,16 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
     return proc, summary
 
 
-def run_cli(*args: str, timeout: float = 180, env=None) -> subprocess.CompletedProcess:
-    """`python -m flodl_run *args` run to its end in the repo, as `subprocess.run(...,
-    capture_output=True, text=True)` would, with the launcher's `pid` added. The launcher is
+def run_cli(*args: str, timeout: float = 180, env=None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m flodl_run *args` run to its end in `cwd` (the repo unless given), as
+    `subprocess.run(..., capture_output=True, text=True)` would, with the launcher's `pid`
+    added. The launcher is
     forked from this worker's launch server (tests/launchserver.py says what that changes:
     nothing the run can see); FLODL_TESTS_FRESH=1 in the environment of pytest starts a fresh
     interpreter instead."""
     argv = [sys.executable, "-m", "flodl_run", *args]
     if os.environ.get("FLODL_TESTS_FRESH") == "1":
-        with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        with subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) as launcher:
             try:
                 out, err = launcher.communicate(timeout=timeout)
@@ -98,7 +99,7 @@ def run_cli(*args: str, timeout: float = 180, env=None) -> subprocess.CompletedP
         pid, code = launcher.pid, launcher.returncode
     else:
         pid, code, out, err = LaunchServer.get(str(REPO)).run(
-            list(args), str(REPO), dict(os.environ if env is None else env), timeout)
+            list(args), str(cwd), dict(os.environ if env is None else env), timeout)
     proc = subprocess.CompletedProcess(argv, code, out, err)
     proc.pid = pid
     return proc

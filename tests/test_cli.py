@@ -18,6 +18,7 @@ import pytest
 
 from flodl_run import review
 from flodl_run.config.compose import experiment_from_yaml
+from tests.support import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
@@ -26,9 +27,12 @@ EASGD_MESSAGE = "elche.easgd_alpha: must be in (0, 1], got 1.5"
 
 
 def run(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m <module> args` from the repo root; COLUMNS keeps rich tables unwrapped."""
+    """Run `python -m <module> args` from the repo root; COLUMNS keeps rich tables unwrapped.
+    The runner itself forks from the launch server (`run_cli`)."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     full_env.pop("FLODL_RUN_TRACEBACK", None)
+    if module == "flodl_run":
+        return run_cli(*args, env=full_env)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=180)
 

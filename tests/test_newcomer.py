@@ -22,15 +22,19 @@ from flodl_run.config.compose import register_schemas
 from flodl_run.config.helppage import choose_when
 from flodl_run.config.overrides import check
 from flodl_run.config.schema import ExperimentConfig
+from tests.support import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
 
 
 def cli(cwd: Path, *args: str, module: str = "flodl_run", columns: int = 200) -> subprocess.CompletedProcess:
-    """`python -m <module> args` from `cwd`, the project importable as an installed one would be."""
+    """`python -m <module> args` from `cwd`, the project importable as an installed one would be
+    (the runner itself forks from the launch server, `run_cli`)."""
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(REPO)}
     env.pop("FLODL_RUN_TRACEBACK", None)
+    if module == "flodl_run":
+        return run_cli(*args, env=env, cwd=cwd, timeout=300)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
