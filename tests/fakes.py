@@ -60,7 +60,7 @@ NUM_SAMPLES = 640
 BEAT_S = 1.0  # heartbeat period, as in real ranks (a shorter one: `beat_s`)
 WAIT_S = 30.0  # the longest a fake waits for anything: past it, the run is stuck (a failure)
 
-KINDS = {"die": ("train", "reduce"), "raise": ("train",), "hang": ("train",),
+KINDS = {"die": ("train", "reduce", "reduced"), "raise": ("train",), "hang": ("train",),
          "freeze": ("train", "reduce"), "reduce_fail": ("reduce",)}
 
 
@@ -70,7 +70,9 @@ class Fault:
 
     Points: "train": while working on its at-th Train order (its batches ran, not yet
     reported, as a SIGKILL after a batch lands); "reduce": on entering its at-th reduce (a
-    SyncNow, or one riding on a Train), once its collective peers wait in it.
+    SyncNow, or one riding on a Train), once its collective peers wait in it; "reduced": on
+    leaving its at-th collective reduce, completed, before its answer leaves (a SIGKILL right
+    after the all-reduce: the coordinator never hears that the round completed).
     Kinds: "die": the process vanishes (no more messages; its peers' collective breaks; the
     launcher reports the exit). "raise": the recipe's train_step raises: the rank reports
     RankFailed with the error, then its process exits (reported). "hang": stuck in
@@ -375,7 +377,11 @@ class FakeRank(threading.Thread):
             return
         if fault is not None:  # reduce_fail: the collective breaks under every member
             self._break_group()
-        self.ch.send(self._collective(order.round))
+        answer = self._collective(order.round)
+        after = self.faults.get(("reduced", self.reduces))
+        if after is not None and isinstance(answer, Reduced):
+            self._vanish(f"die after reduce {after.at}")
+        self.ch.send(answer)
 
     def _collective(self, round_: int):
         """The weighted all-reduce of round `round_`: a retry of a round this rank completed

@@ -76,6 +76,23 @@ def _every_sample_once(group, epochs: int) -> _Coverage:
 # ---- deaths -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", COLLECTIVE)
+def test_a_death_after_an_unreported_reduce_leaves_no_stale_answer_behind(mode):
+    """Rule 'a retry hears only its own answers': rank 1 of three dies right after completing
+    its first reduce, before its answer leaves. The coordinator counts round 1 as failed and
+    retries it in a new group; the survivors, already training the order sent ahead of it,
+    failed round 2 in the old group first. Those ReduceFailed(2) answer no attempt of the new
+    group: taken as round 2's answer there, they regrouped a second time and retried a round
+    the survivors had completed, dropping its samples from the consensus (seen as a flake
+    under load before this test made the order certain). One regroup, every sample once."""
+    summary, fakes, group, events = _run(mode, [Fault(1, "die", 1, point="reduced")])
+    assert summary.status == "completed", summary.message
+    assert summary.dead_ranks == [1] and fakes[1].fate == "die after reduce 1"
+    assert events.of("regroup") == ["generation 1: ranks [0, 2]"]
+    assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
+    assert _every_sample_once(group, 2)
+
+
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_a_death_mid_window_is_redone_by_the_survivors(mode):
     """Rule 'survivors carry on': rank 1 of three dies while training its 2nd order (its

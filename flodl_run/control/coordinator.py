@@ -171,9 +171,16 @@ class Coordinator:
         return self.saving.fail_callback(failure, epoch, uncovered)
 
     def _regroup(self) -> None:
-        """Void the orders sent ahead (their batches back to the pool), then rebuild the group."""
+        """Void the orders sent ahead (their batches back to the pool), rebuild the group, then
+        drop the reduce answers that came before it. A survivor answers in order on its one
+        channel, so whatever it sent before its Regrouped answered an attempt of the old group:
+        a ReduceFailed of the round sent ahead, kept for later, would otherwise be taken as the
+        answer to that round's attempt in the new group (a second regroup, and the retry of a
+        round the survivors had completed)."""
         self.windows.cancel_ahead()
         self.members.regroup()
+        self._deferred = [waiting for waiting in self._deferred
+                          if not isinstance(waiting.message, (Reduced, ReduceFailed))]
 
     def _on_lost(self, rank: int, reason: str) -> None:
         """A rank was declared dead: record it, kill it, give its work back and re-plan."""
