@@ -177,8 +177,9 @@ from recipes.digits_mlp import *  # noqa: F401,F403  (the contract, from the def
 def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, monkeypatch):
     """The spare was forked from the launcher, not started by the supervisor: its ranks must
     still get the rank's threads (OMP_NUM_THREADS, which torch read before), unbuffered
-    output, the working directory, sys.path, argv[0], their own session, a parent they watch,
-    default signal handlers and no logging handler, exactly as the same run's spawned ranks."""
+    output, the launcher's working directory when they start (here Hydra's job.chdir moved it
+    after the fork), sys.path, argv[0], their own session, a parent they watch, default signal
+    handlers and no logging handler, exactly as the same run's spawned ranks."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "view_recipe.py").write_text(VIEW_RECIPE)
@@ -187,10 +188,16 @@ def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, mo
         seen = tmp_path / f"{start}.jsonl"
         env = dict(os.environ, PYTHONPATH=str(pkg), SEEN_FILE=str(seen), FLODL_RUN_RANK_START=start)
         proc, summary = _run(tmp_path / start, "cluster=cpu_pair", "cluster.threads_per_rank=null",
-                             "num_epochs=1", "recipe=custom", "recipe.module=view_recipe", env=env)
+                             "num_epochs=1", "recipe=custom", "recipe.module=view_recipe",
+                             "hydra.job.chdir=true", env=env)
         assert proc.returncode == 0 and summary["status"] == "completed", proc.stderr[-2000:]
         views[start] = sorted((json.loads(line) for line in seen.read_text().splitlines()),
                               key=lambda view: view["rank"])
+        # Hydra moved the launcher into its run dir after the spare was forked: ranks start there
+        run_dir = str(tmp_path / start / "run")
+        assert [view.pop("cwd") for view in views[start]] == [run_dir] * 2
+        for view in views[start]:
+            view["path"] = ["<run dir>" if entry == run_dir else entry for entry in view["path"]]
     assert [view["rank"] for view in views["spawn"]] == ["0", "1"]
     parents = {start: [view.pop("parent") for view in views[start]] for start in views}
     assert parents["zygote"] == [["flodl_zygote", False]] * 2  # the spare, not a new interpreter

@@ -132,7 +132,8 @@ class Zygote:
         read_end, write_end = os.pipe()
         try:
             with self.lock:
-                socket.send_fds(self.sock, [json.dumps({"env": env}).encode()], [write_end])
+                request = {"env": env, "cwd": os.getcwd()}  # where a spawned rank would start
+                socket.send_fds(self.sock, [json.dumps(request).encode()], [write_end])
                 while not self.started and not self.closed:
                     self._take(block=True)
                 if not self.started:
@@ -254,6 +255,7 @@ def prefork() -> None:
         _spare = Zygote(ours, _Child(pid))
         return
     ours.close()
+    _note_base_path()
     raise SystemExit(_spare_main(theirs))
 
 
@@ -336,9 +338,10 @@ def preload() -> None:
     gc.freeze()
 
 
-def _serve(sock: socket.socket) -> Optional[Dict[str, str]]:
-    """Fork ranks on request and report their exits. Returns, in a forked child, the rank's
-    environment (the child then runs the rank); in the zygote, None when it is done."""
+def _serve(sock: socket.socket) -> Optional[dict]:
+    """Fork ranks on request and report their exits. Returns, in a forked child, the request
+    (the rank's environment and working directory: the child then runs the rank); in the
+    zygote, None when it is done."""
     launcher = os.getppid()
     children: Dict[int, Optional[int]] = {}  # pid -> pidfd (None where pidfds are unsupported)
     sealed = False
@@ -359,7 +362,7 @@ def _serve(sock: socket.socket) -> Optional[Dict[str, str]]:
             pid = os.fork()
             if pid == 0:
                 _become_rank(sock, fds_in[0], children)
-                return request["env"]
+                return request
             os.close(fds_in[0])
             children[pid] = _pidfd(pid)
             sock.send(json.dumps({"started": pid}).encode())
@@ -410,10 +413,15 @@ def _name(name: str) -> None:
         pass
 
 
-def _run_rank(env: Dict[str, str]) -> int:
+def _run_rank(request: dict) -> int:
+    env: Dict[str, str] = request["env"]
     _name(f"flodl_rank{env.get('RANK', '')}")
+    if request.get("cwd"):  # the launcher's now (Hydra's job.chdir may have moved it since the fork)
+        os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
+    if _base_path is not None:  # sys.path as `python -m` builds it here: cwd, PYTHONPATH, the rest
+        sys.path[:] = [os.getcwd(), *_entries(env.get("PYTHONPATH", "")), *_base_path]
     os.environ["FLODL_RUN_PARENT_PID"] = str(os.getppid())  # our parent is the zygote
     fresh_random_state()
     _intra_op_threads(env)
@@ -446,14 +454,29 @@ def fresh_random_state() -> None:
         numpy.random.seed()
 
 
+_base_path: Optional[List[str]] = None
+"""sys.path past the entries an interpreter's start put first (its directory, PYTHONPATH), noted
+when this process began to be a zygote: a rank's own go in front of it."""
+
+
+def _entries(pythonpath: str) -> List[str]:
+    return [p for p in pythonpath.split(os.pathsep) if p]
+
+
+def _note_base_path() -> None:
+    global _base_path
+    _base_path = sys.path[1 + len(_entries(os.environ.get("PYTHONPATH", ""))):]
+
+
 def _zygote(sock: socket.socket) -> int:
     """Import, then fork ranks until done; in a forked child, run the rank."""
     preload()
-    env = _serve(sock)
-    return 0 if env is None else _run_rank(env)
+    request = _serve(sock)
+    return 0 if request is None else _run_rank(request)
 
 
 def main(argv: List[str]) -> int:
+    _note_base_path()
     sock = socket.socket(fileno=int(argv[0]))
     _name(ZYGOTE_NAME)
     return _zygote(sock)
