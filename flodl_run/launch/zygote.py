@@ -199,7 +199,6 @@ class ForkedRank:
         self.send_signal(signal.SIGTERM)
 
 
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
