@@ -27,7 +27,6 @@ closes.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import runpy
@@ -86,33 +85,19 @@ def _take_output(stdout: int, stderr: int) -> None:
         os.close(fd)
 
 
-def _fresh_stdio(unbuffered: bool) -> None:
-    """sys.stdout and sys.stderr as an interpreter starting on these pipes makes them (ours
-    were made for the server's own streams): stdout block-buffered and stderr line-buffered,
-    both unbuffered and writing through under PYTHONUNBUFFERED."""
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        old = getattr(sys, name)
-        raw = io.FileIO(fd, "w", closefd=False)
-        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding,
-                                  errors=old.errors, line_buffering=name == "stderr" and not unbuffered,
-                                  write_through=unbuffered)
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
-
-
 def _become_launcher(request: dict, base_path: List[str]) -> None:
     """Take the request's directory, environment, path and arguments, then run the CLI module
     as `python -m flodl_run` does. Raises SystemExit with the CLI's exit code."""
+    from flodl_run.launch.zygote import fresh_random_state, fresh_stdio
+
     cwd, env = request["cwd"], request["env"]
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    _fresh_stdio(bool(env.get("PYTHONUNBUFFERED")))
+    fresh_stdio(bool(env.get("PYTHONUNBUFFERED")))
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *extra, *base_path]
     sys.argv = ["-m", *request["argv"]]
-    from flodl_run.launch.zygote import fresh_random_state
-
     fresh_random_state()  # as the rank zygote does for the ranks it forks
     runpy.run_module("flodl_run", run_name="__main__", alter_sys=True)
     raise SystemExit(0)

@@ -183,8 +183,10 @@ class ForkedRank:
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
+            from flodl_run.averaging.shm import pid_alive  # here: `prefork` runs before torch loads
+
             self.returncode = self.zygote.returncode(self.pid)
-            if self.returncode is None and self.zygote.closed and not _alive(self.pid):
+            if self.returncode is None and self.zygote.closed and not pid_alive(self.pid):
                 self.returncode = 1  # the zygote died first; the rank left as an orphan
         return self.returncode
 
@@ -197,16 +199,6 @@ class ForkedRank:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process has taken the pid
-    return True
 
 
 # ---------------------------------------------------------------- the spare
@@ -302,18 +294,21 @@ def _spare_main(sock: socket.socket) -> int:
     for fd in (1, 2):
         os.dup2(fds[0], fd)
     os.close(fds[0])
-    _unbuffered_output()
+    fresh_stdio(unbuffered=True)  # ranks run with PYTHONUNBUFFERED: output forwarded as it comes
     return _zygote(sock)
 
 
-def _unbuffered_output() -> None:
-    """Ranks run with PYTHONUNBUFFERED (their output is forwarded as it comes); the spare's
-    sys.stdout and sys.stderr were made for the launcher's streams: make them as such an
-    interpreter makes them, unbuffered and writing through."""
-    for name in ("stdout", "stderr"):
+def fresh_stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr over file descriptors 1 and 2 as an interpreter starting on
+    pipes makes them (a forked process's were made for its parent's streams): stdout
+    block-buffered and stderr line-buffered, both unbuffered and writing through under
+    PYTHONUNBUFFERED."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
-        stream = io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False),
-                                  encoding=old.encoding, errors=old.errors, write_through=True)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding,
+                                  errors=old.errors, line_buffering=name == "stderr" and not unbuffered,
+                                  write_through=unbuffered)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
