@@ -44,6 +44,14 @@ class GuardKind(str, enum.Enum):
     rate = "rate"
 
 
+class SyncAverage(str, enum.Enum):
+    """What nccl_sync averages: the gradients inside backward (exact: torch DDP's trajectory at
+    the global batch) or, floDl's variant, the parameters after each rank's own step."""
+
+    grads = "grads"
+    params = "params"
+
+
 class OuterKind(str, enum.Enum):
     """Outer optimizer applied to the consensus."""
 
@@ -132,6 +140,15 @@ class ElCheConfig:
     """Consensus weight exponent: w_k = n_k ** gamma; >= 0."""
     meta_controller: bool = True
     """LR-aware meta-controller above ElChe."""
+    sync_average: SyncAverage = SyncAverage.grads
+    """nccl_sync only: grads (exact, work-weighted gradient all-reduce) or params (floDl's)."""
+    micro_batch_size: Optional[int] = None
+    """nccl_sync grads: largest micro-batch a rank computes at once, in samples; null = batch_size."""
+
+    @property
+    def averages_gradients(self) -> bool:
+        """nccl_sync's exact path: each global step's gradient is averaged, not the replicas."""
+        return self.mode is Mode.nccl_sync and self.sync_average is SyncAverage.grads
 
     @classmethod
     def nccl_sync(cls) -> "ElCheConfig":

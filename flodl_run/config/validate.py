@@ -20,6 +20,7 @@ from flodl_run.config.schema import (
     ExperimentConfig,
     Mode,
     OuterKind,
+    SyncAverage,
     Topology,
     TrackingConfig,
     TrackingKind,
@@ -154,6 +155,7 @@ def _elche(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     yield from _at_least("elche.max_overshoot", e.max_overshoot, 0)
     yield from _above("elche.divergence_threshold", e.divergence_threshold, 0)
     yield from _at_least("elche.gamma", e.gamma, 0)
+    yield from _at_least("elche.micro_batch_size", e.micro_batch_size, 1)
     if e.easgd_alpha is not None and not (0 < e.easgd_alpha <= 1):
         yield Problem("elche.easgd_alpha", e.easgd_alpha, "must be in (0, 1]")
     yield from _partition_ratios(e.partition_ratios, world_size)
@@ -181,6 +183,11 @@ def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
     if e.max_batch_diff is not None and e.mode is Mode.nccl_cadence:
         yield (f"elche.max_batch_diff={e.max_batch_diff} has no effect in mode {e.mode.value}: "
                "the collective paces the ranks")
+    if e.mode is not Mode.nccl_sync and e.sync_average is not SyncAverage.grads:
+        yield f"elche.sync_average={e.sync_average.value} has no effect in mode {e.mode.value} (nccl_sync only)"
+    if e.micro_batch_size is not None and not e.averages_gradients:
+        yield (f"elche.micro_batch_size={e.micro_batch_size} has no effect in mode {e.mode.value}"
+               " (nccl_sync with sync_average=grads only)")
     if e.relax_up and e.mode.is_sync:
         yield f"elche.relax_up has no effect in mode {e.mode.value}: sync modes reduce every step"
 

@@ -97,6 +97,18 @@ class WindowDone(Message):
     """resident or streaming: how the rank's data reached its device at the window's end."""
     device_bytes: int = 0
     """Bytes the rank's GPU caching allocator held at the window's end (0 on CPU)."""
+    skipped: int = 0
+    """nccl_sync (gradients): steps every rank skipped for a non-finite averaged gradient."""
+
+
+class WindowFailed(Message):
+    """nccl_sync (gradients): the window broke after `steps` completed steps (a peer died inside
+    a step's all-reduce); this rank holds the state after those steps and waits for a Regroup."""
+
+    rank: int
+    window: int
+    steps: int
+    error: str
 
 
 class Reduced(Message):
@@ -222,6 +234,11 @@ class Train(Message):
     after_round: int = 0
     """Sent ahead (nccl_sync on an even rig): train it only once this rank's reduce of round
     `after_round` has completed; a Regroup drops it if that reduce failed. 0: train it now."""
+    shares: List[int] = []
+    """nccl_sync (gradients): this rank's samples of each step of the window, in step order
+    (the slices hold them back to back); empty for every other mode."""
+    totals: List[int] = []
+    """... and each step's samples over all ranks: the rank's gradient weighs share / total."""
 
 
 class Update(Message):
@@ -260,6 +277,9 @@ class Regroup(Message):
 
     generation: int
     members: List[int]
+    source: int = -1
+    """nccl_sync (gradients): the member whose model and optimizer state every member adopts
+    once the group is rebuilt (it completed the most steps of the broken window); -1: none."""
 
 
 class AbortGroup(Message):
@@ -296,21 +316,17 @@ class Stop(Message):
     reason: str
 
 
-AnyMessage = Union[RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated,
-                   RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Train, SyncNow, Update,
-                   Evaluate, Regroup, SaveCheckpoint, Stop, Listening, AbortGroup, ClockPing,
-                   ClockEcho, TimelineEvents]
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AnyMessage)
-
+AnyMessage = Union[RankJoined, Heartbeat, WindowDone, WindowFailed, Reduced, SnapshotTaken,
+                   Evaluated, RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Train, SyncNow,
+                   Update, Evaluate, Regroup, SaveCheckpoint, Stop, Listening, AbortGroup,
+                   ClockPing, ClockEcho, TimelineEvents]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
 log = logging.getLogger(__name__)
 
-FACTS = (RankJoined, Heartbeat, WindowDone, Reduced, SnapshotTaken, Evaluated, RankFailed,
-         CheckpointSaved, ReduceFailed, Regrouped, Listening, ClockPing, TimelineEvents)
+FACTS = (RankJoined, Heartbeat, WindowDone, WindowFailed, Reduced, SnapshotTaken, Evaluated,
+         RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Listening, ClockPing, TimelineEvents)
 """What ranks send; only the coordinator receives these."""
 ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, Stop, AbortGroup, ClockEcho)
 """What the coordinator sends; only ranks receive these. (A type in neither list is taken by

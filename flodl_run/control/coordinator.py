@@ -39,10 +39,12 @@ from flodl_run.contracts.wire import (
     Train,
     Update,
     WindowDone,
+    WindowFailed,
     bind_router,
 )
 from flodl_run.control.dispatch import EpochPool, EpochSpan, epoch_span
 from flodl_run.control.epochs import Epochs
+from flodl_run.control.exact import ExactWindows
 from flodl_run.control.membership import Membership
 from flodl_run.control.overlap import AsyncLoop
 from flodl_run.control.reduces import Reduces
@@ -131,6 +133,9 @@ class Coordinator:
         self.windows = Windows(
             world, mode, config, self.members, self.reduces, self.balance, self.stop, self.holdings,
             self._send, self._next, self.observer, self.save_bundle, self.saving.graceful_stop)
+        if self.exact:
+            self.windows.exact = ExactWindows(self.windows, self.reduces, self._send, self._next,
+                                              self._regroup)
 
     # ---- what the parts share, through the coordinator ---------------------------------------
 
@@ -170,17 +175,24 @@ class Coordinator:
     def fail_callback(self, failure: CallbackFailed, epoch: int, uncovered: List[List[int]]):
         return self.saving.fail_callback(failure, epoch, uncovered)
 
-    def _regroup(self) -> None:
+    @property
+    def exact(self) -> bool:
+        """nccl_sync's exact path: gradients averaged inside backward (a recipe with its own
+        loop steps its optimizers itself, so it averages parameters; the ranks decide alike)."""
+        has_loop = self.recipe is not None and self.recipe.loop is not None
+        return self.config.elche.averages_gradients and not has_loop
+
+    def _regroup(self, source: int = -1) -> None:
         """Void the orders sent ahead (their batches back to the pool), rebuild the group, then
         drop the reduce answers that came before it. A survivor answers in order on its one
         channel, so whatever it sent before its Regrouped answered an attempt of the old group:
         a ReduceFailed of the round sent ahead, kept for later, would otherwise be taken as the
         answer to that round's attempt in the new group (a second regroup, and the retry of a
-        round the survivors had completed)."""
+        round the survivors had completed). `source`: see Membership.regroup."""
         self.windows.cancel_ahead()
-        self.members.regroup()
+        self.members.regroup(source)
         self._deferred = [waiting for waiting in self._deferred
-                          if not isinstance(waiting.message, (Reduced, ReduceFailed))]
+                          if not isinstance(waiting.message, (Reduced, ReduceFailed, WindowFailed))]
 
     def _on_lost(self, rank: int, reason: str) -> None:
         """A rank was declared dead: record it, kill it, give its work back and re-plan."""
@@ -279,7 +291,7 @@ class Coordinator:
     def _reduce_ms(self) -> Optional[float]:
         """The slowest rank's view of one reduce timed before training (collective modes)."""
         timed = [j.reduce_ms for j in self.joined.values() if j.reduce_ms is not None]
-        if not timed:
+        if not timed or self.exact:  # the exact path's window boundary is no all-reduce
             return None
         self._pending_events.append(("reduce_timed", f"one reduce before training: {max(timed):.1f} ms"))
         return max(timed)
@@ -403,8 +415,8 @@ class Coordinator:
             if isinstance(message, expect) and (accept is None or accept(message)):
                 self._payloads = received.payloads
                 return message
-            if isinstance(message, (WindowDone, SnapshotTaken, Evaluated, Reduced, ReduceFailed,
-                                    CheckpointSaved, Regrouped)):
+            if isinstance(message, (WindowDone, WindowFailed, SnapshotTaken, Evaluated, Reduced,
+                                    ReduceFailed, CheckpointSaved, Regrouped)):
                 self._deferred.append(received)
             elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from flodl_run.elche.shares import largest_remainder
+
 SliceT = Tuple[int, int, int]  # (pass_index, offset into the pass permutation, size)
 
 
@@ -32,19 +34,6 @@ def epoch_span(epoch: int, num_samples: int, augment: int, epoch_splits: int) ->
     part = epoch % epoch_splits
     return EpochSpan(epoch, epoch // epoch_splits, part * picks // epoch_splits,
                      (part + 1) * picks // epoch_splits)
-
-
-def largest_remainder(total: int, weights: Sequence[float]) -> List[int]:
-    """Integers summing to `total`, proportional to weights (ties to the lowest index)."""
-    wsum = sum(weights)
-    if total <= 0 or wsum <= 0:
-        return [0] * len(weights)
-    exact = [total * w / wsum for w in weights]
-    out = [int(x) for x in exact]
-    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - out[i]), i))
-    for i in order[: total - sum(out)]:
-        out[i] += 1
-    return out
 
 
 def equal_split(size: int, num_ranks: int, ratios: Optional[Sequence[float]] = None,
@@ -82,6 +71,26 @@ def window_samples(remaining: int, counts: Sequence[int], batch_size: int) -> Li
         last = max(i for i, b in enumerate(batches) if b > 0)
         samples[last] -= excess
     return samples
+
+
+def cut_step(slices: Sequence[SliceT], shares: Sequence[int]) -> List[List[SliceT]]:
+    """nccl_sync: one global step's slices cut into consecutive pieces of `shares` samples
+    (rank by rank, in rank order; an empty list for a share of 0)."""
+    pieces: List[List[SliceT]] = []
+    queue = [list(s) for s in slices]
+    for share in shares:
+        piece: List[SliceT] = []
+        while share > 0 and queue:
+            pass_index, offset, size = queue[0]
+            n = min(share, size)
+            piece.append((pass_index, offset, n))
+            share -= n
+            if n == size:
+                queue.pop(0)
+            else:
+                queue[0] = [pass_index, offset + n, size - n]
+        pieces.append(piece)
+    return pieces
 
 
 def as_range(piece: SliceT) -> List[int]:

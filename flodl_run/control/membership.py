@@ -157,19 +157,19 @@ class Membership:
             raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")
         # One survivor carries on alone (its reduce is the identity) and takes the pool's work.
 
-    def regroup(self) -> None:
+    def regroup(self, source: int = -1) -> None:
         """Collective modes: survivors rebuild the process group (new store prefix, new ranks
         by ascending old rank) before the next reduce. The caller voids the orders sent ahead
-        first."""
+        first. `source` (nccl_sync's exact path): the member whose state all adopt."""
         self.generation += 1
         members = sorted(self.alive)
         for rank in members:
-            self._send(rank, Regroup(self.generation, members))
+            self._send(rank, Regroup(self.generation, members, source if source in members else -1))
         joined: Set[int] = set()
         while joined < self.alive:
             msg = self._next(expect=Regrouped)
             if msg is None:  # another death while regrouping: start over with fewer members
-                return self.regroup()
+                return self.regroup(source)
             if msg.generation == self.generation:
                 joined.add(msg.rank)
         self.regroup_needed = False

@@ -73,6 +73,7 @@ class Reduces:
         # rank -> (cosine, magnitude) of its window update against the consensus, this reduce
         self._alignment: Dict[int, Tuple[Optional[float], Optional[float]]] = {}
         self._nonfinite_streak = 0  # reduces in a row with a non-finite rank
+        self._skipped = 0  # nccl_sync (gradients): steps skipped in the window just closed
         self._reset_next: Set[int] = set()  # non-finite ranks the next update replaces
         self._resetting: Set[int] = set()  # ... until their next snapshot (NaN windows in flight)
         # snapshot_timeout_secs: ranks left out of a round's average (rank -> that round), the
@@ -166,6 +167,44 @@ class Reduces:
         if stop:  # every rank has adopted the consensus by now: that is what gets saved
             self.fail_nonfinite(epoch, self._uncovered_now())
         return trains
+
+    def note_skipped(self, rank: int, skipped: int) -> None:
+        """nccl_sync (gradients): steps every rank skipped in a window for a non-finite
+        averaged gradient (each rank reports the same count)."""
+        self._skipped = max(self._skipped, skipped)
+
+    def close_exact_window(self, window: WindowTally, epoch_tally: EpochTally, epoch: int, steps: int,
+                           per_batch: Tuple[List[float], List[int]], sync_ms: float) -> None:
+        """nccl_sync (gradients): a window of `steps` global steps is in every survivor's
+        state. One round of bookkeeping: the counters, the holdings folded, ElChe's report
+        (`per_batch`: the timing in its unit), the skipped steps and the observers."""
+        self.begin_round()
+        self.sync_ms.append(sync_ms)
+        self.holdings.reset({rank: [] for rank in self.alive})
+        self.add_steps(steps)
+        epoch_tally.add(window)
+        lr = next((x for x in window.lr if x is not None), None)
+        walls, batches = per_batch
+        plan = self.balance.on_reduce(ReduceReport(wall_ms=walls, batches=batches, sync_ms=sync_ms, lr=lr))
+        self.summary.anchor_trajectory.append(plan.anchor)
+        stop = self._tally_skipped()
+        self.observe_reduce(epoch, sync_ms, None)
+        self._maybe_report(epoch, epoch_tally)
+        if stop:
+            self.fail_nonfinite(epoch, self._uncovered_now())
+
+    def _tally_skipped(self) -> bool:
+        """Windows in a row with a skipped step: True when that reaches max_nonfinite."""
+        skipped, self._skipped = self._skipped, 0
+        if not skipped:
+            self._nonfinite_streak = 0
+            return False
+        self._nonfinite_streak += 1
+        self.summary.nonfinite.append({"round": self.round, "rank": None, "what": f"gradient x{skipped}"})
+        self.observer.on_event("rank_nonfinite", f"round {self.round}: the averaged gradient was "
+                                                 f"non-finite (NaN/inf) in {skipped} step(s): every "
+                                                 "rank skipped them")
+        return self._nonfinite_streak >= self.config.max_nonfinite
 
     def _collective_round(self, sync_sent: bool = False) -> Optional[float]:
         """SyncNow to the survivors until one round completes on all of them: a death during

@@ -47,6 +47,7 @@ class Windows:
         # nccl_sync on an even rig: each rank's next order, sent ahead of the reduce it follows
         # (rank -> (when sent, the pool it came from, the order))
         self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
+        self.exact = None  # nccl_sync's exact windows (control.exact), when gradients are averaged
 
     @property
     def alive(self) -> Set[int]:
@@ -55,6 +56,8 @@ class Windows:
     def give_back(self, epoch: int, slices: list) -> bool:
         """A dead rank's chunk of the epoch under way goes back to the pool with the least
         left; False when `epoch` is not that epoch (nothing taken)."""
+        if self.exact is not None:  # the exact windows re-plan a broken window's steps themselves
+            return True
         if epoch != self.pool_epoch or not self.pools:
             return False
         target = min((p for p in self.pools if p is not None), key=lambda p: p.remaining)
@@ -83,7 +86,9 @@ class Windows:
 
     def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
         epoch_tally = EpochTally.empty(self.world_size)
-        if self.mode.is_sync:
+        if self.exact is not None:
+            self.exact.run_epoch(epoch, pool, epoch_tally)
+        elif self.mode.is_sync:
             self._run_sync_epoch(epoch, pool, epoch_tally)
         else:
             self._run_cadence_epoch(epoch, pool, epoch_tally)
@@ -175,6 +180,11 @@ class Windows:
             self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=final)
             if self.stop.is_set() and not self._ahead:  # orders sent ahead run to their reduce first
                 self._graceful_stop(epoch, self.uncovered())
+
+    def stop_if_asked(self, epoch: int) -> None:
+        """A stop was asked for: save what the epoch has covered and stop (at a window's end)."""
+        if self.stop.is_set():
+            self._graceful_stop(epoch, self.uncovered())
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
         """A dead rank's share of a sync epoch is split evenly among the survivors, so the

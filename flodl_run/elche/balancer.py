@@ -167,7 +167,14 @@ class ElChe:
 
     @property
     def _tunes_anchor(self) -> bool:
-        # Sync modes reduce as soon as every rank has stepped: their anchor is not a cadence.
+        # Sync modes reduce as soon as every rank has stepped: their anchor is not a cadence;
+        # nccl_sync's exact path makes it the window's steps between two control round trips.
+        return not self.config.mode.is_sync or self.config.averages_gradients
+
+    @property
+    def _takes_verdicts(self) -> bool:
+        # Replicas that never drift apart (sync modes; the exact path's identical ones) give
+        # the guard and the meta-controller nothing to act on.
         return not self.config.mode.is_sync
 
     def _initial_counts(self) -> List[int]:
@@ -238,7 +245,7 @@ class ElChe:
         get Stable: nothing there can act on a verdict (their anchor is not a cadence), and a
         SuppressGrowth or a nudge in the record would read as if the guard had done something.
         D is still reported."""
-        if not self._tunes_anchor:
+        if not self._takes_verdicts:
             return STABLE
         steps = max((b for b in report.batches if b), default=0)
         verdict = self.guard.observe(report.divergence, steps)

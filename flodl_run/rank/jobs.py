@@ -30,6 +30,8 @@ class Job:
     loss_sum: Optional[torch.Tensor] = None
     """Sum of the window's losses, on the device (read once, when the window is done)."""
     step_ms: List[float] = field(default_factory=list)
+    micro: List[Any] = field(default_factory=list)
+    """nccl_sync (gradients): the exact step's micro-batch of each batch (rank.exact.Micro)."""
 
 
 class BatchCutter:
@@ -48,6 +50,13 @@ class BatchCutter:
             indices = self._indices(pass_index, offset, size)
             batches += list(indices.split(self.batch_size))
         return batches
+
+    def cut_sizes(self, order: Train, sizes: List[int]) -> List[torch.Tensor]:
+        """The order's samples, its slices back to back, cut into batches of `sizes` (nccl_sync's
+        micro-batches, step after step)."""
+        indices = [self._indices(p, offset, size) for p, offset, size in order.slices]
+        joined = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long)
+        return list(joined.split(sizes))
 
     def _indices(self, pass_index: int, offset: int, size: int) -> torch.Tensor:
         if pass_index not in self._perms:

@@ -41,6 +41,7 @@ from flodl_run.contracts.wire import (
     Train,
     Update,
     WindowDone,
+    WindowFailed,
     connect_dealer,
 )
 from flodl_run.data.dataplane import DataPlane
@@ -49,6 +50,7 @@ from flodl_run.hardware.slowdown import Slowdown, factor_for
 from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
 from flodl_run.rank.channels import HeartbeatThread, ListenerThread
+from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
 from flodl_run.rank.jobs import BatchCutter, Job, Waits, fill_ms
@@ -106,6 +108,10 @@ class RankWorker:
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
         self.exchange = SnapshotExchange(env.rank, self.flat, self.channel, os.environ.get(PREFIX_ENV))
+        # nccl_sync's exact path (gradients averaged inside backward); a recipe with its own
+        # loop steps its optimizers itself, so it averages parameters instead
+        self.exact = (ExactSync(self.replica, self.flat, self.group, self.slowdown)
+                      if config.elche.averages_gradients and self.recipe.loop is None else None)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -113,6 +119,8 @@ class RankWorker:
         collective = self.mode.is_collective
         if collective:  # the coordinator backend needs no process group (and no NCCL)
             self.group.join(0, list(range(self.env.world_size)))
+            if self.exact is not None:
+                self.exact.rebuild()
         heartbeat = HeartbeatThread(self.ctx, self.env, lambda: (self._batches_total, self._training),
                                     self.timeline.on_beat)
         heartbeat.start()
@@ -141,9 +149,17 @@ class RankWorker:
     def _regroup(self, order: Regroup) -> None:
         if self.env.rank not in order.members:
             raise SystemExit(f"rank {self.env.rank}: declared dead by the coordinator; exiting")
-        # orders sent ahead of a reduce that failed here are void (the coordinator redoes them)
-        self.jobs = deque(job for job in self.jobs if job.order.after_round <= self._reduced_round)
+        # orders sent ahead of a reduce that failed here are void (the coordinator redoes them);
+        # so is what is left of an exact window (the coordinator re-plans its steps)
+        self.jobs = deque(job for job in self.jobs if job.order.after_round <= self._reduced_round
+                          and not job.micro)
+        if self.exact is not None:
+            self.exact.ddp = None  # its reducer holds the old group
         self.group.join(order.generation, order.members)
+        if self.exact is not None:
+            if order.source >= 0:
+                self.exact.adopt_from(order.members.index(order.source))
+            self.exact.rebuild()
         self.channel.send(Regrouped(self.env.rank, order.generation))
 
     def _hang(self) -> None:
@@ -159,7 +175,8 @@ class RankWorker:
 
     def _run_loop(self) -> None:
         """The recipe's loop (or the built-in one) over this rank's batches, to the Stop."""
-        worker = Worker(self.replica, self._serve, self._report, self.env.rank, self.env.world_size)
+        worker = Worker(self.replica, self._serve, self._report, self.env.rank, self.env.world_size,
+                        step=self.exact.step if self.exact is not None else None)
         run_loop(self.recipe, worker)
         if not self._stopped:  # the batches left untrained would stall the run
             raise RuntimeError("the recipe's loop returned before worker.batches() ended "
@@ -206,7 +223,7 @@ class RankWorker:
         if isinstance(order, Train):
             if not order.after_round:  # training moved on: that reduce will not be retried
                 self.collective.forget()  # (sent ahead: a failed round may still be, and undone)
-            self.jobs.append(Job(order, self.cutter.cut(order)))
+            self.jobs.append(self._job(order))
         elif isinstance(order, SyncNow):
             self._reduce(order)
         elif isinstance(order, Update):
@@ -219,6 +236,14 @@ class RankWorker:
             self._regroup(order)
 
     # ---- training --------------------------------------------------------------------------
+
+    def _job(self, order: Train) -> Job:
+        """The order's batches: whole batches, or an exact window's micro-batches."""
+        if not order.shares:
+            return Job(order, self.cutter.cut(order))
+        limit = self.config.elche.micro_batch_size or self.config.batch_size
+        micro = micro_plan(order.shares, order.totals, limit)
+        return Job(order, self.cutter.cut_sizes(order, [m.samples for m in micro]), micro=micro)
 
     def _can_train(self) -> bool:
         """Work queued, no update awaited (cpu_sync/cadence), within the async overshoot, and
@@ -236,12 +261,19 @@ class RankWorker:
         batch = self.source.gather(indices, self.jobs)
         data_ns = self.recorder.now()
         self._reported = None
+        if job.micro:
+            if job.done == 0:
+                self.exact.reset_window()
+            self.exact.begin(job.micro[job.done])
         yield batch
+        if job.micro and self.exact.failed:
+            self._window_failed(job)
+            return
         loss, self._reported = self._reported, None
         if loss is not None:  # read at window end
             job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss
         last = job.done + 1 == len(job.batches)
-        self._settle_step(began, timed=job.done == 0 or last)
+        self._settle_step(began, timed=job.done == 0 or last, emulate=not job.micro)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
         self.recorder.batch(began_ns, data_ns, self._batches_total)
         job.done += 1
@@ -255,25 +287,37 @@ class RankWorker:
             self.jobs.popleft()
             self._window_done(job)
 
-    def _settle_step(self, began: float, timed: bool) -> None:
+    def _settle_step(self, began: float, timed: bool, emulate: bool = True) -> None:
         """Wait for the device only where a clock reading needs it: the first batch of a window
         (its fill cost), the last (the window's compute time) and every batch of an emulated
         slower rank (its sleep is a multiple of the step time). In between the host queues
         batches ahead of the GPU, so a step's host time is its launch cost and the wait at the
-        window's end carries the rest: the window's total stays exact."""
-        if self.device.type == "cuda" and (timed or self.slowdown.active):
+        window's end carries the rest: the window's total stays exact. An exact step emulates
+        its slowdown itself, before its gradient goes out (`emulate` False)."""
+        if self.device.type == "cuda" and (timed or (emulate and self.slowdown.active)):
             torch.cuda.synchronize(self.device)
-        self.slowdown.after_step(began)
+        if emulate:
+            self.slowdown.after_step(began)
+
+    def _window_failed(self, job: Job) -> None:
+        """An exact window broke inside a step: say after how many steps, drop the rest of it
+        and wait for the Regroup (its steps are re-planned among the survivors)."""
+        self.jobs.popleft()
+        self.channel.send(WindowFailed(self.env.rank, job.order.window, self.exact.steps,
+                                       self.exact.failed))
+        self._reported = None
 
     def _window_done(self, job: Job) -> None:
         order = job.order
         self.recorder.instant("window_end", order.window)
         self.waits.sent("WindowDone")
+        exact = self.exact if job.micro else None
         self.channel.send(WindowDone(
-            self.env.rank, order.window, order.epoch, job.done, job.samples, sum(job.step_ms),
-            fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr, scalars.drain(),
-            reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
-            **self.source.take_stats()))
+            self.env.rank, order.window, order.epoch, exact.steps if exact else job.done, job.samples,
+            exact.window_compute_ms() if exact else sum(job.step_ms),
+            0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
+            scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
+            skipped=exact.skipped if exact else 0, **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
         if order.then_sync is not None:  # the coordinator folded the SyncNow into the order

@@ -11,7 +11,7 @@ sees; the rank owns the batches and what happens between them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -36,7 +36,8 @@ class Worker:
     """
 
     def __init__(self, replica: Replica, batches: Callable[[], Iterator[Any]],
-                 report: Callable[[Loss], None], rank: int, world_size: int):
+                 report: Callable[[Loss], None], rank: int, world_size: int,
+                 step: Optional[Callable[[Any], torch.Tensor]] = None):
         self.replica = replica
         self.model = replica.model
         self.optimizer = replica.optimizers
@@ -45,6 +46,7 @@ class Worker:
         self.max_grad_norm = replica.max_grad_norm
         self.rank, self.world_size = rank, world_size
         self._batches, self._report = batches, report
+        self._step = step if step is not None else replica.step
         self._handed_out = False
 
     def batches(self) -> Iterator[Any]:
@@ -64,8 +66,9 @@ class Worker:
         self._report(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
 
     def step(self, batch: Any) -> torch.Tensor:
-        """The built-in step on `batch` (see Replica.step); returns the loss on the device."""
-        return self.replica.step(batch)
+        """The built-in step on `batch` (see Replica.step; under nccl_sync's exact path one
+        micro-batch of the global step, see rank.exact); returns the loss on the device."""
+        return self._step(batch)
 
 
 def builtin_loop(worker: Worker) -> None:

@@ -1,0 +1,236 @@
+"""nccl_sync's exact step: this rank's share of one global step, its gradient averaged with the
+cohort inside backward by torch's DDP reducer, then the same optimizer step on every rank.
+
+Owns the DDP wrapper over the current process group (rebuilt after every regroup), the
+communication hook that weighs this rank's gradient by share / total, the micro-batches a large
+share is cut into (synced on the last one only), the skip of a non-finite step, the compute time
+each step took before its gradient was ready, and adopting a peer's state after a regroup. When
+a step runs and which samples it has are the coordinator's; the group is RankGroup's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from flodl_run.averaging.flat import FlatParams
+from flodl_run.hardware.slowdown import Slowdown
+from flodl_run.rank.group import RankGroup
+from flodl_run.rank.replica import Replica
+from flodl_run.rank.statecast import broadcast_state_
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of a step: its place in the step and the step's arithmetic."""
+
+    index: int
+    count: int
+    samples: int
+    share: int
+    """This rank's samples of the step (the micro-batches' sum)."""
+    total: int
+    """The step's samples over all ranks."""
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def micro_plan(shares: List[int], totals: List[int], micro_batch_size: int) -> List[Micro]:
+    """The micro-batches of a window, in order: each step's share cut into pieces of at most
+    `micro_batch_size` samples (as even as they come: 91 at 64 -> 46 + 45)."""
+    plan: List[Micro] = []
+    for share, total in zip(shares, totals):
+        count = max(1, -(-share // micro_batch_size))
+        base, extra = divmod(share, count)
+        plan += [Micro(i, count, base + (1 if i < extra else 0), share, total) for i in range(count)]
+    return plan
+
+
+class _Hook:
+    """The communication hook's state: this step's weight, and what to do once this rank's
+    gradient is complete (the last bucket is ready) before it goes out."""
+
+    def __init__(self) -> None:
+        self.weight = 1.0
+        self.on_ready = None
+
+
+def _weighted_all_reduce(state, bucket):  # unannotated: DDP checks real annotations only
+    """sum_r (share_r / total) * grad_r over the group: the step's mean gradient exactly.
+    (state: _Hook, bucket: dist.GradBucket -> torch.futures.Future of the bucket)"""
+    if bucket.is_last() and state.on_ready is not None:
+        state.on_ready()
+    tensor = bucket.buffer()
+    tensor.mul_(state.weight)
+    work = dist.all_reduce(tensor, group=dist.group.WORLD, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class CollectiveFailed(RuntimeError):
+    """A step's collective broke (a peer died, the group was aborted): no optimizer step."""
+
+
+class ExactSync:
+    """One rank's exact steps. `rebuild()` after every group join; `begin(micro)` before each
+    micro-batch the loop trains, whose `step(batch)` is what `worker.step` runs."""
+
+    def __init__(self, replica: Replica, flat: FlatParams, group: RankGroup, slowdown: Slowdown):
+        self.replica, self.flat, self.group, self.slowdown = replica, flat, group, slowdown
+        self.device = replica.device
+        self._hook = _Hook()
+        self.ddp: Optional[DistributedDataParallel] = None
+        self._micro: Optional[Micro] = None
+        self._began = 0.0
+        self._ready: Optional[float] = None
+        self._events: List[Tuple[Any, Any]] = []  # CUDA: (step start, gradient ready) per step
+        self.compute_ms = 0.0  # host-timed steps of the window (CPU, or a lone GPU rank)
+        self.steps = 0  # optimizer steps taken (skipped ones included) in the window
+        self.skipped = 0
+        self.failed: Optional[str] = None
+
+    def rebuild(self) -> None:
+        """Wrap the model in DDP over the group of this generation; alone, no wrapper (the
+        step is the plain step on the whole of it). States are equal on every member (or were
+        just made so), so DDP's initial broadcast is skipped."""
+        self.ddp = None  # the old reducer's hooks go with it
+        if self.group.alone:
+            return
+        cuda = self.device.type == "cuda"
+        self.ddp = DistributedDataParallel(
+            self.replica.model, device_ids=[self.device] if cuda else None, init_sync=False,
+            gradient_as_bucket_view=True)
+        self.ddp.register_comm_hook(self._hook, _weighted_all_reduce)
+
+    def adopt_from(self, source: int) -> None:
+        """After a regroup: every member takes the state of member `source` (new rank index),
+        which completed a step the others did not."""
+        broadcast_state_(self.replica, self.flat, source, self.device)
+
+    def reset_window(self) -> None:
+        self.compute_ms, self.steps, self.skipped, self.failed = 0.0, 0, 0, None
+        self._events = []
+
+    def begin(self, micro: Micro) -> None:
+        self._micro = micro
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of one micro-batch; on the step's last one, the averaged
+        gradient's optimizer step (skipped when it is non-finite). A broken collective is
+        recorded in `failed` (the loop reports it) instead of raised into the recipe's loop."""
+        micro = self._micro
+        model = self.ddp if self.ddp is not None else self.replica.model
+        if micro.first:
+            self.replica.optimizer.zero_grad(set_to_none=True)
+            self._start_clock()
+        model.train()
+        sync = self.ddp is None or micro.last
+        with (contextlib.nullcontext() if sync else self.ddp.no_sync()):
+            loss = self.replica.recipe.train_step(model, batch)
+            scaled = loss * (micro.samples / micro.share) if micro.count > 1 else loss
+            self._hook.weight = micro.share / micro.total
+            self._hook.on_ready = self._gradient_ready if micro.last else None
+            if not micro.last:
+                scaled.backward()
+                return loss.detach()
+            try:
+                scaled.backward()
+                self._finish_step()
+            except RuntimeError as exc:
+                if self.ddp is None or not self._collective_broke(exc):
+                    raise  # the recipe's own error: the rank fails as for any other
+                return self._fail(loss, exc)
+        return loss.detach()
+
+    def _finish_step(self) -> None:
+        """Clip the averaged gradient, step unless it is non-finite (on every rank alike: the
+        gradient is the same everywhere), then the schedule."""
+        if self.ddp is None:
+            self._gradient_ready()
+        nonfinite = _nonfinite(self.replica.model)  # reads back: the all-reduce has landed
+        if self.group.broken():  # the listener aborted the group: the result means nothing
+            self.failed = "process group aborted"
+            return
+        if nonfinite:
+            self.skipped += 1
+        else:
+            if self.replica.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), self.replica.max_grad_norm)
+            self.replica.optimizer.step()
+        if self.replica.scheduler is not None:
+            self.replica.scheduler.step()
+        self.replica.steps += 1
+        self.steps += 1
+
+    def _collective_broke(self, exc: RuntimeError) -> bool:
+        """The error came from the step's all-reduce (DDP's reducer re-raises the backend's
+        error as a plain RuntimeError), not from the recipe's backward."""
+        text = str(exc).lower()
+        return (isinstance(exc, dist.DistError) or self.group.broken()
+                or any(word in text for word in ("gloo", "nccl", "connection", "process group")))
+
+    def _fail(self, loss: torch.Tensor, exc: Exception) -> torch.Tensor:
+        self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.group.fail()  # Gloo: peers inside this step see our connections close now
+        self.replica.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # ---- timing --------------------------------------------------------------------------
+
+    def _start_clock(self) -> None:
+        self._began, self._ready = time.perf_counter(), None
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append((start, None))
+
+    def _gradient_ready(self) -> None:
+        """This rank's gradient of the step is complete (before it goes out): the end of its
+        compute. An emulated slower device sleeps here, so its peers wait in the all-reduce as
+        they would for a slower GPU."""
+        if self.slowdown.active:
+            self.slowdown.after_step(self._began, self.device)
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+            self._events[-1] = (self._events[-1][0], ready)
+        else:
+            self.compute_ms += (time.perf_counter() - self._began) * 1000.0
+
+    def window_compute_ms(self) -> float:
+        """The window's compute, waits at the all-reduce left out (reads the CUDA events:
+        call once the device is done, at the window's end)."""
+        total = self.compute_ms
+        for start, ready in self._events:
+            if ready is not None:
+                total += start.elapsed_time(ready)
+        return total
+
+
+def _nonfinite(model: torch.nn.Module) -> bool:
+    """Any gradient NaN or inf: one fused pass over the gradients (as torch's GradScaler
+    checks them) and one read of the flag."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return False
+    found = torch.zeros(1, device=grads[0].device)
+    by_device = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    one = torch.ones((), device=grads[0].device)
+    for group in by_device.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+    return bool(found.item())

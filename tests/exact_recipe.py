@@ -1,0 +1,32 @@
+"""A recipe for the exactness tests of nccl_sync: a small MLP on fixed random data, with SGD
+(momentum) or AdamW, so a run's parameters can be compared with a single process's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+NUM_SAMPLES = 725  # 11 global steps of 64 and a last one of 21 samples
+
+
+def train_dataset(**_: object) -> TensorDataset:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(NUM_SAMPLES, 12, generator=gen)
+    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
+    return TensorDataset(x, y)
+
+
+def build_model(device: torch.device, **_: object) -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3)).to(device)
+
+
+def build_optimizer(parameters, optimizer: str = "sgd", lr: float = 0.05, **_: object):
+    if optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=0.01)
+    return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+
+
+def train_step(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
