@@ -29,6 +29,8 @@ from flodl_run.config.compose import (
     dotted_items,
 )
 from flodl_run.config.materialize import ConfigError, materialize
+from flodl_run.config.schema import Mode
+from flodl_run.config.validate import planned_world_size
 from flodl_run.report.say import labelled
 
 EXIT_INVALID = 1
@@ -72,6 +74,25 @@ def materialized(overrides: Sequence[str], config_dir: Optional[Path] = None
     notice = one_device_warning(result.config)
     warnings = result.warnings + ([notice] if notice else [])
     return {k: show(v) for k, v in dotted_items(result.config).items()}, warnings
+
+
+def mode_note(overrides: Sequence[str]) -> Optional[str]:
+    """What nccl_sync means for this config (exact gradient averaging and its global batch, or
+    floDl's parameter averaging); None for the other modes."""
+    config = materialize(compose(overrides)).config
+    elche, batch = config.elche, config.batch_size
+    if elche.mode is not Mode.nccl_sync:
+        return None
+    if not elche.averages_gradients:
+        return ("nccl_sync averages parameters (elche.sync_average=params, floDl's variant): each "
+                "rank takes its own optimizer step, then the replicas are averaged")
+    world = planned_world_size(config)
+    step = f"{world} x {batch} = {world * batch}" if world else f"world_size x {batch}"
+    split = "by elche.partition_ratios" if elche.partition_ratios else "by measured speed"
+    return (f"nccl_sync averages gradients (exact, torch DDP's trajectory): each global step has "
+            f"{step} samples, split between the ranks {split}; each rank's gradient weighs its "
+            f"share / the step's samples inside backward and every rank takes the same optimizer "
+            f"step; a share above {elche.micro_batch_size or batch} samples is cut into micro-batches")
 
 
 def preset(overrides: Sequence[str], config_dir: Optional[Path] = None) -> Dict[str, str]:
@@ -188,6 +209,11 @@ def review(args: argparse.Namespace, console: Console) -> None:
     sections = by_section(paired_rows(this, preset(args.overrides)))
     tables = [(name, ("key", "value", "preset"), rows, True) for name, rows in sections.items()]
     render(tables, warnings, args.format, console)
+    note = mode_note(args.overrides)
+    if note and args.format == "markdown":
+        console.print(f"\n**Mode:** {note}\n", markup=False, highlight=False, soft_wrap=True)
+    elif note:
+        console.print(labelled("mode", note, "cyan"), highlight=False, soft_wrap=True)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -458,12 +458,15 @@ class FakeRank(threading.Thread):
             self.pending.extend(order.slices)
             samples = sum(s[2] for s in order.slices)
             n = order.num_batches
+            # a batch of batch_size samples costs ms_per_batch; an exact step's share costs in
+            # proportion to its samples
+            ms = self.ms_per_batch * (samples / (n * self.batch_size) if order.shares else 1.0)
             for _ in range(n):  # the compute the report claims (not a sync), batch by batch
-                time.sleep(self.ms_per_batch / 1000.0)
+                time.sleep(ms / 1000.0)
                 self.batches += 1
             self.training = False
             return WindowDone(self.rank, order.window, order.epoch, n, samples,
-                              n * self.ms_per_batch, 0.0, 1.0 * n, 0.1,
+                              n * ms, 0.0, 1.0 * n, 0.1,
                               reduces_seen=self.reduces_seen)
         if isinstance(order, Evaluate):
             return Evaluated(self.rank, order.epoch, 0.5)

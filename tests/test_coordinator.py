@@ -11,7 +11,7 @@ from typing import List
 import pytest
 import zmq
 
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
 from flodl_run.contracts.checkpoint import read_meta, save_meta
 from flodl_run.contracts.wire import Channel, Heartbeat, new_secret
 from flodl_run.control.coordinator import Coordinator
@@ -26,6 +26,11 @@ def _run(mode: str, ms: List[float], epochs: int = 2, batch_size: int = 8, obser
     coord = Coordinator(config, len(ms), secret, observer=observer)
     ranks = [FakeRank(r, len(ms), coord.address, secret, m, batch_size, mode) for r, m in enumerate(ms)]
     return drive(coord, ranks)
+
+
+def _floDl(mode: str) -> ElCheConfig:
+    """The mode's preset, nccl_sync as floDl's parameter-averaging variant."""
+    return replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params)
 
 
 def _positions(ranks, epochs):
@@ -91,8 +96,10 @@ def test_sync_with_progressive_dispatch_lets_the_fast_rank_take_more(mode):
 def test_sync_on_a_homogeneous_rig_reduces_once_per_step(mode):
     """Pins the sync gate: equal speeds -> every rank steps once per reduce; nccl_sync sends
     each reduce order with the batch (no separate SyncNow) and every order after the epoch's
-    first ahead of the reduce it follows; cpu_sync still asks for snapshots, orders in turn."""
-    summary, ranks = _run(mode, [5.0, 5.0], epochs=1)
+    first ahead of the reduce it follows; cpu_sync still asks for snapshots, orders in turn.
+    (nccl_sync as floDl's variant: the exact path has no reduce of its own, see
+    test_exact_sync_windows_hand_out_every_step_split_by_speed.)"""
+    summary, ranks = _run(mode, [5.0, 5.0], epochs=1, elche=_floDl(mode))
     assert summary.status == "completed", summary.message
     per_rank_batches = NUM_SAMPLES // 2 // 8
     assert summary.syncs == per_rank_batches
@@ -169,11 +176,25 @@ def test_snapshot_timeout_leaves_a_late_rank_out_and_folds_its_steps_in_later(mo
 def test_nccl_sync_on_an_uneven_rig_orders_the_reduce_apart_from_the_batch():
     """Pins where folding stops: once ElChe knows the speeds (2.5x apart) a window may give
     the fast rank more than one batch, so the reduce is ordered on its own (SyncNow), and every
-    sample is still trained exactly once."""
-    summary, ranks = _run("nccl_sync", [4.0, 10.0], epochs=1)
+    sample is still trained exactly once (floDl's parameter-averaging variant)."""
+    summary, ranks = _run("nccl_sync", [4.0, 10.0], epochs=1, elche=_floDl("nccl_sync"))
     assert summary.status == "completed", summary.message
     assert set(_positions(ranks, 1).values()) == {1}
     assert all(r.orders.count("SyncNow") > 0 for r in ranks)
+
+
+@pytest.mark.coordinator
+def test_exact_sync_windows_hand_out_every_step_split_by_speed():
+    """Pins nccl_sync's exact windows: every rank gets a share of every global step (no
+    SyncNow: the all-reduce is inside backward), the shares follow speed once ElChe has
+    timed the ranks (rank 0, 2.5x faster, computes about 5/7 of the samples), windows grow
+    past one step, and every sample is trained exactly once."""
+    summary, ranks = _run("nccl_sync", [4.0, 10.0], epochs=2)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
+    assert all(r.orders.count("SyncNow") == 0 for r in ranks)
+    assert summary.epochs[-1].per_rank_batch_share[0] == pytest.approx(5 / 7, abs=0.05)
+    assert max(summary.anchor_trajectory) > 1 and summary.syncs < NUM_SAMPLES // 16
 
 
 @pytest.mark.coordinator

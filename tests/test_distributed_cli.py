@@ -41,17 +41,19 @@ def test_cpu_async_with_diloco_completes(tmp_path):
     assert summary["status"] == "completed" and summary["outer"] == "diloco"
 
 
-def test_nccl_sync_on_equal_ranks_reduces_once_per_step(lockstep_run):
-    """Pins the sync gate on a homogeneous rig: one reduce per step. 1437 digits in batches of
-    32 are 45 batches, split in whole batches 23/22 (the leftover batch to rank 0, the short
-    last one to rank 1): 23 reduces, the last with rank 0 alone. Rank logs, cli.log and
-    events.jsonl are not empty; with FLODL_RUN_WAITS=1 each rank's log ends its run with where
-    its idle time went (one JSON line: waits per fact -> order, handling per order)."""
-    # The run is LOCKSTEP's (elche.max_batch_diff=0 keeps the count exact), shared with the
-    # checkpoint tests that resume from its bundle.
+def test_nccl_sync_on_equal_ranks_splits_every_step_evenly_in_few_windows(lockstep_run):
+    """Pins the exact path on a homogeneous rig: every global step of 64 samples is split 32/32
+    (the last, 29 samples, 15/14) while the ranks' speeds stay within 10% of each other (exact
+halves are pinned in test_shares.py; a loaded machine may slow one rank more); the control
+    plane meets the ranks once per window of steps, far fewer times than the 23 steps. Rank
+    logs, cli.log and events.jsonl are not empty; with FLODL_RUN_WAITS=1 each rank's log ends
+    its run with where its idle time went (one JSON line: waits per fact -> order, handling
+    per order)."""
+    # The run is LOCKSTEP's, shared with the checkpoint tests that resume from its bundle.
     summary = lockstep_run["summary"]
-    assert summary["syncs"] == 23
-    assert summary["epochs"][0]["per_rank_batch_share"] == [23 / 45, 22 / 45]
+    assert 1 <= summary["syncs"] < 23
+    shares = summary["epochs"][0]["per_rank_batch_share"]
+    assert sum(shares) == pytest.approx(1.0) and 0.4 < shares[0] < 0.6  # equal, or as the load was
     # The run dir reads on its own: each rank's log says who it was and how it ended, cli.log
     # holds the launcher's lines, events.jsonl the run's events.
     run_dir = Path(lockstep_run["run_dir"])
@@ -59,7 +61,7 @@ def test_nccl_sync_on_equal_ranks_reduces_once_per_step(lockstep_run):
         log = (run_dir / "ranks" / f"rank{rank}.log").read_text()
         assert log.startswith(f"# rank {rank} of 2: pid ") and f"# rank {rank} exited with code 0" in log
         waits = json.loads(log.split(f"rank {rank} waits: ", 1)[1].splitlines()[0])
-        assert waits["wait Reduced->Train"]["n"] >= 20 and waits["handle Train"]["n"] >= 22
+        assert waits["handle Train"]["n"] == summary["syncs"]
     assert "done: final eval" in (run_dir / "cli.log").read_text()
     assert '"kind": "end"' in (run_dir / "events.jsonl").read_text()
 

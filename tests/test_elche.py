@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flodl_run.config.schema import ElCheConfig, GuardKind, Mode
+from flodl_run.config.schema import ElCheConfig, GuardKind, Mode, SyncAverage
 from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
-from flodl_run.elche.guard import NudgeDown
+from flodl_run.elche.guard import STABLE, NudgeDown
 from flodl_run.elche.phase import Phase
 from flodl_run.elche.timing import RankTiming
 
@@ -127,12 +127,22 @@ def test_nudge_is_not_overwritten_by_a_stale_growth() -> None:
 
 
 def test_sync_modes_keep_their_anchor() -> None:
-    """Pins that sync modes never tune the anchor (they reduce once every rank stepped) while
-    still measuring speeds and planning proportional counts."""
-    elche = ElChe(ElCheConfig.nccl_sync(), 2)
-    plans = run(elche, 10, [10.0, 25.0], sync_ms=50.0, lr=0.1)
-    assert {p.anchor for p in plans} == {1}
-    assert plans[-1].batch_counts == (2, 1)
+    """Pins that sync modes that average replicas (cpu_sync, floDl's nccl_sync) never tune the
+    anchor (they reduce once every rank stepped) while still measuring speeds and planning
+    proportional counts."""
+    for config in (ElCheConfig.cpu_sync(), replace(ElCheConfig.nccl_sync(), sync_average=SyncAverage.params)):
+        plans = run(ElChe(config, 2), 10, [10.0, 25.0], sync_ms=50.0, lr=0.1)
+        assert {p.anchor for p in plans} == {1}
+        assert plans[-1].batch_counts == (2, 1)
+
+
+def test_exact_sync_tunes_its_window_but_takes_no_verdicts() -> None:
+    """Pins nccl_sync's exact path: its anchor is the window's steps between two control round
+    trips, so it grows while the round trip costs more than the overhead target; the replicas
+    never drift apart, so every verdict is Stable (no guard, no meta-controller nudge)."""
+    plans = run(ElChe(ElCheConfig.nccl_sync(), 2), 10, [10.0, 25.0], sync_ms=50.0, lr=0.1)
+    assert plans[-1].anchor > 1
+    assert {str(p.verdict) for p in plans} == {str(STABLE)}
 
 
 def test_partition_ratios_seed_the_probe_then_measurement_corrects_them() -> None:

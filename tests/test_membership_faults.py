@@ -4,7 +4,11 @@ hangs, silences and failed reduces are pinned in every mode without starting a p
 
 "Every sample trained exactly once" is counted on the consensus: the fakes' ledger keeps what
 each completed reduce averaged (a round a later generation retried counts once, as the
-survivors undid it), so work lost with a dead rank must have been redone by the survivors."""
+survivors undid it), so work lost with a dead rank must have been redone by the survivors.
+
+The fakes speak the reduce protocol, so nccl_sync runs here as floDl's parameter-averaging
+variant (elche.sync_average=params); its exact path (no reduce: gradients averaged inside
+backward) is pinned under faults with real Gloo ranks in test_membership.py."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import List
 
 import pytest
 
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig, SyncAverage
 from flodl_run.contracts.checkpoint import read_meta
 from flodl_run.contracts.wire import AbortGroup
 from flodl_run.observe.observer import Observer
@@ -41,7 +45,8 @@ def _run(mode: str, faults, ranks: int = 3, epochs: int = 2, beat_s: float = 1.0
     """Run `ranks` fakes of equal speed (5 ms a batch) under `faults`; the summary, the
     fakes, their shared group (the consensus ledger) and the coordinator's events."""
     events = _Events()
-    run = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=epochs, batch_size=8, **config)
+    elche = replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params)
+    run = ExperimentConfig(elche=elche, num_epochs=epochs, batch_size=8, **config)
     coord, fakes, group = cohort(run, [5.0] * ranks, faults, observer=events, beat_s=beat_s)
     summary, fakes = drive(coord, fakes)
     return summary, fakes, group, events
@@ -151,7 +156,8 @@ def test_a_death_is_announced_to_every_survivors_listener(mode, notified):
     a survivor blocked in a collective with it can abort the group. The coordinator backend
     has no group to abort and sends nothing, even to ranks that listen."""
     events = _Events()
-    run = ExperimentConfig(elche=ElCheConfig.preset(mode), num_epochs=2, batch_size=8)
+    elche = replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params)
+    run = ExperimentConfig(elche=elche, num_epochs=2, batch_size=8)
     coord, fakes, group = cohort(run, [5.0] * 3, [Fault(1, "die", 2)], observer=events)
     for fake in fakes:
         fake.listens = True

@@ -97,11 +97,18 @@ class Epochs:
             eval_ms=eval_ms,
             per_rank_throughput=[s / (w / 1000.0) if w > 0 else 0.0
                                  for s, w in zip(tally.samples, tally.wall_ms)],
-            per_rank_batch_share=[b / total_batches for b in tally.batches],
+            per_rank_batch_share=self._shares(tally),
             scalars=roll_up(tally.scalars, self.config.scalar_reductions),
             samples=sum(tally.samples),
             **self.data.epoch_fields(epoch),
         )
+
+    def _shares(self, tally: EpochTally) -> List[float]:
+        """Each rank's share of the epoch's work: of its batches, or under nccl_sync's exact
+        path (every rank runs every step, each its share of the step's samples) of its samples."""
+        counts = tally.samples if self.config.elche.averages_gradients else tally.batches
+        total = max(sum(counts), 1)
+        return [c / total for c in counts]
 
     def callback_rank(self) -> int:
         policy = self.config.epoch_callback_policy

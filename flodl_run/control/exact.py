@@ -70,7 +70,8 @@ class ExactWindows:
                 self._regroup(-1)
             asked = set(self.members.alive)
             self.windows.next_window()
-            for rank, order in self._orders(epoch, steps[done:], sorted(asked)).items():
+            orders = self._orders(epoch, steps[done:], sorted(asked))
+            for rank, order in orders.items():
                 self._send(rank, order)
             completed = self._collect(asked, len(steps) - done, window, epoch, epoch_tally)
             broke = self.members.regroup_needed or any(n < len(steps) - done for n in completed.values())
@@ -80,6 +81,7 @@ class ExactWindows:
             leader = min((r for r, n in completed.items() if n == most), default=-1)
             behind = any(n < most for n in completed.values())
             self._regroup(leader if behind else -1)
+            _credit(epoch_tally, orders, completed, most, len(steps) - done)
             done += most
         return window
 
@@ -132,6 +134,16 @@ class ExactWindows:
         self.reduces.close_exact_window(window, epoch_tally, epoch, steps,
                                         per_batch(window, self.windows.config.batch_size),
                                         max(0.0, elapsed_ms - compute_ms))
+
+
+def _credit(epoch_tally: EpochTally, orders: Dict[int, Train], completed: Dict[int, int], most: int,
+            steps: int) -> None:
+    """The samples of a broken attempt's completed steps are in the survivors' state: counted
+    for every rank that did not report the whole attempt (the dead included, whose shares of
+    those steps went into every all-reduce)."""
+    for rank, order in orders.items():
+        if completed.get(rank) != steps:
+            epoch_tally.samples[rank] += sum(order.shares[:most])
 
 
 def per_batch(window: WindowTally, batch_size: int) -> Tuple[List[float], List[int]]:

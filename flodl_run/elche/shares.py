@@ -12,6 +12,10 @@ from typing import List, Optional, Sequence
 
 from flodl_run.elche.batch_counts import MAX_SPEED_RATIO
 
+EVEN_WITHIN = 1.10
+"""Speeds within 10% of each other split a step equally: on a homogeneous rig the measured
+speeds differ by noise only, and an equal split is exactly torch DDP's."""
+
 
 def step_shares(total: int, ms_per_batch: Sequence[Optional[float]], members: Sequence[int],
                 ratios: Optional[Sequence[float]] = None) -> List[int]:
@@ -20,18 +24,21 @@ def step_shares(total: int, ms_per_batch: Sequence[Optional[float]], members: Se
     Shares follow `ratios` when given, else speed (1 / ms per batch of the same size); a member
     without a timing counts at the mean speed of those with one, and with no timing at all the
     split is equal. Ratios are capped at 64x the slowest member, and every member gets at least
-    one sample (each must take part in the step's all-reduce) when `total` allows.
+    one sample (each must take part in the step's all-reduce) when `total` allows. Speeds
+    within EVEN_WITHIN of each other count as equal.
     """
     size = max(ms_per_batch and len(ms_per_batch) or 0, (max(members) + 1) if members else 0,
                len(ratios) if ratios else 0)
     out = [0] * size
     if not members or total <= 0:
         return out
-    weights = _weights(ms_per_batch, members, ratios)
-    floor = 1 if total >= len(members) else 0
-    split = largest_remainder(total - floor * len(members), weights)
-    for rank, extra in zip(members, split):
-        out[rank] = floor + extra
+    split = largest_remainder(total, _weights(ms_per_batch, members, ratios))
+    if total >= len(members):
+        for i in [i for i, share in enumerate(split) if share == 0]:
+            split[i] = 1
+            split[max(range(len(split)), key=lambda j: split[j])] -= 1
+    for rank, share in zip(members, split):
+        out[rank] = share
     return out
 
 
@@ -46,6 +53,8 @@ def _weights(ms_per_batch: Sequence[Optional[float]], members: Sequence[int],
         speeds = [1.0 / ms_per_batch[r] if r < len(ms_per_batch) and ms_per_batch[r]
                   and ms_per_batch[r] > 0 else mean for r in members]
     slowest = min(speeds)
+    if not ratios and max(speeds) <= EVEN_WITHIN * slowest:
+        return [1.0] * len(speeds)
     return [min(s, slowest * MAX_SPEED_RATIO) for s in speeds]
 
 

@@ -145,15 +145,15 @@ class ExactSync:
             self._hook.on_ready = self._gradient_ready if micro.last else None
             if not micro.last:
                 scaled.backward()
-                return loss.detach()
+                return scaled.detach()  # a step's micro-batches sum to its share's mean loss
             try:
                 scaled.backward()
                 self._finish_step()
             except RuntimeError as exc:
                 if self.ddp is None or not self._collective_broke(exc):
                     raise  # the recipe's own error: the rank fails as for any other
-                return self._fail(loss, exc)
-        return loss.detach()
+                return self._fail(scaled, exc)
+        return scaled.detach()
 
     def _finish_step(self) -> None:
         """Clip the averaged gradient, step unless it is non-finite (on every rank alike: the
