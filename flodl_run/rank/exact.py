@@ -192,7 +192,7 @@ class ExactSync:
 
     def _start_clock(self) -> None:
         self._began, self._ready = time.perf_counter(), None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.ddp is not None:  # alone, the window's wall is it
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._events.append((start, None))
@@ -203,16 +203,19 @@ class ExactSync:
         they would for a slower GPU."""
         if self.slowdown.active:
             self.slowdown.after_step(self._began, self.device)
-        if self.device.type == "cuda":
+        if self._events:
             ready = torch.cuda.Event(enable_timing=True)
             ready.record()
             self._events[-1] = (self._events[-1][0], ready)
         else:
             self.compute_ms += (time.perf_counter() - self._began) * 1000.0
 
-    def window_compute_ms(self) -> float:
+    def window_compute_ms(self) -> Optional[float]:
         """The window's compute, waits at the all-reduce left out (reads the CUDA events:
-        call once the device is done, at the window's end)."""
+        call once the device is done, at the window's end); None on a lone GPU rank, whose
+        window wall is its compute (it waits for nobody)."""
+        if self.device.type == "cuda" and not self._events:
+            return None
         total = self.compute_ms
         for start, ready in self._events:
             if ready is not None:
@@ -221,16 +224,14 @@ class ExactSync:
 
 
 def _nonfinite(model: torch.nn.Module) -> bool:
-    """Any gradient NaN or inf: one fused pass over the gradients (as torch's GradScaler
-    checks them) and one read of the flag."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    """Any gradient NaN or inf: one fused read-only pass (the gradients' norms, per device and
+    dtype) and one read of the flag. A norm is non-finite exactly when a gradient is."""
+    groups = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    if not groups:
         return False
-    found = torch.zeros(1, device=grads[0].device)
-    by_device = {}
-    for g in grads:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    one = torch.ones((), device=grads[0].device)
-    for group in by_device.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-    return bool(found.item())
+    norms = [torch.stack(torch._foreach_norm(grads)).float().sum() for grads in groups.values()]
+    total = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).sum()
+    return not bool(torch.isfinite(total))

@@ -314,7 +314,7 @@ class RankWorker:
         exact = self.exact if job.micro else None
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, exact.steps if exact else job.done, job.samples,
-            exact.window_compute_ms() if exact else sum(job.step_ms),
+            _compute_ms(exact, job.step_ms),
             0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
             skipped=exact.skipped if exact else 0, **self.source.take_stats()))
@@ -400,6 +400,13 @@ class RankWorker:
         tell the coordinator, which fails the run with a save; this rank lives on to save."""
         print(f"rank {self.env.rank}: {failure.describe()}", file=sys.stderr, end="", flush=True)
         self.channel.send(RankFailed(self.env.rank, failure.error, callback=failure.name))
+
+
+def _compute_ms(exact: Optional[ExactSync], step_ms: List[float]) -> float:
+    """A window's compute: the exact step's own timing (waits at the all-reduce left out),
+    else the steps' wall."""
+    timed = exact.window_compute_ms() if exact is not None else None
+    return timed if timed is not None else sum(step_ms)
 
 
 def _read(total: Optional[torch.Tensor]) -> float:
