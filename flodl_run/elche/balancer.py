@@ -27,7 +27,7 @@ from flodl_run.elche.guard import (
 from flodl_run.elche.meta import MetaController, combine
 from flodl_run.elche.phase import Phase
 from flodl_run.elche.throttle import Overshoot
-from flodl_run.elche.timing import RankTiming, TimingHistory, known, read_columns
+from flodl_run.elche.timing import RankTiming, TimingHistory, column, known, read_columns
 
 STATE_VERSION = 1
 
@@ -240,7 +240,8 @@ class ElChe:
         D is still reported."""
         if not self._tunes_anchor:
             return STABLE
-        steps = max((b for b in report.batches if b), default=0)
+        done = column(report.batches)
+        steps = int(np.max(done, initial=0, where=done > 0))  # NaN (no report) fails > 0
         verdict = self.guard.observe(report.divergence, steps)
         if not self.config.meta_controller:
             return verdict
