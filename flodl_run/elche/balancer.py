@@ -187,6 +187,16 @@ class ElChe:
         """Smoothed ms per batch of every rank (None = no valid reading kept)."""
         return self.timing.all_smoothed_ms()
 
+    def window_ms(self) -> Optional[float]:
+        """The deadline of the next window when windows end on time: how long the anchor rank's
+        planned count takes at its smoothed speed, plus its smoothed first-batch fill. None
+        until the anchor rank has a reading (Probe): that window ends on its counts."""
+        rank = self.anchor_rank
+        ms = self.timing.smoothed_ms(rank) if rank is not None and self.alive[rank] else None
+        if ms is None:
+            return None
+        return self.batch_counts[rank] * ms + (self.timing.fill_ms(rank) or 0.0)
+
     def on_reduce(self, report: ReduceReport) -> Plan:
         """Take one reduce's measurements; return the plan of the next window."""
         cycle = _Cycle()

@@ -26,6 +26,13 @@ class TableStyle(str, enum.Enum):
     none = "none"
 
 
+class WindowEnd(str, enum.Enum):
+    """When a window ends: every rank has run its planned count, or a deadline has passed."""
+
+    count = "count"
+    deadline = "deadline"
+
+
 @dataclass
 class ColdStartSkew:
     """Rank `rank` runs `factor` times slower for its first `windows` windows."""
@@ -91,6 +98,14 @@ class SimConfig:
     reduce_probe: bool = True
     """Hand ElChe one reduce's wall timed before training, as the collective modes measure it
     in a real run (nccl_* only; the coordinator backend does not time one)."""
+    window_end: WindowEnd = WindowEnd.count
+    """count: a window ends when every rank has run its planned count. deadline: it lasts as
+    long as the anchor rank's count should take (ElChe's window_ms); every rank trains until
+    then, finishes its batch in hand, and never takes more than its bound (below)."""
+    deadline_headroom: float = 0.0
+    """Deadline windows: the share beyond its planned count a rank may take from the pool
+    (bound = ceil(count x (1 + headroom)); unused batches go back); 0 = the count is the
+    bound; >= 0."""
     table: TableStyle = TableStyle.auto
     """Per-window table: full counts, compact (min/median/max) or none; auto = compact above
     8 ranks."""
@@ -124,6 +139,10 @@ class WindowRecord:
     divergence: Optional[float]
     verdict: str
     nudge_factor: Optional[float]
+    deadline_ms: Optional[float] = None
+    """The window's deadline (window_end=deadline, after Probe); None = it ended on counts."""
+    batches: int = 0
+    """Batches trained in the window over all ranks (with a deadline, what fit)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +262,16 @@ def _window_walls(counts: np.ndarray, ms: np.ndarray, fill_ms: float) -> np.ndar
     return np.where(counts > 0, counts * ms + fill_ms, 0.0)
 
 
+def fit_by_deadline(bound: np.ndarray, ms: np.ndarray, fill_ms: float,
+                    deadline_ms: float) -> np.ndarray:
+    """Batches each rank trains in a window that ends at `deadline_ms`: it starts a batch while
+    the deadline has not passed and finishes the one in hand, so ceil((deadline - fill) / ms),
+    at least 1, never more than its `bound` (what it may take from the pool). A dead rank
+    (bound 0) trains none."""
+    fit = np.ceil((deadline_ms - fill_ms) / ms)
+    return np.where(bound > 0, np.clip(fit, 1, np.maximum(bound, 1)), 0).astype(np.int64)
+
+
 def _async_extra(plan: Plan, counts: np.ndarray, ms: np.ndarray, sync_ms: float) -> int:
     """cpu_async: batches ranks run during the reduce's round trip, within the overshoot."""
     budget = plan.max_overshoot or 0
@@ -266,7 +295,7 @@ def simulate(sim: SimConfig, elche_config: ElCheConfig,
     plan = elche.plan()
     for window in range(sim.windows):
         after, record, walls, sync_ms, extra = _step(rig, elche, plan, window, is_async)
-        totals.add(walls, elche.alive, sync_ms, sum(plan.batch_counts) + extra)
+        totals.add(walls, elche.alive, sync_ms, record.batches + extra)
         totals.anchors.append(after.anchor)
         records.append(record)
         if on_window is not None:
@@ -280,7 +309,14 @@ def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
     """One window: run the plan on the rig, report the reduce, record what happened."""
     ms = rig.ms_per_batch(window)
     fill_ms = rig.cfg.fill_ms
-    counts = np.array(plan.batch_counts)
+    planned = np.array(plan.batch_counts)
+    # The deadline comes from the state that made `plan`, before this window's reduce.
+    deadline = elche.window_ms() if rig.cfg.window_end is WindowEnd.deadline else None
+    if deadline is None:
+        counts = planned
+    else:
+        bound = np.ceil(planned * (1.0 + rig.cfg.deadline_headroom)).astype(np.int64)
+        counts = fit_by_deadline(bound, ms, fill_ms, deadline)
     walls = _window_walls(counts, ms, fill_ms)
     sync_ms = rig.sync_ms(int(np.count_nonzero(counts)))
     divergence = rig.divergence(window, int(counts.max()))
@@ -290,6 +326,7 @@ def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
     record = WindowRecord(
         window=window, phase=plan.phase.label, anchor=plan.anchor, anchor_rank=plan.anchor_rank,
         batch_counts=list(plan.batch_counts), overhead=after.overhead, divergence=divergence,
-        verdict=after.verdict.label, nudge_factor=after.nudge_factor)
+        verdict=after.verdict.label, nudge_factor=after.nudge_factor, deadline_ms=deadline,
+        batches=int(counts.sum()))
     extra = _async_extra(plan, counts, ms, sync_ms) if is_async else 0
     return after, record, walls, sync_ms, extra
