@@ -107,3 +107,14 @@ def test_cli_sweep_writes_sweep_json(tmp_path: Path) -> None:
     cells = json.loads((tmp_path / "sweep.json").read_text())["cells"]
     assert [(c["ranks"], c["variant"]) for c in cells] == [
         (2, "count"), (2, "deadline"), (4, "count"), (4, "deadline")]
+
+
+def test_sync_modes_end_on_counts_and_say_so() -> None:
+    """Pins that deadline windows stay out of the sync modes (a reduce after every step): the
+    run equals its count run, and check() warns that the option has no effect there."""
+    sim = SimConfig(groups=GEN3, noise=0.05, windows=20)
+    sync = ElCheConfig.nccl_sync()
+    deadline = simulate(replace(sim, window_end=WindowEnd.deadline, deadline_headroom=0.1), sync)
+    assert deadline.summary == simulate(sim, sync).summary
+    cfg = SimRunConfig(elche=sync, sim=replace(sim, window_end=WindowEnd.deadline))
+    assert any(w.startswith("sim.window_end=deadline has no effect") for w in check(cfg)[1])

@@ -24,6 +24,7 @@ from flodl_run.sim.rig import (
     SimConfig,
     SimResult,
     TableStyle,
+    WindowEnd,
     WindowRecord,
     expand_rank_ms,
     simulate,
@@ -55,6 +56,10 @@ def check(cfg: SimRunConfig) -> tuple[List[Problem], List[str]]:
     report = validate(ExperimentConfig(elche=cfg.elche), world_size=ranks)
     problems += [p for p in report.problems if p.key.startswith("elche.")]
     warnings = [w for w in report.warnings if w.startswith("elche.")]
+    if cfg.elche.mode.is_sync and (cfg.sim.window_end is WindowEnd.deadline
+                                   or WindowEnd.deadline in cfg.sweep.window_end):
+        warnings.append(f"sim.window_end=deadline has no effect in mode {cfg.elche.mode.value} "
+                        "(a reduce after every step): windows end on counts")
     if cfg.sim.groups and cfg.sim.drift:
         warnings.append("sim.drift has no effect with sim.groups (set drift per group)")
     return problems, warnings

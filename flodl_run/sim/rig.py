@@ -101,7 +101,8 @@ class SimConfig:
     window_end: WindowEnd = WindowEnd.count
     """count: a window ends when every rank has run its planned count. deadline: it lasts as
     long as the anchor rank's count should take (ElChe's window_ms); every rank trains until
-    then, finishes its batch in hand, and never takes more than its bound (below)."""
+    then, finishes its batch in hand, and never takes more than its bound (below). Sync modes
+    (a reduce after every step) always end on counts."""
     deadline_headroom: float = 0.0
     """Deadline windows: the share beyond its planned count a rank may take from the pool
     (bound = ceil(count x (1 + headroom)); unused batches go back); 0 = the count is the
@@ -305,13 +306,18 @@ def simulate(sim: SimConfig, elche_config: ElCheConfig,
                      rig.rank_ms.tolist())
 
 
+def _ends_on_deadline(sim: SimConfig, elche_config: ElCheConfig) -> bool:
+    """Deadline windows in the cadence and async modes; a sync mode reduces after every step."""
+    return sim.window_end is WindowEnd.deadline and not elche_config.mode.is_sync
+
+
 def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
     """One window: run the plan on the rig, report the reduce, record what happened."""
     ms = rig.ms_per_batch(window)
     fill_ms = rig.cfg.fill_ms
     planned = np.array(plan.batch_counts)
     # The deadline comes from the state that made `plan`, before this window's reduce.
-    deadline = elche.window_ms() if rig.cfg.window_end is WindowEnd.deadline else None
+    deadline = elche.window_ms() if _ends_on_deadline(rig.cfg, elche.config) else None
     if deadline is None:
         counts = planned
     else:

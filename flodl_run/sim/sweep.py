@@ -64,6 +64,7 @@ class Cell:
     variant: str
     ratio_to_ideal: float
     samples_per_s: float
+    ideal_samples_per_s: float
     idle_fraction: float
     """Mean over ranks and seeds of the share of wall time spent waiting."""
 
@@ -116,21 +117,23 @@ def _cell(rig: SimConfig, elche: ElCheConfig, variant: Variant, seeds: int, rank
                      elche).summary for i in range(seeds)]
     return Cell(ranks, rig.noise, variant.label,
                 statistics.fmean(s.ratio_to_ideal for s in runs),
-                statistics.fmean(s.samples_per_s for s in runs),
+                statistics.fmean(s.samples_per_s for s in runs), runs[0].ideal_samples_per_s,
                 statistics.fmean(statistics.fmean(s.idle_fraction) for s in runs))
 
 
 def sweep_table(cells: List[Cell]) -> Table:
-    """One row per rig size and noise, one column per variant: ratio to ideal (mean idle)."""
+    """One row per rig size and noise with its ideal samples/s, one column per variant: ratio
+    to ideal (mean idle share); a variant's samples/s is its ratio x the ideal."""
     labels = list(dict.fromkeys(c.variant for c in cells))
     rows: Dict[Tuple[int, float], Dict[str, Cell]] = {}
     for c in cells:
         rows.setdefault((c.ranks, c.noise), {})[c.variant] = c
     table = Table(title="Ratio to ideal (mean idle share)", title_justify="left", show_edge=False)
-    for name in ["ranks", "noise"] + labels:
+    for name in ["ranks", "noise", "ideal samples/s"] + labels:
         table.add_column(name, justify="right")
     for (ranks, noise), by_label in rows.items():
-        table.add_row(str(ranks), f"{noise:g}",
+        first = next(iter(by_label.values()))
+        table.add_row(str(ranks), f"{noise:g}", f"{first.ideal_samples_per_s:,.0f}",
                       *(f"{by_label[v].ratio_to_ideal:.3f} ({by_label[v].idle_fraction:.3f})"
                         for v in labels))
     return table
