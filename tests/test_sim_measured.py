@@ -17,7 +17,8 @@ def _steps(pid: int, windows: list, start: float = 0.0) -> list:
         for d in durations:
             events.append({"name": "step", "ph": "X", "pid": pid, "ts": ts, "dur": d * 1000.0})
             ts += d * 1000.0
-        events.append({"name": "window_end", "ph": "i", "pid": pid, "ts": ts, "args": {"window": w}})
+        events.append({"name": "window_end", "ph": "i", "pid": pid, "ts": ts,
+                       "args": {"window": w}})
         ts += 10.0
     return events
 
