@@ -34,8 +34,9 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class ReduceReport:
-    """What the coordinator measured for one reduce. Lists are indexed by rank (the ranks of
-    the run's start); a None entry means the rank sent no timing for the window."""
+    """What the coordinator measured for one reduce. Lists (or numpy arrays, as the sim passes)
+    are indexed by rank (the ranks of the run's start); a None entry means the rank sent no
+    timing for the window."""
 
     wall_ms: Sequence[Optional[float]]
     """Each rank's compute wall for the window, callbacks included, in ms."""
