@@ -52,6 +52,10 @@ SCHEMA = (None, "base_sim", SimRunConfig)
 def check(cfg: SimRunConfig) -> tuple[List[Problem], List[str]]:
     """Every problem of the sim config (the elche rules are the runner's own) and warnings."""
     problems = list(_sim_problems(cfg.sim)) + list(_sweep_problems(cfg.sweep))
+    skew = cfg.sim.cold_start_skew
+    if cfg.sweep.ranks and skew.windows and skew.rank >= min(cfg.sweep.ranks):
+        problems.append(Problem("sim.cold_start_skew.rank", skew.rank,
+                                f"must be below the smallest sweep.ranks ({min(cfg.sweep.ranks)})"))
     ranks = len(expand_rank_ms(cfg.sim)) or None
     report = validate(ExperimentConfig(elche=cfg.elche), world_size=ranks)
     problems += [p for p in report.problems if p.key.startswith("elche.")]
