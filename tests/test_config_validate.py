@@ -99,6 +99,7 @@ RULES = [
     ("slowdown_factor", dict(cluster__emulate_slowdown=[0.5]), "cluster.emulate_slowdown", "[0.5]"),
     ("slowdown_length", dict(cluster__emulate_slowdown=[1.0, 2.0, 3.0], **cpu(2)),
      "cluster.emulate_slowdown", "[1.0, 2.0, 3.0]"),
+    ("jitter_range", dict(cluster__emulate_jitter=0.6), "cluster.emulate_jitter", "0.6"),
     ("workers_empty", hosts(), "cluster.workers", "[]"),
     ("worker_devices_repeat", hosts(WorkerConfig(local_devices=[0, 0])),
      "cluster.workers.0.local_devices", "[0, 0]"),
@@ -166,6 +167,7 @@ WARNINGS = [
     ("checkpoint_at_epoch_sync", dict(elche__mode=Mode.nccl_sync, checkpoint_at_epoch=1),
      "checkpoint_at_epoch"),
     ("num_ranks_outside_cpu", dict(cluster__num_ranks=2), "cluster.num_ranks"),
+    ("jitter_not_wired", dict(cluster__emulate_jitter=0.05), "cluster.emulate_jitter"),
 ]
 
 

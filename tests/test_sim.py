@@ -19,7 +19,7 @@ from flodl_run.sim.rig import ColdStartSkew, RankGroup, SimConfig, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_KEYS = {"window", "phase", "anchor", "anchor_rank", "batch_counts", "overhead",
-               "divergence", "verdict", "nudge_factor"}
+               "divergence", "verdict", "nudge_factor", "deadline_ms", "batches"}
 SUMMARY_KEYS = {"samples_per_s", "ideal_samples_per_s", "ratio_to_ideal", "idle_fraction",
                 "reduces_to_settle"}
 

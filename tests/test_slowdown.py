@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from flodl_run.hardware import slowdown
-from flodl_run.hardware.slowdown import Slowdown, factor_for
+from flodl_run.hardware.slowdown import Slowdown, factor_for, slowdown_for
 
 
 @pytest.fixture
@@ -39,3 +40,28 @@ def test_factor_one_never_sleeps_and_the_rig_list_is_read_per_rank(clock):
     assert slept == [] and not full.active
     assert [factor_for([1.0, 2.5], r) for r in (0, 1, 2)] == [1.0, 2.5, 1.0]
     assert factor_for(None, 0) == 1.0
+
+
+def test_jitter_draws_each_step_around_the_factor_reproducibly_per_rank(clock):
+    """Pins cluster.emulate_jitter: each step sleeps (f x (1 + j x N(0, 1)) - 1) x its time,
+    never a negative sleep; the draws repeat for the same (seed, rank) and differ across ranks;
+    their spread is the jitter (std of the emulated step over the mean, within sampling)."""
+    now, slept = clock
+
+    def sleeps(factor: float, rank: int, seed: int = 7) -> list:
+        slept.clear()
+        slow = slowdown_for([1.0, factor], 0.05, rank, seed)
+        for step in range(2001):
+            now[0] = step + 0.01  # 10 ms steps
+            slow.after_step(float(step))
+        return list(slept)
+
+    rank1 = sleeps(2.5, 1)
+    assert len(rank1) == 2000 and rank1 == sleeps(2.5, 1)
+    assert rank1 != sleeps(2.5, 1, seed=8)
+    emulated = 0.01 + np.array(rank1)
+    assert emulated.mean() == pytest.approx(0.025, rel=0.01)
+    assert emulated.std() / emulated.mean() == pytest.approx(0.05, rel=0.1)
+    rank0 = sleeps(1.0, 0)  # factor 1: only the slow half of the draws sleeps
+    assert min(rank0) > 0 and 800 < len(rank0) < 1200
+    assert Slowdown(1.0, jitter=0.05).active and not Slowdown(1.0).active

@@ -281,6 +281,9 @@ class ClusterConfig:
     """CUDA device indices or UUIDs for topology local_gpus."""
     emulate_slowdown: Optional[List[float]] = None
     """Per-rank slowdown factors >= 1 (rank k sleeps (f_k - 1) x step time)."""
+    emulate_jitter: float = 0.0
+    """Relative std of each emulated step time (f_k x (1 + jitter x N(0, 1)), never below the
+    real step), drawn per step from a stream seeded by (seed, rank); in [0, 0.5]; 0 = none."""
     master_addr: str = "127.0.0.1"
     """MASTER_ADDR of the torch.distributed rendezvous (local ranks; controller-only hosts
     layouts). Ranks the launcher starts over SSH use its store at controller.host instead."""

@@ -13,8 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
+
 from flodl_run.elche.guard import NudgeDown, Stable, SuppressGrowth, Verdict
 from flodl_run.elche.phase import Phase
+from flodl_run.elche.timing import callback_column, column
 
 # One cycle may at most double the anchor: an ungated multiplicative rule once jumped the
 # anchor from 10 to 22 on one noisy early reading.
@@ -47,12 +50,8 @@ def ceil_int(value: float) -> int:
 def compute_ms(wall_ms: Sequence[Optional[float]],
                callback_ms: Optional[Sequence[Optional[float]]] = None) -> float:
     """The window's compute time: the largest rank wall minus its callback time (0 if none)."""
-    longest = 0.0
-    for rank, wall in enumerate(wall_ms):
-        if wall is not None:
-            spent = wall - ((callback_ms[rank] or 0.0) if callback_ms is not None else 0.0)
-            longest = spent if spent > longest else longest
-    return longest
+    spent = column(wall_ms) - callback_column(callback_ms, len(wall_ms))
+    return float(np.max(spent, initial=0.0, where=spent > 0))  # NaN (no wall) fails > 0
 
 
 def overhead(sync_ms: float, compute_ms: float) -> Optional[float]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from flodl_run.config.schema import ElCheConfig, Mode
 from flodl_run.elche import autotune, batch_counts, election
 from flodl_run.elche.guard import (
@@ -25,15 +27,16 @@ from flodl_run.elche.guard import (
 from flodl_run.elche.meta import MetaController, combine
 from flodl_run.elche.phase import Phase
 from flodl_run.elche.throttle import Overshoot
-from flodl_run.elche.timing import RankTiming, TimingHistory, read_columns
+from flodl_run.elche.timing import RankTiming, TimingHistory, column, known, read_columns
 
 STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
 class ReduceReport:
-    """What the coordinator measured for one reduce. Lists are indexed by rank (the ranks of
-    the run's start); a None entry means the rank sent no timing for the window."""
+    """What the coordinator measured for one reduce. Lists (or numpy arrays, as the sim passes)
+    are indexed by rank (the ranks of the run's start); a None entry means the rank sent no
+    timing for the window."""
 
     wall_ms: Sequence[Optional[float]]
     """Each rank's compute wall for the window, callbacks included, in ms."""
@@ -192,6 +195,16 @@ class ElChe:
         """Smoothed ms per batch of every rank (None = no valid reading kept)."""
         return self.timing.all_smoothed_ms()
 
+    def window_ms(self) -> Optional[float]:
+        """The deadline of the next window when windows end on time: how long the anchor rank's
+        planned count takes at its smoothed speed, plus its smoothed first-batch fill. None
+        until the anchor rank has a reading (Probe): that window ends on its counts."""
+        rank = self.anchor_rank
+        ms = self.timing.smoothed_ms(rank) if rank is not None and self.alive[rank] else None
+        if ms is None:
+            return None
+        return self.batch_counts[rank] * ms + (self.timing.fill_ms(rank) or 0.0)
+
     def on_reduce(self, report: ReduceReport) -> Plan:
         """Take one reduce's measurements; return the plan of the next window."""
         cycle = _Cycle()
@@ -221,19 +234,17 @@ class ElChe:
         readings = read_columns(report.wall_ms, report.batches, report.callback_ms,
                                 report.first_batch_ms, report.fill_ms,
                                 self.config.mode.is_progressive)
-        living = [r for r in range(self.world_size) if self.alive[r]]
-        if len(living) < self.world_size:
-            readings = [readings[r] for r in living]
-        for rank in self.timing.record_all(readings, living):
+        living = np.array(self.alive, dtype=bool)
+        for rank in self.timing.record_columns(readings, living):
             cycle.note("timing_cleared", f"rank {rank}: 5 windows without a valid reading")
-        return any(ms is not None for ms, _ in readings)
+        return bool(np.any(living & ~np.isnan(readings.ms_per_batch)))
 
     def _maybe_elect(self, cycle: _Cycle) -> None:
         current = self.anchor_rank
         streak = self.timing.invalid_streak(current) if current is not None else 0
         if not election.should_elect(self.phase, current, streak):
             return
-        chosen = election.elect(self.timing.all_smoothed_ms(), current)
+        chosen = election.elect(self.timing.smoothed_column(), current)
         if chosen is None and current is not None and streak < election.DEAD_WINDOW_REPORTS:
             return  # nobody has data: keep the pin
         if chosen != current:
@@ -247,7 +258,8 @@ class ElChe:
         D is still reported."""
         if not self._takes_verdicts:
             return STABLE
-        steps = max((b for b in report.batches if b), default=0)
+        done = column(report.batches)
+        steps = int(np.max(done, initial=0, where=done > 0))  # NaN (no report) fails > 0
         verdict = self.guard.observe(report.divergence, steps)
         if not self.config.meta_controller:
             return verdict
@@ -303,22 +315,22 @@ class ElChe:
         limit = self.config.max_batch_diff
         if limit is None or self.anchor_rank is None:
             return True
-        ms = self.timing.all_smoothed_ms()
-        slow_ms = ms[self.anchor_rank]
-        fastest = max((batch_counts.target_count(anchor, m, slow_ms)
-                       for r, m in enumerate(ms) if self.alive[r]), default=anchor)
+        ms = self.timing.smoothed_column()
+        targets = batch_counts.targets(anchor, ms, known(ms[self.anchor_rank]))
+        living = targets[np.array(self.alive, dtype=bool)]
+        fastest = int(living.max()) if len(living) else anchor
         return fastest - anchor <= limit
 
     def _recount(self, cycle: _Cycle) -> None:
         if self.shares is not None and self.calibration_count == 0:
             counts = batch_counts.ratio_counts(self.anchor, self.shares, self.alive)
         else:
-            ms = self.timing.all_smoothed_ms()
+            ms = self.timing.smoothed_column()
             counts = batch_counts.next_counts(
                 self.batch_counts, self.anchor, self.anchor_rank, ms, self.alive,
                 self.calibrated, cycle.anchor_step, self.config.max_batch_diff)
             if self.anchor_rank is not None:
-                self.calibrated = [up and m is not None for up, m in zip(self.alive, ms)]
+                self.calibrated = (np.array(self.alive) & ~np.isnan(ms)).tolist()
         self.batch_counts = batch_counts.cap_to_window(counts, self.epoch_batches)
 
     def _plan(self, cycle: _Cycle, divergence: Optional[float] = None) -> Plan:
@@ -351,7 +363,7 @@ class ElChe:
         if self.shares is not None and self.calibration_count == 0:
             living = [r for r in range(self.world_size) if self.alive[r]]
             return min(living, key=lambda r: (self.shares[r], r)) if living else None
-        return election.elect(self.timing.all_smoothed_ms(), None)
+        return election.elect(self.timing.smoothed_column(), None)
 
     def export_state(self) -> Dict[str, Any]:
         """JSON-ready `elche_state` for the checkpoint; knobs are not included."""

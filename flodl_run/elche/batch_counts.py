@@ -10,6 +10,10 @@ from __future__ import annotations
 import heapq
 from typing import List, Optional, Sequence
 
+import numpy as np
+
+from flodl_run.elche.timing import column, known
+
 # No rank runs more than 64x the anchor rank's batches: beyond that a reading is more likely
 # a measurement fault than a real speed gap.
 MAX_SPEED_RATIO = 64.0
@@ -21,23 +25,22 @@ def target_count(anchor: int, ms_per_batch: Optional[float], slow_ms: Optional[f
     """Batches a rank of speed `ms_per_batch` runs while the anchor rank (`slow_ms`) runs
     `anchor`: max(1, round(anchor * min(slow / m, 64))); the anchor itself when either speed is
     unknown."""
-    return _targets(anchor, [ms_per_batch], slow_ms)[0]
+    return int(targets(anchor, [ms_per_batch], slow_ms)[0])
 
 
-def _targets(anchor: int, ms_per_batch: Sequence[Optional[float]],
-             slow_ms: Optional[float]) -> List[int]:
-    """target_count over every rank at once (one loop, no call per rank: 1024-rank sims)."""
-    if slow_ms is None:
-        return [anchor] * len(ms_per_batch)
+def targets(anchor: int, ms_per_batch: Sequence[Optional[float]],
+            slow_ms: Optional[float]) -> np.ndarray:
+    """target_count of every rank at once (a column; None or NaN = unknown speed)."""
+    ms = column(ms_per_batch)
+    out = np.full(len(ms), anchor, dtype=np.int64)
+    if slow_ms is None or slow_ms != slow_ms:
+        return out
     work = anchor * slow_ms
-    ceiling = anchor * MAX_SPEED_RATIO
-    out = []
-    for ms in ms_per_batch:
-        if ms is None or ms == slow_ms or ms <= 0:
-            out.append(anchor)
-        else:
-            count = round(work / ms if work / ms < ceiling else ceiling)
-            out.append(count if count > 1 else 1)
+    # np.rint rounds half to even, as round() does.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        count = np.rint(np.minimum(work / ms, anchor * MAX_SPEED_RATIO))
+    measured = (ms > 0) & (ms != slow_ms)  # NaN (unknown) fails both
+    out[measured] = np.maximum(count[measured], 1).astype(np.int64)
     return out
 
 
@@ -60,24 +63,21 @@ def next_counts(current: Sequence[int], anchor: int, anchor_rank: Optional[int],
     rank has no calibrated count yet. With `max_batch_diff` = M a count moves at most M away
     from where the anchor's own step (`anchor_step`) carries it, so M = 0 keeps lockstep.
     """
-    slow_ms = ms_per_batch[anchor_rank] if anchor_rank is not None else None
-    targets = _targets(anchor, ms_per_batch, slow_ms)
-    counts: List[int] = []
-    for rank, now in enumerate(current):
-        target = targets[rank]
-        if not alive[rank]:
-            target = 0
-        elif rank == anchor_rank:
-            target = anchor
-        else:
-            if calibrated[rank] and abs(target - now) <= DEAD_ZONE * now:
-                target = now
-            if max_batch_diff is not None and now > 0:
-                carried = now + anchor_step
-                target = min(max(target, carried - max_batch_diff), carried + max_batch_diff)
-            target = target if target > 1 else 1
-        counts.append(target)
-    return counts
+    ms = column(ms_per_batch)
+    slow_ms = known(ms[anchor_rank]) if anchor_rank is not None else None
+    now = np.asarray(current, dtype=np.int64)
+    wanted = targets(anchor, ms, slow_ms)
+    noise = np.asarray(calibrated, dtype=bool) & (np.abs(wanted - now) <= DEAD_ZONE * now)
+    counts = np.where(noise, now, wanted)
+    if max_batch_diff is not None:
+        carried = now + anchor_step
+        clamped = np.minimum(np.maximum(counts, carried - max_batch_diff),
+                             carried + max_batch_diff)
+        counts = np.where(now > 0, clamped, counts)
+    counts = np.maximum(counts, 1)
+    if anchor_rank is not None:
+        counts[anchor_rank] = anchor
+    return np.where(np.asarray(alive, dtype=bool), counts, 0).tolist()
 
 
 def cap_to_window(counts: Sequence[int], max_total: Optional[int]) -> List[int]:

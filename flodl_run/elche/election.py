@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import numpy as np
+
 from flodl_run.elche.phase import Phase
+from flodl_run.elche.timing import column
 
 # Ranks within 15% of the slowest form the slow cohort: close enough that noise could reorder
 # them, so the sitting anchor rank keeps its seat among them.
@@ -23,33 +26,36 @@ _SLACK = 1e-9
 
 
 def slow_cohort(ms_per_batch: Sequence[Optional[float]]) -> List[int]:
-    """Ranks whose smoothed ms per batch is >= 0.85 x the slowest; ranks without data are out."""
-    known = [ms for ms in ms_per_batch if ms is not None]
-    if not known:
-        return []
-    floor_ms = COHORT_BAND * max(known) * (1 - _SLACK)
-    return [r for r, ms in enumerate(ms_per_batch) if ms is not None and ms >= floor_ms]
+    """Ranks whose smoothed ms per batch is >= 0.85 x the slowest; ranks without data (None or
+    NaN) are out."""
+    return np.flatnonzero(_cohort_mask(column(ms_per_batch))).tolist()
+
+
+def _cohort_mask(ms: np.ndarray) -> np.ndarray:
+    data = ~np.isnan(ms)
+    if not data.any():
+        return data
+    floor_ms = COHORT_BAND * float(ms[data].max()) * (1 - _SLACK)
+    return data & (ms >= floor_ms)
 
 
 def elect(ms_per_batch: Sequence[Optional[float]], current: Optional[int]) -> Optional[int]:
-    """The anchor rank given smoothed speeds (None = no data) and the sitting anchor rank.
+    """The anchor rank given smoothed speeds (None or NaN = no data) and the sitting one.
 
     One cohort member wins outright. Otherwise the sitting rank stays if it is in the cohort
     and nobody is >= 10% slower than it; a challenger that slow takes the seat (the slowest
     wins, ties to the lowest index); with no sitting rank in the cohort, the lowest index wins.
     """
-    cohort = slow_cohort(ms_per_batch)
-    if not cohort:
+    ms = column(ms_per_batch)
+    cohort = np.flatnonzero(_cohort_mask(ms))
+    if not len(cohort):
         return None
-    if len(cohort) == 1:
-        return cohort[0]
-    if current is not None and current in cohort:
-        current_ms = ms_per_batch[current]
-        slowest = max(cohort, key=lambda r: (ms_per_batch[r], -r))
-        if ms_per_batch[slowest] >= DOMINANCE_MARGIN * current_ms * (1 - _SLACK):
-            return slowest
-        return current
-    return cohort[0]
+    if len(cohort) == 1 or current is None or current not in cohort:
+        return int(cohort[0])
+    slowest = int(cohort[np.argmax(ms[cohort])])  # argmax: the first of equals, lowest index
+    if ms[slowest] >= DOMINANCE_MARGIN * ms[current] * (1 - _SLACK):
+        return slowest
+    return current
 
 
 def initial_pin(world_size: int, partition_ratios: Optional[Sequence[float]] = None,

@@ -182,6 +182,7 @@ class MlflowTracker(NullTracker):
                     outer: Optional[str]) -> Dict[str, str]:
         tags = {"mode": mode or config.elche.mode.value, "outer": outer or config.outer.kind.value,
                 "emulate_slowdown": str(config.cluster.emulate_slowdown),
+                "emulate_jitter": str(config.cluster.emulate_jitter),
                 "run_dir": str(run_dir)}
         tags.update(recipe_git(config.recipe.module))
         return tags

@@ -24,10 +24,12 @@ from flodl_run.sim.rig import (
     SimConfig,
     SimResult,
     TableStyle,
+    WindowEnd,
     WindowRecord,
     expand_rank_ms,
     simulate,
 )
+from flodl_run.sim.sweep import SweepConfig, run_sweep, sweep_table
 
 PROG = "flodl_run.sim"
 # Above this many ranks `table=auto` shows batch counts as min / median / max.
@@ -36,10 +38,12 @@ FULL_TABLE_MAX_RANKS = 8
 
 @dataclass
 class SimRunConfig:
-    """Root of conf/sim.yaml: the ElChe knobs the runner takes, plus the simulated rig."""
+    """Root of conf/sim.yaml: the ElChe knobs the runner takes, the simulated rig, and an
+    optional sweep over its size, noise and window end."""
 
     elche: ElCheConfig = field(default_factory=ElCheConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 SCHEMA = (None, "base_sim", SimRunConfig)
@@ -47,11 +51,19 @@ SCHEMA = (None, "base_sim", SimRunConfig)
 
 def check(cfg: SimRunConfig) -> tuple[List[Problem], List[str]]:
     """Every problem of the sim config (the elche rules are the runner's own) and warnings."""
-    problems = list(_sim_problems(cfg.sim))
+    problems = list(_sim_problems(cfg.sim)) + list(_sweep_problems(cfg.sweep))
+    skew = cfg.sim.cold_start_skew
+    if cfg.sweep.ranks and skew.windows and skew.rank >= min(cfg.sweep.ranks):
+        problems.append(Problem("sim.cold_start_skew.rank", skew.rank,
+                                f"must be below the smallest sweep.ranks ({min(cfg.sweep.ranks)})"))
     ranks = len(expand_rank_ms(cfg.sim)) or None
     report = validate(ExperimentConfig(elche=cfg.elche), world_size=ranks)
     problems += [p for p in report.problems if p.key.startswith("elche.")]
     warnings = [w for w in report.warnings if w.startswith("elche.")]
+    if cfg.elche.mode.is_sync and (cfg.sim.window_end is WindowEnd.deadline
+                                   or WindowEnd.deadline in cfg.sweep.window_end):
+        warnings.append(f"sim.window_end=deadline has no effect in mode {cfg.elche.mode.value} "
+                        "(a reduce after every step): windows end on counts")
     if cfg.sim.groups and cfg.sim.drift:
         warnings.append("sim.drift has no effect with sim.groups (set drift per group)")
     return problems, warnings
@@ -73,7 +85,8 @@ def _sim_problems(s: SimConfig) -> Iterator[Problem]:
             yield Problem("sim.drift", list(s.drift),
                           f"must have one value per rank ({len(s.rank_ms)})")
     yield from _skew_problems(s)
-    for key in ("noise", "fill_ms", "sync_ms", "sync_ms_per_rank", "divergence_per_step"):
+    for key in ("noise", "fill_ms", "sync_ms", "sync_ms_per_rank", "divergence_per_step",
+                "deadline_headroom"):
         if not getattr(s, key) >= 0:
             yield Problem(f"sim.{key}", getattr(s, key), "must be >= 0")
     if s.divergence is not None and (not s.divergence or any(d < 0 for d in s.divergence)):
@@ -86,6 +99,16 @@ def _sim_problems(s: SimConfig) -> Iterator[Problem]:
                        ("epoch_batches", s.epoch_batches)):
         if value is not None and value < 1:
             yield Problem(f"sim.{key}", value, "must be >= 1")
+
+
+def _sweep_problems(s: SweepConfig) -> Iterator[Problem]:
+    if any(n < 1 for n in s.ranks):
+        yield Problem("sweep.ranks", list(s.ranks), "every rank count must be >= 1")
+    for key in ("noise", "deadline_headroom"):
+        if any(not x >= 0 for x in getattr(s, key)):
+            yield Problem(f"sweep.{key}", list(getattr(s, key)), "every value must be >= 0")
+    if s.seeds < 1:
+        yield Problem("sweep.seeds", s.seeds, "must be >= 1")
 
 
 def _skew_problems(s: SimConfig) -> Iterator[Problem]:
@@ -163,14 +186,16 @@ def report(cfg: SimRunConfig, result: SimResult, console: Console) -> None:
     speeds = ", ".join(f"{ms:g}" for ms in rank_ms) if len(rank_ms) <= FULL_TABLE_MAX_RANKS \
         else f"{min(rank_ms):g}..{max(rank_ms):g}"
     console.print(f"sim: {len(rank_ms)} ranks ({speeds} ms/batch) | elche {cfg.elche.mode.value} "
-                  f"| {cfg.sim.windows} windows", highlight=False)
+                  f"| {cfg.sim.windows} windows ending on {cfg.sim.window_end.value}",
+                  highlight=False)
     if style is not TableStyle.none:
         console.print(window_table(result.windows, compact))
     console.print(summary_table(result))
 
 
 def run_job(cfg: Any) -> None:
-    """The body of one Hydra job: check, simulate, print, write sim.json."""
+    """The body of one Hydra job: check, simulate (or sweep), print, write sim.json (or
+    sweep.json)."""
     from hydra.core.hydra_config import HydraConfig
 
     err = Console(stderr=True)
@@ -182,15 +207,30 @@ def run_job(cfg: Any) -> None:
         fail_config("\n".join(lines + [f"  {p}" for p in problems]), err, PROG)
     for warning in warnings:
         err.print(labelled("warning", warning, "yellow"), highlight=False, soft_wrap=True)
-    result = simulate(typed.sim, typed.elche)
     out = Console()
     if not out.is_terminal:
         out = Console(width=160)  # piped or captured: do not squeeze the table to 80 columns
-    report(typed, result, out)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "sim.json").write_text(json.dumps(sim_json(result)))
-    out.print(f"wrote {run_dir / 'sim.json'}", markup=False, highlight=False)
+    if typed.sweep.is_set:
+        path, doc = run_dir / "sweep.json", _sweep(typed, out)
+    else:
+        result = simulate(typed.sim, typed.elche)
+        report(typed, result, out)
+        path, doc = run_dir / "sim.json", sim_json(result)
+    path.write_text(json.dumps(doc))
+    out.print(f"wrote {path}", markup=False, highlight=False)
+
+
+def _sweep(cfg: SimRunConfig, out: Console) -> dict:
+    """Run the sweep, print its table; the sweep.json document {"cells": [...]}."""
+    s = cfg.sweep
+    out.print(f"sweep: ranks {s.ranks or 'as given'} | noise {s.noise or [cfg.sim.noise]} | "
+              f"{cfg.sim.windows} windows | {s.seeds} seed(s) | elche {cfg.elche.mode.value}",
+              highlight=False)
+    cells = run_sweep(s, cfg.sim, cfg.elche)
+    out.print(sweep_table(cells))
+    return {"cells": [asdict(c) for c in cells]}
 
 
 def main() -> None:

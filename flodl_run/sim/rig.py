@@ -26,6 +26,13 @@ class TableStyle(str, enum.Enum):
     none = "none"
 
 
+class WindowEnd(str, enum.Enum):
+    """When a window ends: every rank has run its planned count, or a deadline has passed."""
+
+    count = "count"
+    deadline = "deadline"
+
+
 @dataclass
 class ColdStartSkew:
     """Rank `rank` runs `factor` times slower for its first `windows` windows."""
@@ -91,6 +98,15 @@ class SimConfig:
     reduce_probe: bool = True
     """Hand ElChe one reduce's wall timed before training, as the collective modes measure it
     in a real run (nccl_* only; the coordinator backend does not time one)."""
+    window_end: WindowEnd = WindowEnd.count
+    """count: a window ends when every rank has run its planned count. deadline: it lasts as
+    long as the anchor rank's count should take (ElChe's window_ms); every rank trains until
+    then, finishes its batch in hand, and never takes more than its bound (below). Sync modes
+    (a reduce after every step) always end on counts."""
+    deadline_headroom: float = 0.0
+    """Deadline windows: the share beyond its planned count a rank may take from the pool
+    (bound = ceil(count x (1 + headroom)); unused batches go back); 0 = the count is the
+    bound; >= 0."""
     table: TableStyle = TableStyle.auto
     """Per-window table: full counts, compact (min/median/max) or none; auto = compact above
     8 ranks."""
@@ -124,6 +140,10 @@ class WindowRecord:
     divergence: Optional[float]
     verdict: str
     nudge_factor: Optional[float]
+    deadline_ms: Optional[float] = None
+    """The window's deadline (window_end=deadline, after Probe); None = it ended on counts."""
+    batches: int = 0
+    """Batches trained in the window over all ranks (with a deadline, what fit)."""
 
 
 @dataclass(frozen=True)
@@ -152,8 +172,8 @@ class SimRig:
 
     def __init__(self, cfg: SimConfig):
         self.cfg = cfg
-        self.rank_ms = expand_rank_ms(cfg)
-        self.drift = expand_drift(cfg)
+        self.rank_ms = np.array(expand_rank_ms(cfg))
+        self.drift = np.array(expand_drift(cfg))
         self._rng = np.random.default_rng(cfg.seed)
         self._drops = sorted(cfg.lr_drops)
 
@@ -161,19 +181,18 @@ class SimRig:
     def world_size(self) -> int:
         return len(self.rank_ms)
 
-    def ms_per_batch(self, window: int) -> List[float]:
+    def ms_per_batch(self, window: int) -> np.ndarray:
         """Each rank's real ms per batch in `window`: drift, then noise, then cold start."""
         base = self.rank_ms
-        if any(self.drift):
-            base = [ms * max(MIN_SPEED_FRACTION, 1 + d * window) for ms, d in zip(base, self.drift)]
+        if self.drift.any():
+            base = base * np.maximum(MIN_SPEED_FRACTION, 1 + self.drift * window)
         noise = self.cfg.noise
         if noise > 0:
             factors = 1.0 + noise * self._rng.standard_normal(len(base))
-            np.maximum(factors, MIN_SPEED_FRACTION, out=factors)
-            base = [ms * f for ms, f in zip(base, factors.tolist())]
+            base = base * np.maximum(factors, MIN_SPEED_FRACTION)
         skew = self.cfg.cold_start_skew
         if window < skew.windows:
-            base = list(base)
+            base = base.copy()
             base[skew.rank] *= skew.factor
         return base
 
@@ -201,27 +220,25 @@ class _Totals:
     world_size: int
     wall_ms: float = 0.0
     samples: int = 0
-    idle_ms: List[float] = field(default_factory=list)
+    idle_ms: np.ndarray = field(init=False)
     anchors: List[int] = field(default_factory=list)
     """The anchor after each reduce."""
 
     def __post_init__(self) -> None:
-        self.idle_ms = [0.0] * self.world_size
+        self.idle_ms = np.zeros(self.world_size)
 
-    def add(self, walls: List[float], living: List[bool], sync_ms: float, batches: int) -> None:
-        slowest = max(walls)
+    def add(self, walls: np.ndarray, living: List[bool], sync_ms: float, batches: int) -> None:
+        slowest = float(walls.max())
         self.wall_ms += slowest + sync_ms
         self.samples += batches
-        idle = self.idle_ms
-        for rank, wall in enumerate(walls):
-            if living[rank]:
-                idle[rank] += slowest - wall
+        self.idle_ms += np.where(living, slowest - walls, 0.0)
 
     def summary(self, rank_ms: List[float], batch_size: int) -> SimSummary:
         seconds = self.wall_ms / 1000.0
         rate = self.samples * batch_size / seconds if seconds > 0 else 0.0
         ideal = sum(batch_size * 1000.0 / ms for ms in rank_ms)
-        idle = [i / self.wall_ms if self.wall_ms > 0 else 0.0 for i in self.idle_ms]
+        idle = (self.idle_ms / self.wall_ms).tolist() if self.wall_ms > 0 \
+            else [0.0] * self.world_size
         return SimSummary(rate, ideal, rate / ideal if ideal > 0 else 0.0, idle,
                           reduces_to_settle(self.anchors))
 
@@ -242,16 +259,27 @@ def reduces_to_settle(anchors: List[int]) -> int:
     return 0
 
 
-def _window_walls(plan: Plan, ms: List[float], fill_ms: float) -> List[float]:
-    return [c * m + fill_ms if c > 0 else 0.0 for c, m in zip(plan.batch_counts, ms)]
+def _window_walls(counts: np.ndarray, ms: np.ndarray, fill_ms: float) -> np.ndarray:
+    return np.where(counts > 0, counts * ms + fill_ms, 0.0)
 
 
-def _async_extra(plan: Plan, ms: List[float], sync_ms: float) -> int:
+def fit_by_deadline(bound: np.ndarray, ms: np.ndarray, fill_ms: float,
+                    deadline_ms: float) -> np.ndarray:
+    """Batches each rank trains in a window that ends at `deadline_ms`: it starts a batch while
+    the deadline has not passed and finishes the one in hand, so ceil((deadline - fill) / ms),
+    at least 1, never more than its `bound` (what it may take from the pool). A dead rank
+    (bound 0) trains none."""
+    fit = np.ceil((deadline_ms - fill_ms) / ms)
+    return np.where(bound > 0, np.clip(fit, 1, np.maximum(bound, 1)), 0).astype(np.int64)
+
+
+def _async_extra(plan: Plan, counts: np.ndarray, ms: np.ndarray, sync_ms: float) -> int:
     """cpu_async: batches ranks run during the reduce's round trip, within the overshoot."""
     budget = plan.max_overshoot or 0
     if budget <= 0:
         return 0
-    return sum(min(budget, int(sync_ms // m)) for c, m in zip(plan.batch_counts, ms) if c > 0)
+    fit = np.minimum(budget, sync_ms // ms)  # floor division as Python's float // does it
+    return int(fit[counts > 0].sum())
 
 
 def simulate(sim: SimConfig, elche_config: ElCheConfig,
@@ -268,30 +296,43 @@ def simulate(sim: SimConfig, elche_config: ElCheConfig,
     plan = elche.plan()
     for window in range(sim.windows):
         after, record, walls, sync_ms, extra = _step(rig, elche, plan, window, is_async)
-        totals.add(walls, elche.alive, sync_ms, sum(plan.batch_counts) + extra)
+        totals.add(walls, elche.alive, sync_ms, record.batches + extra)
         totals.anchors.append(after.anchor)
         records.append(record)
         if on_window is not None:
             on_window(record)
         plan = after
-    return SimResult(records, totals.summary(rig.rank_ms, sim.batch_size), rig.rank_ms)
+    return SimResult(records, totals.summary(rig.rank_ms.tolist(), sim.batch_size),
+                     rig.rank_ms.tolist())
+
+
+def _ends_on_deadline(sim: SimConfig, elche_config: ElCheConfig) -> bool:
+    """Deadline windows in the cadence and async modes; a sync mode reduces after every step."""
+    return sim.window_end is WindowEnd.deadline and not elche_config.mode.is_sync
 
 
 def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
     """One window: run the plan on the rig, report the reduce, record what happened."""
     ms = rig.ms_per_batch(window)
     fill_ms = rig.cfg.fill_ms
-    walls = _window_walls(plan, ms, fill_ms)
-    counts = plan.batch_counts
-    sync_ms = rig.sync_ms(sum(1 for c in counts if c > 0))
-    divergence = rig.divergence(window, max(counts))
-    first = [m + fill_ms for m in ms]
-    report = ReduceReport(wall_ms=walls, batches=counts, sync_ms=sync_ms, first_batch_ms=first,
-                          divergence=divergence, lr=rig.lr(window))
+    planned = np.array(plan.batch_counts)
+    # The deadline comes from the state that made `plan`, before this window's reduce.
+    deadline = elche.window_ms() if _ends_on_deadline(rig.cfg, elche.config) else None
+    if deadline is None:
+        counts = planned
+    else:
+        bound = np.ceil(planned * (1.0 + rig.cfg.deadline_headroom)).astype(np.int64)
+        counts = fit_by_deadline(bound, ms, fill_ms, deadline)
+    walls = _window_walls(counts, ms, fill_ms)
+    sync_ms = rig.sync_ms(int(np.count_nonzero(counts)))
+    divergence = rig.divergence(window, int(counts.max()))
+    report = ReduceReport(wall_ms=walls, batches=counts, sync_ms=sync_ms,
+                          first_batch_ms=ms + fill_ms, divergence=divergence, lr=rig.lr(window))
     after = elche.on_reduce(report)
     record = WindowRecord(
         window=window, phase=plan.phase.label, anchor=plan.anchor, anchor_rank=plan.anchor_rank,
-        batch_counts=list(counts), overhead=after.overhead, divergence=divergence,
-        verdict=after.verdict.label, nudge_factor=after.nudge_factor)
-    extra = _async_extra(plan, ms, sync_ms) if is_async else 0
+        batch_counts=list(plan.batch_counts), overhead=after.overhead, divergence=divergence,
+        verdict=after.verdict.label, nudge_factor=after.nudge_factor, deadline_ms=deadline,
+        batches=int(counts.sum()))
+    extra = _async_extra(plan, counts, ms, sync_ms) if is_async else 0
     return after, record, walls, sync_ms, extra
