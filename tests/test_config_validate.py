@@ -167,7 +167,6 @@ WARNINGS = [
     ("checkpoint_at_epoch_sync", dict(elche__mode=Mode.nccl_sync, checkpoint_at_epoch=1),
      "checkpoint_at_epoch"),
     ("num_ranks_outside_cpu", dict(cluster__num_ranks=2), "cluster.num_ranks"),
-    ("jitter_not_wired", dict(cluster__emulate_jitter=0.05), "cluster.emulate_jitter"),
 ]
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 
 import pytest
 
-from flodl_run.config.schema import ElCheConfig
+from flodl_run.config.schema import ElCheConfig, SyncAverage
 from flodl_run.sim.cli import sim_json
 from flodl_run.sim.rig import ColdStartSkew, RankGroup, SimConfig, simulate
 
@@ -32,7 +33,8 @@ RIGS = {
                                  drift=[0.0, 0.002, 0.0, -0.001, 0.0, 0.0]),
                        ElCheConfig.cpu_cadence()),
     "sync_gen3": (SimConfig(groups=GEN3, sync_ms=40.0, sync_ms_per_rank=0.5, noise=0.05,
-                            windows=50), ElCheConfig.nccl_sync()),
+                            windows=50), replace(ElCheConfig.nccl_sync(),
+                                          sync_average=SyncAverage.params)),
     "batch_diff": (SimConfig(rank_ms=[10.0, 12.0, 31.0], noise=0.02, sync_ms=30.0, windows=60),
                    ElCheConfig(max_batch_diff=3)),
     "wide_1024": (SimConfig(groups=[RankGroup(512, 10.0), RankGroup(256, 18.0),

@@ -40,7 +40,7 @@ from flodl_run.config.schema import ClusterConfig, ExperimentConfig, lr_factor
 from flodl_run.contracts.recipe import load_recipe
 from flodl_run.contracts.summary import EpochRecord, Summary, write_summary
 from flodl_run.data.passes import map_tensors, permutation, to_device
-from flodl_run.hardware.slowdown import Slowdown, factor_for
+from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.rank.replica import Replica
 
 PEERS = ("solo", "torch_ddp", "torch_localsgd")
@@ -89,7 +89,8 @@ class PeerRank:
         self.num_samples = len(dataset)
         self.data = on_device(dataset, device)
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
-        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, rank))
+        self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
+                                     config.cluster.emulate_jitter, rank, config.seed)
         self.steps = 0
         self.samples = 0
 

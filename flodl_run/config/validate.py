@@ -327,10 +327,6 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
             yield Problem("cluster.emulate_slowdown", list(c.emulate_slowdown),
                           f"must have one factor per rank (world size {world_size})")
     yield from _within("cluster.emulate_jitter", c.emulate_jitter, 0.0, 0.5)
-    if c.emulate_jitter > 0:
-        # hardware.slowdown.slowdown_for applies it; the rank loop does not call it yet.
-        yield ("cluster.emulate_jitter has no effect yet: the ranks and the bench do not apply "
-               "it (issue 30)")
     if c.topology is Topology.hosts:
         yield from _workers(cfg)
     if c.topology is Topology.slurm:

@@ -46,7 +46,7 @@ from flodl_run.contracts.wire import (
 )
 from flodl_run.data.dataplane import DataPlane
 from flodl_run.hardware.hostinfo import node_facts
-from flodl_run.hardware.slowdown import Slowdown, factor_for
+from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
 from flodl_run.rank.channels import HeartbeatThread, ListenerThread
@@ -79,7 +79,8 @@ class RankWorker:
                                 self.recipe.transform, rank=env.rank)
         self.cutter = BatchCutter(len(self.source), config.data.augment, config.seed, config.batch_size)
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
-        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, env.rank))
+        self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
+                                     config.cluster.emulate_jitter, env.rank, config.seed)
         self.mode = config.elche.mode
         self.group = RankGroup(env.rank, self.device, max(5.0, 2 * config.heartbeat_timeout_secs))
         self.jobs: Deque[Job] = deque()

@@ -24,7 +24,7 @@ from flodl_run.contracts.scalars import drain, roll_up
 from flodl_run.contracts.summary import EpochRecord, Summary
 from flodl_run.data.dataplane import DataPlane
 from flodl_run.data.passes import num_batches, permutation
-from flodl_run.hardware.slowdown import Slowdown, factor_for
+from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.observe.observer import Observer
 from flodl_run.rank.replica import Replica
 from flodl_run.rank.worker import Loss, Worker, run_loop
@@ -65,7 +65,8 @@ class SoloTrainer:
         if self.device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
         # the bench's solo runs at each rank's speed
-        self.slowdown = Slowdown(factor_for(config.cluster.emulate_slowdown, 0))
+        self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
+                                     config.cluster.emulate_jitter, 0, config.seed)
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
         self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
                                       recipe.transform)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence
 
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flodl_run.config.app import fail_config, run_hydra_app, typed_or_exit
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
 from flodl_run.config.validate import Problem, validate
 from flodl_run.report.say import labelled
 from flodl_run.sim.rig import (
@@ -64,6 +64,11 @@ def check(cfg: SimRunConfig) -> tuple[List[Problem], List[str]]:
                                    or WindowEnd.deadline in cfg.sweep.window_end):
         warnings.append(f"sim.window_end=deadline has no effect in mode {cfg.elche.mode.value} "
                         "(a reduce after every step): windows end on counts")
+    if cfg.elche.averages_gradients:
+        warnings.append("the simulator models nccl_sync as a reduce after every step (floDl's "
+                        "variant, elche.sync_average=params); its exact path overlaps each step's "
+                        "all-reduce with backward and splits the step by speed, so it runs near the "
+                        "ideal less what backward does not hide of the all-reduce")
     if cfg.sim.groups and cfg.sim.drift:
         warnings.append("sim.drift has no effect with sim.groups (set drift per group)")
     return problems, warnings
@@ -201,6 +206,7 @@ def run_job(cfg: Any) -> None:
     err = Console(stderr=True)
     typed = typed_or_exit(cfg, PROG)
     problems, warnings = check(typed)
+    typed.elche = replace(typed.elche, sync_average=SyncAverage.params)  # what the model covers
     if problems:
         count = len(problems)
         lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
