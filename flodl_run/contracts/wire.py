@@ -99,6 +99,9 @@ class WindowDone(Message):
     """Bytes the rank's GPU caching allocator held at the window's end (0 on CPU)."""
     skipped: int = 0
     """nccl_sync (gradients): steps every rank skipped for a non-finite averaged gradient."""
+    window_wall_ms: float = 0.0
+    """nccl_sync (gradients): the window's wall, the waits at each step's all-reduce included
+    (`wall_ms` is compute only, up to each step's gradient being ready: the rank's speed)."""
 
 
 class WindowFailed(Message):

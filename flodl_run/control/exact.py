@@ -36,6 +36,7 @@ class ExactWindows:
         # samples of each step to the survivors, so the trajectory (and the LR) stay the same
         self.global_batch = windows.world_size * windows.config.batch_size
         self._boundary = time.perf_counter()
+        self._walls: Dict[int, float] = {}  # each rank's window wall (steps, all-reduces included)
 
     @property
     def members(self):
@@ -120,6 +121,7 @@ class ExactWindows:
                 continue
             completed[answer.rank] = steps
             window.add(answer)
+            self._walls[answer.rank] = answer.window_wall_ms
             self.reduces.note_skipped(answer.rank, answer.skipped)
             self.windows.progress(epoch, epoch_tally, window, answer)
         return {r: n for r, n in completed.items() if r in self.members.alive}
@@ -127,10 +129,12 @@ class ExactWindows:
     def _close_window(self, epoch: int, steps: int, window: WindowTally, epoch_tally: EpochTally) -> None:
         """The window's steps are in every survivor's state: the reduce bookkeeping, with each
         rank's compute expressed per batch of batch_size samples (ElChe's unit) and the window
-        boundary's cost (the control round trip) as the sync time."""
+        boundary's cost (the control round trip: the time between windows that no rank spent
+        in its steps, all-reduces included) as the sync time."""
         now = time.perf_counter()
         elapsed_ms, self._boundary = (now - self._boundary) * 1000.0, now
-        compute_ms = max(window.wall_ms, default=0.0)
+        compute_ms = max(self._walls.values(), default=0.0)
+        self._walls = {}
         self.reduces.close_exact_window(window, epoch_tally, epoch, steps,
                                         per_batch(window, self.windows.config.batch_size),
                                         max(0.0, elapsed_ms - compute_ms))
