@@ -135,6 +135,26 @@ def test_one_nan_step_is_absorbed_and_logged(tmp_path, mode):
 
 
 @pytest.mark.e2e
+def test_a_nan_gradient_on_one_rank_makes_every_rank_skip_that_step(tmp_path):
+    """Rule (nccl_sync, gradients averaged): rank 1's NaN loss at one step poisons that step's
+    averaged gradient on every rank, so every rank skips it (as torch's GradScaler does) and the
+    replicas stay identical and finite; it is logged once as the step's, the run completes and
+    learns, and the bundle verifies."""
+    proc, summary = _nan_run(tmp_path, 5, 5, "elche=nccl_sync")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert summary["status"] == "completed"
+    assert [(e["rank"], e["what"]) for e in summary["nonfinite"]] == [(None, "gradient x1")]
+    assert "every rank skipped them" in out
+    assert summary["final_eval"] > 0.35
+    stem = summary["checkpoint"]
+    meta = read_meta(stem)
+    assert check_resume(meta, 2, 0, stem) == []
+    model = load_tensors(bundle_files(stem, meta)["model"])
+    assert all(bool(torch.isfinite(t).all()) for t in model.values())
+
+
+@pytest.mark.e2e
 def test_a_rank_that_stays_nan_fails_the_run_and_saves_the_finite_consensus(tmp_path):
     """Rule (coordinator mode): rank 1 NaN at every step from its 3rd on gives weight 0 at each
     reduce; after max_nonfinite=2 such reduces in a row the run stops failed (exit 1), saves

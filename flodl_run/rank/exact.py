@@ -98,6 +98,7 @@ class ExactSync:
         self.compute_ms = 0.0  # host-timed steps of the window (CPU, or a lone GPU rank)
         self.steps = 0  # optimizer steps taken (skipped ones included) in the window
         self.skipped = 0
+        self._skipped_on_device: Optional[torch.Tensor] = None  # fused optimizers, lone rank
         self.failed: Optional[str] = None
 
     def rebuild(self) -> None:
@@ -120,7 +121,7 @@ class ExactSync:
 
     def reset_window(self) -> None:
         self.compute_ms, self.steps, self.skipped, self.failed = 0.0, 0, 0, None
-        self._events = []
+        self._events, self._skipped_on_device = [], None
 
     def begin(self, micro: Micro) -> None:
         self._micro = micro
@@ -160,6 +161,8 @@ class ExactSync:
         gradient is the same everywhere), then the schedule."""
         if self.ddp is None:
             self._gradient_ready()
+            if _skips_on_device(self.replica.optimizer):
+                return self._fused_step()
         nonfinite = _nonfinite(self.replica.model)  # reads back: the all-reduce has landed
         if self.group.broken():  # the listener aborted the group: the result means nothing
             self.failed = "process group aborted"
@@ -174,6 +177,30 @@ class ExactSync:
             self.replica.scheduler.step()
         self.replica.steps += 1
         self.steps += 1
+
+    def _fused_step(self) -> None:
+        """A lone rank whose optimizer is one of torch's fused ones: the skip happens on the
+        device (the optimizer's own found_inf, as torch's GradScaler hands it), so the host never
+        waits for the step; the count of skipped steps is read at the window's end."""
+        optimizer = self.replica.optimizer
+        found = _found_inf(self.replica.model)
+        if self.replica.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), self.replica.max_grad_norm)
+        optimizer.found_inf, optimizer.grad_scale = found, None
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+        self._skipped_on_device = found if self._skipped_on_device is None else self._skipped_on_device + found
+        if self.replica.scheduler is not None:
+            self.replica.scheduler.step()
+        self.replica.steps += 1
+        self.steps += 1
+
+    def window_skipped(self) -> int:
+        """Steps skipped in the window (reads the device's count: at the window's end)."""
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
+        return self.skipped + on_device
 
     def _collective_broke(self, exc: RuntimeError) -> bool:
         """The error came from the step's all-reduce (DDP's reducer re-raises the backend's
@@ -223,15 +250,27 @@ class ExactSync:
         return total
 
 
-def _nonfinite(model: torch.nn.Module) -> bool:
-    """Any gradient NaN or inf: one fused read-only pass (the gradients' norms, per device and
-    dtype) and one read of the flag. A norm is non-finite exactly when a gradient is."""
+def _skips_on_device(optimizer: Any) -> bool:
+    """torch's fused optimizers take a found_inf tensor and skip the step on the device."""
+    defaults = getattr(optimizer, "defaults", None)
+    return isinstance(optimizer, torch.optim.Optimizer) and bool(defaults and defaults.get("fused"))
+
+
+def _found_inf(model: torch.nn.Module) -> torch.Tensor:
+    """1.0 on the device when any gradient is NaN or inf, else 0.0 (nothing read back): one
+    fused read-only pass, the gradients' norms per device and dtype (a norm is non-finite
+    exactly when a gradient is)."""
     groups = {}
     for p in model.parameters():
         if p.grad is not None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
     if not groups:
-        return False
+        return torch.zeros(())
     norms = [torch.stack(torch._foreach_norm(grads)).float().sum() for grads in groups.values()]
     total = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).sum()
-    return not bool(torch.isfinite(total))
+    return (~torch.isfinite(total)).float()
+
+
+def _nonfinite(model: torch.nn.Module) -> bool:
+    """Any gradient NaN or inf, read back (the host waits for the step's gradient)."""
+    return bool(_found_inf(model))

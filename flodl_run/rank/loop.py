@@ -318,7 +318,7 @@ class RankWorker:
             _compute_ms(exact, job.step_ms),
             0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
-            skipped=exact.skipped if exact else 0, window_wall_ms=sum(job.step_ms),
+            skipped=exact.window_skipped() if exact else 0, window_wall_ms=sum(job.step_ms),
             **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
