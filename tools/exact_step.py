@@ -110,15 +110,21 @@ def main() -> None:
         _timed(step, batches, 10, device)  # warm-up (compilation, allocator, cuBLAS)
         variants[label] = (step, batches)
     times = {label: [] for label in variants}
+    peak = {label: 0 for label in variants}
     for _ in range(args.rounds):
         for label, (step, batches) in variants.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times[label].append(_timed(step, batches, args.steps, device))
+            if device.type == "cuda":
+                peak[label] = max(peak[label], torch.cuda.max_memory_allocated(device))
     bare = statistics.median(times["bare"])
     print(f"{args.recipe} batch {args.batch} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
           f"{' (compiled)' if args.compile else ''}: median of {args.rounds} rounds x {args.steps} steps")
     for label, values in times.items():
         ms = statistics.median(values)
-        print(f"  {label:13s} {ms:8.3f} ms/step  {bare / ms:5.3f}x bare  rounds {[round(v, 3) for v in values]}")
+        print(f"  {label:13s} {ms:8.3f} ms/step  {bare / ms:5.3f}x bare  peak {peak[label] / 2**30:5.2f} GiB"
+              f"  rounds {[round(v, 3) for v in values]}")
     dist.destroy_process_group()
 
 
