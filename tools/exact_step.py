@@ -75,6 +75,7 @@ def _exact(replica, device, alone: bool, micro: int):
     group.alone = alone
     exact = ExactSync(replica, None, group, Slowdown(1.0))
     exact.rebuild()
+    exact.reset_window()
 
     def step(batch):
         size = batch[0].shape[0]

@@ -90,6 +90,7 @@ class ExactSync:
         self.replica, self.flat, self.group, self.slowdown = replica, flat, group, slowdown
         self.device = replica.device
         self._hook = _Hook()
+        self._grouped = _by_device_and_dtype(replica.model)  # the gradients' check, per group
         self.ddp: Optional[DistributedDataParallel] = None
         self._micro: Optional[Micro] = None
         self._began = 0.0
@@ -120,6 +121,9 @@ class ExactSync:
         broadcast_state_(self.replica, self.flat, source, self.device)
 
     def reset_window(self) -> None:
+        """A window begins: counters to zero, the model in training mode (an eval between two
+        windows leaves it in eval mode; once per window, not per step: it walks every module)."""
+        self.replica.model.train()
         self.compute_ms, self.steps, self.skipped, self.failed = 0.0, 0, 0, None
         self._events, self._skipped_on_device = [], None
 
@@ -137,7 +141,6 @@ class ExactSync:
         if micro.first:
             self.replica.optimizer.zero_grad(set_to_none=True)
             self._start_clock()
-        model.train()
         sync = self.ddp is None or micro.last
         with (contextlib.nullcontext() if sync else self.ddp.no_sync()):
             loss = self.replica.recipe.train_step(model, batch)
@@ -163,7 +166,7 @@ class ExactSync:
             self._gradient_ready()
             if _skips_on_device(self.replica.optimizer):
                 return self._fused_step()
-        nonfinite = _nonfinite(self.replica.model)  # reads back: the all-reduce has landed
+        nonfinite = _nonfinite(self._grouped)  # reads back: the all-reduce has landed
         if self.group.broken():  # the listener aborted the group: the result means nothing
             self.failed = "process group aborted"
             return
@@ -183,7 +186,7 @@ class ExactSync:
         device (the optimizer's own found_inf, as torch's GradScaler hands it), so the host never
         waits for the step; the count of skipped steps is read at the window's end."""
         optimizer = self.replica.optimizer
-        found = _found_inf(self.replica.model)
+        found = _found_inf(self._grouped)
         if self.replica.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), self.replica.max_grad_norm)
         optimizer.found_inf, optimizer.grad_scale = found, None
@@ -256,21 +259,29 @@ def _skips_on_device(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Optimizer) and bool(defaults and defaults.get("fused"))
 
 
-def _found_inf(model: torch.nn.Module) -> torch.Tensor:
-    """1.0 on the device when any gradient is NaN or inf, else 0.0 (nothing read back): one
-    fused read-only pass, the gradients' norms per device and dtype (a norm is non-finite
-    exactly when a gradient is)."""
+def _by_device_and_dtype(model: torch.nn.Module) -> List[List[torch.nn.Parameter]]:
+    """The model's parameters grouped by device and dtype, as their gradients will be."""
     groups = {}
     for p in model.parameters():
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    if not groups:
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    return list(groups.values())
+
+
+def _found_inf(grouped: List[List[torch.nn.Parameter]]) -> torch.Tensor:
+    """1.0 on the device when any gradient is NaN or inf, else 0.0 (nothing read back): one
+    fused read-only pass per group, the gradients' norms (a norm is non-finite exactly when a
+    gradient is)."""
+    norms = []
+    for params in grouped:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            norms.append(torch.stack(torch._foreach_norm(grads)).float().sum())
+    if not norms:
         return torch.zeros(())
-    norms = [torch.stack(torch._foreach_norm(grads)).float().sum() for grads in groups.values()]
     total = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).sum()
     return (~torch.isfinite(total)).float()
 
 
-def _nonfinite(model: torch.nn.Module) -> bool:
+def _nonfinite(grouped: List[List[torch.nn.Parameter]]) -> bool:
     """Any gradient NaN or inf, read back (the host waits for the step's gradient)."""
-    return bool(_found_inf(model))
+    return bool(_found_inf(grouped))
