@@ -21,6 +21,9 @@ from flodl_run.control.tallies import EpochTally, WindowTally
 from flodl_run.elche.shares import step_shares
 
 Step = List[SliceT]  # the samples of one global step
+WINDOW_CAP_MS = 2000.0
+"""A window holds at most about this much compute: the control plane still hears from the ranks
+every few seconds (progress, a stop at the window's end, a death's redo stays short)."""
 
 
 class ExactWindows:
@@ -53,9 +56,12 @@ class ExactWindows:
             windows.stop_if_asked(epoch)
 
     def _cut_window(self, pool: EpochPool) -> List[Step]:
-        """ElChe's anchor of global steps (fewer at the epoch's end); a last step too small to
-        give every member a sample joins the one before it."""
-        count = max(1, self.reduces.balance.plan.anchor)
+        """ElChe's anchor of global steps, at most WINDOW_CAP_MS of compute (fewer at the epoch's
+        end); a last step too small to give every member a sample joins the one before it."""
+        known = [ms for r, ms in enumerate(self.reduces.balance.smoothed_ms())
+                 if ms and r in self.members.alive]
+        cap = max(1, int(WINDOW_CAP_MS / max(known))) if known else 1
+        count = max(1, min(self.reduces.balance.plan.anchor, cap))
         steps = [pool.take(self.global_batch) for _ in range(count) if pool.remaining]
         if len(steps) > 1 and sum(s[2] for s in steps[-1]) < len(self.members.alive):
             steps[-2] = steps[-2] + steps.pop()
