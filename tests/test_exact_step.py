@@ -44,3 +44,42 @@ def test_a_lone_rank_skips_a_non_finite_step_and_takes_a_finite_one(fused):
     _step(exact, torch.randn(8, 12))
     assert not all(torch.equal(a, p) for a, p in zip(before, exact.replica.model.parameters()))
     assert exact.window_skipped() == 1 and exact.steps == 2
+
+
+def _adopting_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Rank 0 takes two AdamW steps, rank 1 none (its optimizer has no state yet, as after a
+    death inside the first step's all-reduce); then both adopt rank 0's state."""
+    import os
+
+    import torch.distributed as dist
+
+    from flodl_run.averaging.flat import FlatParams
+    from flodl_run.rank.statecast import broadcast_state_
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    recipe = load_recipe("tests.exact_recipe", {"optimizer": "adamw"}, None, None)
+    replica = Replica(recipe, torch.device("cpu"), seed=0)
+    flat = FlatParams(replica.model)
+    data = recipe.call("train_dataset")
+    for step in range(2 if rank == 0 else 0):
+        replica.step(data[torch.arange(step * 16, step * 16 + 16)])
+    broadcast_state_(replica, flat, 0, torch.device("cpu"))
+    replica.step(data[torch.arange(32, 48)])  # the same next step on both
+    torch.save({"params": [p.detach().clone() for p in replica.model.parameters()],
+                "steps": replica.steps}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_a_survivor_behind_by_a_step_adopts_the_leaders_state(tmp_path):
+    """Pins the regroup's adoption: the member that completed a step the other did not hands
+    over parameters, the optimizer's state (created on the way when the other had none) and
+    its step count, so both take the next step identically."""
+    from tests.support import _free_port, start_ranks
+
+    start_ranks(_adopting_worker, (2, _free_port(), str(tmp_path)), 2)
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert zero["steps"] == one["steps"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(zero["params"], one["params"]))
