@@ -63,3 +63,43 @@ def test_sigterm_is_named_sigterm(tmp_path, cluster):
     assert "SIGTERM" in summary["message"] and "SIGINT" not in summary["message"]
     if cluster == "cpu_pair":
         assert summary["checkpoint"] == str(run_dir / "checkpoint")
+
+
+EXITS_IN_TRAIN_STEP = (
+    "import os, sys\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "steps = []\n"
+    "def train_step(model, batch):\n"
+    "    steps.append(1)\n"
+    "    if len(steps) == 2 and os.environ['RANK'] == '1':\n"
+    "        sys.exit(0)\n"
+    "    if len(steps) == 2 and os.environ['RANK'] == '2':\n"
+    "        os._exit(0)\n"
+    "    return digits_mlp.train_step(model, batch)\n"
+)
+
+
+def test_a_recipe_that_exits_fails_its_rank_as_a_recipe_error(tmp_path):
+    """Rule: a recipe's sys.exit or os._exit fails its rank as a recipe error, and the `done:`
+    line says so when the survivors finish the run. It used to read `rank 1 lost: exited with
+    code 0`, and the run completed as if nothing of the recipe's had gone wrong."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "exiting_recipe.py").write_text(EXITS_IN_TRAIN_STEP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=exiting_recipe", "cluster=cpu",
+                         "cluster.num_ranks=3", "cluster.threads_per_rank=1", "num_epochs=1", env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and summary["status"] == "completed", out
+    assert sorted(summary["dead_ranks"]) == [1, 2], out
+    assert summary["message"].startswith("rank 1 failed: SystemExit: the recipe called sys.exit(0)"), out
+    done = [line for line in out.splitlines() if line.startswith("done:")]
+    assert done and "rank 1 failed: SystemExit: the recipe called sys.exit(0)" in done[0], out
+    lost = [json.loads(line)["message"] for line in (tmp_path / "run" / "events.jsonl").open()
+            if json.loads(line)["kind"] == "rank_lost"]
+    assert any(m.startswith("rank 2 lost: failed: exited with code 0 before it was told to stop")
+               for m in lost), lost
+    printed = [line for line in out.splitlines() if line.startswith("[rank 1]")]
+    assert sum("Traceback" in line for line in printed) == 1, out
+    assert 'exiting_recipe.py", line 8, in train_step' in out, out

@@ -107,7 +107,8 @@ class Summary:
     checkpoint: Optional[str] = None
     mlflow_run_id: Optional[str] = None
     message: Optional[str] = None
-    """Human-readable reason for a status other than completed."""
+    """Human-readable reason for a status other than completed; for a completed run, the
+    ranks that failed (a recipe error) while the survivors carried on, else None."""
 
 
 def _clean(value: Any) -> Any:

@@ -213,6 +213,12 @@ class Coordinator:
         """A rank process ended without being told to (seen by the launcher)."""
         self.members.report_death(rank, reason)
 
+    def report_recipe_exit(self, rank: int, reason: str) -> None:
+        """A rank process ended itself before it was told to: a recipe error, reported as the
+        rank's failure (thread-safe, as report_death)."""
+        self.members.note_raised(RankFailed(rank, reason))
+        self.members.report_death(rank, f"failed: {reason}")
+
     def stopped(self, rank: int) -> bool:
         """The rank was sent Stop: its exit is clean, never a death."""
         return rank in self.members.stopped
@@ -225,6 +231,8 @@ class Coordinator:
             self._await_ranks()
             self._train_all_epochs()
             self.summary.status = "completed"
+            if self.members.raised:  # the survivors carried on; the outcome still says who failed
+                self.summary.message = self.members.failed_ranks("")
         except ShutdownWithSave as exc:
             if self.elche is None:  # lost before training began: nothing to save
                 self.summary.status, self.summary.message = "failed", self.members.failed_ranks(exc.detail)

@@ -330,6 +330,8 @@ def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
         if summary.dead_ranks:  # the survivors finished the run; the last line still says who did not
             ranks = ", ".join(str(r) for r in summary.dead_ranks)
             lost = f" | rank{'s' if len(summary.dead_ranks) > 1 else ''} {ranks} lost (events.jsonl says why)"
+        if summary.message:  # ranks that failed (a recipe error) while the survivors carried on
+            lost += f" | {summary.message}"
         say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
                      f"{summary.samples_per_s:,.0f} samples/s{syncs}{lost}")
     else:

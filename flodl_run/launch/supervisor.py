@@ -135,7 +135,10 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
                 code = p.process.poll()
                 if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
                     reported.add(p.rank)  # exiting before it was told to stop is a death
-                    coordinator.report_death(p.rank, _exit_reason(p, code, procs))
+                    if ended_itself(code):
+                        coordinator.report_recipe_exit(p.rank, _self_exit(p, code))
+                    else:
+                        coordinator.report_death(p.rank, _exit_reason(p, code, procs))
         except KeyboardInterrupt:
             coordinator.request_stop(f"interrupted by {_signal_names.pop(0) if _signal_names else 'SIGINT'}")
 
@@ -148,6 +151,19 @@ def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
             if p.rank == rank and p.process.poll() is None:
                 _signal_group(p.process, signal.SIGKILL)
     return kill
+
+
+def ended_itself(code: int) -> bool:
+    """An exit code only the rank's own code gives: 0, or one below 128 other than 1 (a rank
+    that reported its failure exits 1; a signal, or ssh losing the host, gives a negative code,
+    128 + n or 255). Before the rank was told to stop, that is the recipe's os._exit (or
+    sys.exit outside the rank's guard): a recipe error, not a lost rank."""
+    return 0 <= code < 128 and code != 1
+
+
+def _self_exit(proc: RankProcess, code: int) -> str:
+    where = "" if proc.host is None else f" on host {proc.host}"
+    return f"exited{where} with code {code} before it was told to stop (the recipe called os._exit?)"
 
 
 def _exit_reason(proc: RankProcess, code: int, procs: List[RankProcess]) -> str:
