@@ -69,15 +69,16 @@ def raised_by_recipe(exc: BaseException) -> bool:
     return bool(frames) and not _is_ours(frames[-1])
 
 
-def user_traceback(exc: BaseException) -> str:
+def user_traceback(exc: BaseException, error: Optional[str] = None) -> str:
     """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
-    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set; it ends with `error` when given (the
+    error line as reported), else with the exception as Python prints it."""
     frames = traceback.extract_tb(exc.__traceback__)
     theirs = [f for f in frames if not _is_ours(f)]
     if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
         theirs = frames
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
-                    *traceback.format_exception_only(type(exc), exc)])
+                    *([f"{error}\n"] if error else traceback.format_exception_only(type(exc), exc))])
 
 
 @dataclass

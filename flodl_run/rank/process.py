@@ -28,8 +28,8 @@ __all__ = ["RankEnv", "RankWorker", "main"]
 
 def main() -> int:
     """Run one rank; an exception (the recipe's, or ours) or the recipe's sys.exit is reported
-    to the coordinator and printed once, as the traces of the code that raised it, and the rank
-    exits 1."""
+    to the coordinator and printed once (`rank 1: failed:`, the traces of the code that raised
+    it, then the one error line), and the rank exits 1."""
     env = RankEnv.from_environ(dict(os.environ))
     config = experiment_from_yaml(env.run_file.read_text())
     worker: Optional[RankWorker] = None
@@ -41,7 +41,7 @@ def main() -> int:
             raise  # ours: a rank the coordinator declared dead leaves with its message
         error = _error_line(exc)
         when = "failed" if worker is not None else "failed to start"
-        print(f"rank {env.rank}: {when}: {error}\n{user_traceback(exc)}", file=sys.stderr, end="")
+        print(f"rank {env.rank}: {when}:\n{user_traceback(exc, error)}", file=sys.stderr, end="")
         _report_failure(env, worker, RankFailed(env.rank, error))
         return 1
     finally:
