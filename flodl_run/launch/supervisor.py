@@ -128,9 +128,11 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankProcess]) -> None:
     """Until the coordinator ends: report a rank that exited early, turn Ctrl-C into a stop."""
     reported = set()
+    zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
         try:
             time.sleep(0.2)  # not thread.join(): a Ctrl-C inside join() can break is_alive()
+            zygotes = [z for z in zygotes if not _said_lost(z)]
             for p in procs:
                 code = p.process.poll()
                 if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
@@ -141,6 +143,16 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
                         coordinator.report_death(p.rank, _exit_reason(p, code, procs))
         except KeyboardInterrupt:
             coordinator.request_stop(f"interrupted by {_signal_names.pop(0) if _signal_names else 'SIGINT'}")
+
+
+def _said_lost(zygote: Zygote) -> bool:
+    """Say so when the rank zygote was killed by itself: its ranks watch the launcher, not it,
+    and train on; only their exit codes are gone (a rank's exit is then seen as code 1)."""
+    code = zygote.lost()
+    if code is not None:
+        log.warning("the rank zygote (pid %d) is gone (exit code %d); the ranks it forked keep "
+                    "training", zygote.process.pid, code)
+    return code is not None
 
 
 def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
