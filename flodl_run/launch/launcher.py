@@ -20,10 +20,10 @@ from rich.console import Console
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
 from flodl_run.config.validate import Problem, validate
-from flodl_run.contracts.summary import Summary, write_summary
+from flodl_run.contracts.summary import Summary, write_outcome, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.launch.zygote import fork_ranks, ready_spare
-from flodl_run.observe.observer import Observer, Observers
+from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.observe.timeline import TimelineFile
 from flodl_run.report.dashboard import Dashboard
@@ -160,16 +160,42 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
         if progress is not None:
             progress.close()
     summary.mlflow_run_id = tracker.run_id
-    write_summary(run_dir / "summary.json", summary)
-    for output in outputs:
-        output.finish(summary, run_dir)
-    tracker.finish(summary, run_dir)
-    latest = link_latest(run_dir, Path.cwd() / "outputs")
+    latest = _close_records(summary, run_dir, outputs, tracker, observers.errors)
     if error is not None:
+        say_unwritten(console, observers.errors)
         raise error
     _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+    say_unwritten(console, observers.errors)
     return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
                      tracker.run_id, model)
+
+
+def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: Observer,
+                   errors: OutputErrors) -> Optional[Path]:
+    """summary.json (its outcome first, then the whole record), each output's end (the `end`
+    line of events.jsonl, ...), the tracked run, and the `outputs/latest` link. What does not
+    fit on the disk is noted in `errors` and the rest still goes: an output error never fails a
+    run by itself. Returns the latest link, or None."""
+    path = run_dir / "summary.json"
+    if errors.attempt("summary.json", write_outcome, path, summary):
+        errors.attempt("summary.json in full (its outcome is there)", write_summary, path, summary)
+    for output in (*outputs, tracker):
+        errors.attempt(f"the end of {output.output or type(output).__name__}", output.finish,
+                       summary, run_dir)
+    latest: List[Optional[Path]] = [None]
+
+    def link() -> None:
+        latest[0] = link_latest(run_dir, Path.cwd() / "outputs")
+
+    errors.attempt("outputs/latest", link)
+    return latest[0]
+
+
+def say_unwritten(console: Console, errors: OutputErrors) -> None:
+    """The outcome stands; say what of its record is missing (nothing when all was written)."""
+    if errors.failed:
+        say_labelled(console, "not written", "; ".join(f"{what} ({why})" for what, why
+                                                       in errors.failed.items()), "yellow")
 
 
 def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
