@@ -103,6 +103,59 @@ def test_a_silent_rank_dies_once_and_the_last_death_ends_the_run_with_a_save():
     assert ranks.alive == set() and [r for r, _ in lost.dead] == [1, 0]
 
 
+def test_a_coordinator_that_was_stopped_gives_every_rank_a_fresh_grace_period():
+    """Pins issue 27's paused launcher: SIGSTOP for 8 s (Ctrl-Z, a VM pause), then SIGCONT, with
+    heartbeat_timeout_secs=5, and healthy ranks were declared `silent for 8.0s` and killed,
+    judged by the coordinator's own stalled clock. A gap in the coordinator's loop longer than
+    the timeout now restarts every rank's heartbeat and progress clocks instead; the next
+    silence is judged as before."""
+    lost = _Deaths()
+    ranks = _membership(lost, heartbeat_timeout_s=5.0)
+    now = time.monotonic()
+    ranks.heard(0, now - 8.0, Heartbeat(0, 4, True))
+    ranks.heard(1, now - 8.0, Heartbeat(1, 9, True))
+    ranks.loop_seen = now - 8.0  # the loop's last pass, before the stop
+    ranks.check_liveness()
+    assert not ranks.absorb() and lost.dead == []
+    assert all(now - seen < 1.0 for seen in ranks.last_seen.values())
+    assert [batches for batches, _ in ranks.batch_clock.values()] == [4, 9]
+    ranks.last_seen[1] -= 6.0  # then rank 1 falls silent for real
+    ranks.liveness_checked = 0.0
+    ranks.check_liveness()
+    assert ranks.absorb() and [r for r, _ in lost.dead] == [1]
+
+
+def test_a_silence_is_judged_after_the_queued_heartbeats_are_read():
+    """Pins the other half: with heartbeats waiting on the channel, a rank that only looks
+    silent (its beats are queued, unread) is not judged until they are read, nor later than
+    one more heartbeat timeout while input keeps coming."""
+    import zmq
+
+    from flodl_run.contracts.wire import Channel
+
+    ctx = zmq.Context.instance()
+    ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    ours.bind("inproc://liveness-queue")
+    theirs.connect("inproc://liveness-queue")
+    try:
+        lost = _Deaths()
+        ranks = _membership(lost, heartbeat_timeout_s=5.0)
+        ranks.channel = Channel(ours, b"k" * 32)
+        now = time.monotonic()
+        ranks.heard(1, now - 7.0)
+        theirs.send(b"rank 1's heartbeat, not read yet")
+        assert ours.poll(5000, zmq.POLLIN)
+        ranks.check_liveness()
+        assert not ranks.absorb()  # put off: the beat that would clear it may be in the queue
+        ranks.verdicts_postponed -= 6.0  # input kept coming for longer than a timeout
+        ranks.liveness_checked = 0.0
+        ranks.check_liveness()
+        assert ranks.absorb() and [r for r, _ in lost.dead] == [1]
+    finally:
+        ours.close(linger=0)
+        theirs.close(linger=0)
+
+
 @pytest.mark.apart
 @pytest.mark.e2e
 def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path):

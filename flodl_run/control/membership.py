@@ -58,6 +58,8 @@ class Membership:
         self.last_seen: Dict[int, float] = {}
         self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
         self.liveness_checked = 0.0
+        self.loop_seen: Optional[float] = None  # when the coordinator's loop last came by
+        self.verdicts_postponed: Optional[float] = None  # since when queued input put verdicts off
         self.stopped: Set[int] = set()
         self.raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
         self.listeners: Dict[int, bytes] = {}  # each collective rank's listener (AbortGroup goes there)
@@ -93,25 +95,56 @@ class Membership:
             self.batch_clock[beat.rank] = (beat.batches, now)
 
     def check_liveness(self) -> None:
-        """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S."""
+        """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S (the coordinator's
+        loop calls this on every pass), judged once the heartbeats queued for us are read:
+        while input waits on the channel a verdict waits too, for at most one more heartbeat
+        timeout (a socket kept busy must not hide a dead rank). A loop that did not come by
+        for longer than the timeout (the launcher was stopped: Ctrl-Z, SIGSTOP, a VM pause)
+        heard nobody meanwhile: every rank gets a fresh grace period instead of a verdict."""
         now = time.monotonic()
+        gap = None if self.loop_seen is None else now - self.loop_seen
+        self.loop_seen = now
+        if gap is not None and gap > self.heartbeat_timeout_s:
+            self._grace(now, gap)
+            return
         if now - self.liveness_checked < LIVENESS_EVERY_S:
             return
         self.liveness_checked = now
-        self._check_heartbeats(now)
+        verdicts = self._silent(now) + self._hung(now)
+        if verdicts and self._input_queued():
+            self.verdicts_postponed = self.verdicts_postponed or now
+            if now - self.verdicts_postponed <= self.heartbeat_timeout_s:
+                return
+        self.verdicts_postponed = None
+        for rank, reason in verdicts:
+            self.report_death(rank, reason)
+
+    def _silent(self, now: float) -> List[Tuple[int, str]]:
+        timeout = self.heartbeat_timeout_s
+        return [(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+                for rank, seen in self.last_seen.items() if rank in self.alive and now - seen > timeout]
+
+    def _hung(self, now: float) -> List[Tuple[int, str]]:
         smoothed = self._smoothed_ms()
+        hung = []
         for rank, (batches, since) in self.batch_clock.items():
             ms = smoothed[rank] if rank < len(smoothed) else None
             limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
             if rank in self.alive and now - since > limit:
-                self.report_death(rank, f"hung: no batch finished for {now - since:.1f}s while "
-                                        f"training (limit {limit:g}s; last at batch {batches})")
+                hung.append((rank, f"hung: no batch finished for {now - since:.1f}s while "
+                                   f"training (limit {limit:g}s; last at batch {batches})"))
+        return hung
 
-    def _check_heartbeats(self, now: float) -> None:
-        timeout = self.heartbeat_timeout_s
-        for rank, seen in self.last_seen.items():
-            if rank in self.alive and now - seen > timeout:
-                self.report_death(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+    def _grace(self, now: float, gap: float) -> None:
+        """Restart every rank's heartbeat and progress clocks: the silence was ours."""
+        log.warning("the coordinator did not run for %.1fs (stopped?): every rank gets a fresh "
+                    "heartbeat and progress period", gap)
+        self.last_seen = {rank: now for rank in self.last_seen}
+        self.batch_clock = {rank: (batches, now) for rank, (batches, _) in self.batch_clock.items()}
+        self.verdicts_postponed = None
+
+    def _input_queued(self) -> bool:
+        return self.channel is not None and bool(self.channel.socket.poll(0, zmq.POLLIN))
 
     # ---- deaths ------------------------------------------------------------------------------
 
