@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,50 @@ def test_a_bundle_of_the_unsuffixed_layout_still_resumes(tmp_path, lockstep_bund
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [e["epoch"] for e in summary["epochs"]] == [1]
     assert read_meta(summary["checkpoint"]).generation >= 1
+
+
+def test_a_save_path_is_held_by_one_run_and_a_second_is_refused_naming_the_holder(tmp_path):
+    """Pins issue 27's two runs on one save_path: one's prune deleted the other's temp file
+    (FileNotFoundError .ckpt.g2.optim.rank1.pt.<pid>.tmp), metas named files that were gone and
+    generations went backwards, with no lock and no warning. The save_path is now locked by
+    the run writing it; a second run is a config error (exit 2) naming the key and the holder,
+    and the lock (and its file) goes when the first run lets go."""
+    from flodl_run.config.materialize import ConfigError
+    from flodl_run.config.schema import ExperimentConfig
+    from flodl_run.launch.launcher import _lock_save_path
+
+    config = ExperimentConfig(save_path=str(tmp_path / "bundles" / "ckpt"))
+    first = _lock_save_path(config, tmp_path / "run_a")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            _lock_save_path(config, tmp_path / "run_b")
+        assert str(refused.value).count("save_path: is being written by another run "
+                                        f"(pid {os.getpid()}, run dir {tmp_path / 'run_a'})") == 1
+    finally:
+        first.release()
+    assert not (tmp_path / "bundles" / ".ckpt.lock").exists()
+    _lock_save_path(config, tmp_path / "run_b").release()
+
+
+def test_prune_leaves_a_temp_file_whose_writer_still_runs(tmp_path):
+    """Pins: prune deleted every temp file of an older generation, including one another live
+    process was writing (its save then failed with FileNotFoundError). A temp file of a live
+    writer stays; one whose writer is gone (an interrupted save) is removed with its generation."""
+    from flodl_run.contracts.checkpoint import prune
+
+    stem = tmp_path / "ckpt"
+    gone = _exited_pid()
+    files = {"old": tmp_path / "ckpt.g1.pt", "dead": tmp_path / f".ckpt.g1.optim.pt.{gone}.tmp",
+             "live": tmp_path / f".ckpt.g1.optim.rank1.pt.{os.getppid()}.tmp",
+             "kept": tmp_path / "ckpt.g2.pt"}
+    for path in files.values():
+        path.write_bytes(b"x")
+    prune(stem, keep=2)
+    assert {name for name, path in files.items() if path.exists()} == {"live", "kept"}
+
+
+def _exited_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid

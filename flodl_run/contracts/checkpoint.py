@@ -11,6 +11,7 @@ before anything trains; who saves when, and which rank writes what, is the coord
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -121,6 +122,56 @@ def next_generation(stem: str | Path) -> int:
     return max(_generations(stem), default=0) + 1
 
 
+class SavePathTaken(Exception):
+    """Another live run writes this save_path; the message names it (pid, run dir)."""
+
+
+class SaveLock:
+    """The save_path's writer: `.S.lock` beside the bundle, held (fcntl, exclusive) from the
+    run's start to its end, naming the run that holds it. Two runs on one save_path used to
+    break each other's bundles: one's prune deleted the other's temp files, metas named files
+    that were gone, generations went backwards. The kernel drops the lock with its process, so
+    a run killed by SIGKILL leaves no stale lock; the file goes with the release."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def take(cls, stem: str | Path, run_dir: str | Path) -> "SaveLock":
+        """Hold the lock for `stem` or raise SavePathTaken naming its holder."""
+        path = Path(stem).with_name(f".{Path(stem).name}.lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise SavePathTaken(f"is being written by another run ({holder or 'unknown holder'})") from None
+            if _same_file(fd, path):  # not a file its holder unlinked as we opened it: ours now
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, run dir {run_dir}".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Remove the file while holding it, then let go (a run that opened it meanwhile sees
+        another file at the path, and starts over)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self.fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename in `directory` durable (POSIX: the entry lives in the directory)."""
     fd = os.open(directory, os.O_RDONLY)
@@ -175,17 +226,38 @@ def save_meta(stem: str | Path, meta: BundleMeta) -> None:
     _atomic(paths(stem)["meta"], lambda tmp: tmp.write_text(text))
 
 
+_TEMP = re.compile(r"\.(\d+)\.tmp$")
+
+
 def prune(stem: str | Path, keep: int) -> None:
     """Remove every generation but `keep` (older ones, and half-written ones of interrupted
-    saves), and schema 1 files, once the meta names `keep`."""
+    saves), and schema 1 files, once the meta names `keep`. A temp file whose writer (the pid
+    in its name) still runs is not ours to remove: its writer removes or renames it."""
     legacy = [p for k, p in paths(stem).items() if k != "meta"]
     legacy += Path(stem).parent.glob(Path(stem).name + ".optim.rank*.pt")
-    doomed = legacy + [f for g, files in _generations(stem).items() if g != keep for f in files]
+    doomed = legacy + [f for g, files in _generations(stem).items() if g != keep for f in files
+                       if not _written_by_another_live_process(f)]
     for path in doomed:
         try:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _written_by_another_live_process(path: Path) -> bool:
+    match = _TEMP.search(path.name)
+    return match is not None and int(match.group(1)) != os.getpid() and pid_alive(int(match.group(1)))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds that pid
+    return True
 
 
 def load_tensors(path: Path) -> Any:

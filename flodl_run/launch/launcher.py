@@ -36,6 +36,7 @@ from flodl_run.report.tracking import make_tracker
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from flodl_run.contracts.checkpoint import SaveLock
     from flodl_run.contracts.recipe import Recipe
     from flodl_run.launch.hosts import HostLayout
     from flodl_run.launch.slurm import SlurmPlan
@@ -139,6 +140,29 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
+    lock = _lock_save_path(config, run_dir)
+    try:
+        return _run_planned(config, plan, run_dir, console, recipe, observer, show_progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_save_path(config: ExperimentConfig, run_dir: Path) -> Optional["SaveLock"]:
+    """This run's hold on its save_path (ConfigError naming the run that holds it)."""
+    if not config.save_path:
+        return None
+    from flodl_run.contracts.checkpoint import SaveLock, SavePathTaken
+
+    try:
+        return SaveLock.take(config.save_path, run_dir)
+    except SavePathTaken as exc:
+        raise ConfigError([Problem("save_path", config.save_path,
+                                   f"{exc}: give each run its own save_path")]) from None
+
+
+def _run_planned(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console,
+                 recipe: Optional["Recipe"], observer: Optional[Observer], show_progress: bool) -> RunResult:
     ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
     live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
     _say_plan(config.cluster.topology, plan, console)

@@ -194,7 +194,7 @@ class ForkedRank:
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
-            from flodl_run.averaging.shm import pid_alive  # here: `prefork` runs before torch loads
+            from flodl_run.contracts.checkpoint import pid_alive  # here: `prefork` runs before torch loads
 
             self.returncode = self.zygote.returncode(self.pid)
             if self.returncode is None and self.zygote.closed and not pid_alive(self.pid):

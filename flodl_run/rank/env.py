@@ -15,7 +15,8 @@ from typing import Dict, Optional
 
 import torch
 
-from flodl_run.averaging.shm import PREFIX_ENV, pid_alive, remove_run
+from flodl_run.averaging.shm import PREFIX_ENV, remove_run
+from flodl_run.contracts.checkpoint import pid_alive
 from flodl_run.rank.faults import FaultPlan, FaultSpecError
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
