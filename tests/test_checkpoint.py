@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_run.contracts.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
+from flodl_run.contracts.checkpoint import SCHEMA_VERSION, BundleError, bundle_files, load_model, paths, read_meta
 from tests.support import LOCKSTEP, PAIR, _live_ranks, _run, start_cli
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +56,7 @@ def test_clean_end_writes_a_complete_bundle(cadence_pair):
         {files["model"].name}
     assert sorted(p.name for p in Path(stem).parent.glob("checkpoint.*")) == \
         sorted([*meta.files, "checkpoint.meta.json"])  # older generations removed
-    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (2, 2, 2)
+    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (SCHEMA_VERSION, 2, 2)
     assert meta.save_reason == "checkpoint" and meta.coverage.uncovered == []
     assert meta.global_step > 0 and meta.sync_round == summary["syncs"]
     assert meta.elche_state["phase"] == summary["phase"]
@@ -165,7 +165,7 @@ def test_a_bundle_of_the_unsuffixed_layout_still_resumes(tmp_path, lockstep_bund
     for name in meta.files:
         shutil.copy(saved.parent / name, old / name.replace(prefix, f"{saved.name}."))
     raw = json.loads(paths(lockstep_bundle)["meta"].read_text())
-    del raw["generation"], raw["files"]
+    del raw["generation"], raw["files"], raw["meta_sha256"]
     paths(old / saved.name)["meta"].write_text(json.dumps(dict(raw, schema_version=1)))
     assert paths(old / saved.name)["model"].is_file()
     proc, summary = _run(tmp_path / "b", *LOCKSTEP, "num_epochs=2", f"resume_from={old / saved.name}")

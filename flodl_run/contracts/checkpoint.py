@@ -11,6 +11,7 @@ before anything trains; who saves when, and which rank writes what, is the coord
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -22,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""3: the meta carries its own checksum (`meta_sha256`); 2: generations and file checksums."""
 SAVE_REASONS = ("checkpoint", "graceful_shutdown", "max_failure_exceeded", "single_survivor",
                 "all_ranks_lost", "reduce_stall", "nonfinite", "callback_failed")
 _HASH_CHUNK = 1 << 20
@@ -63,6 +65,8 @@ class BundleMeta:
     files: Dict[str, str] = field(default_factory=dict)
     """File name (in the stem's directory) -> SHA-256 of its bytes, for every file of the
     generation (empty for schema 1 bundles: nothing to verify)."""
+    meta_sha256: str = ""
+    """SHA-256 of this meta's own JSON without this field (`meta_digest`); empty before schema 3."""
 
 
 def paths(stem: str | Path) -> Dict[str, Path]:
@@ -221,9 +225,18 @@ def require_finite(state: Any, what: str) -> None:
 
 
 def save_meta(stem: str | Path, meta: BundleMeta) -> None:
-    """The commit point of a save: after this rename, `meta.generation` is the bundle."""
-    text = json.dumps(asdict(meta), indent=2, default=str) + "\n"
+    """The commit point of a save: after this rename, `meta.generation` is the bundle. The
+    meta is written with its own checksum."""
+    record = asdict(meta)
+    record["meta_sha256"] = meta_digest(record)
+    text = json.dumps(record, indent=2, default=str) + "\n"
     _atomic(paths(stem)["meta"], lambda tmp: tmp.write_text(text))
+
+
+def meta_digest(record: Dict[str, Any]) -> str:
+    """SHA-256 of a meta's JSON (keys sorted, `meta_sha256` left out)."""
+    rest = {k: v for k, v in record.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()
 
 
 _TEMP = re.compile(r"\.(\d+)\.tmp$")
@@ -282,11 +295,71 @@ def read_meta(stem: str | Path) -> BundleMeta:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise BundleError(f"{path}: schema_version {version!r} is newer than this flodl_run "
                           f"reads ({SCHEMA_VERSION})")
-    try:
-        raw["coverage"] = Coverage(**raw["coverage"])
-        return BundleMeta(**raw)
-    except (KeyError, TypeError) as exc:
-        raise BundleError(f"{path}: corrupt ({exc})") from None
+    if raw.get("meta_sha256") and raw["meta_sha256"] != meta_digest(raw):
+        raise BundleError(f"{path}: does not match the checksum it records (meta_sha256): an "
+                          f"edited or damaged meta ({_WHAT_TO_DO})")
+    problems = meta_problems(raw)
+    if problems:
+        raise BundleError(f"{path}: " + "; ".join(problems))
+    raw["coverage"] = Coverage(**raw["coverage"])
+    return BundleMeta(**raw)
+
+
+_COUNTS = {"epoch": 0, "global_step": 0, "sync_round": 0, "world_size_at_save": 1, "generation": 0}
+_COVERAGE_COUNTS = {"seed": None, "batch_size": 1, "epoch_splits": 1, "epoch": 0}
+_TABLES = ("elche_state", "config", "files")
+
+
+def meta_problems(raw: Dict[str, Any]) -> List[str]:
+    """What is wrong with a meta's fields, each naming the field, its value and the rule (as a
+    config's problems do): read before any rank starts, so that an edited meta is a bad
+    bundle (exit 2), not an internal error after the ranks started."""
+    known = dataclasses.fields(BundleMeta)
+    problems = [f"{f.name} is missing" for f in known if f.name not in raw
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    problems += [f"{key} is not a field of a bundle meta"
+                 for key in sorted(set(raw) - {f.name for f in known})]
+    for key, low in _COUNTS.items():
+        problems += _count_problems(key, raw.get(key, 0), low)
+    if raw.get("save_reason") not in SAVE_REASONS:
+        problems.append(f"save_reason must be one of {', '.join(SAVE_REASONS)}, got {raw.get('save_reason')!r}")
+    problems += [f"{key} must be a mapping, got {raw[key]!r}" for key in _TABLES
+                 if key in raw and not isinstance(raw[key], dict)]
+    if isinstance(raw.get("files"), dict):
+        problems += [f"files.{name} must be a SHA-256 (64 hex digits), got {digest!r}"
+                     for name, digest in raw["files"].items() if not _is_sha256(digest)]
+    coverage = raw.get("coverage")
+    if not isinstance(coverage, dict):
+        return problems + [f"coverage must be a mapping, got {coverage!r}"]
+    for key, low in _COVERAGE_COUNTS.items():
+        problems += _count_problems(f"coverage.{key}", coverage.get(key), low)
+    if coverage.get("epoch") != raw.get("epoch"):
+        problems.append(f"coverage.epoch must equal epoch ({raw.get('epoch')!r}), got {coverage.get('epoch')!r}")
+    return problems + _uncovered_problems(coverage.get("uncovered", []))
+
+
+def _count_problems(key: str, value: Any, low: Optional[int]) -> List[str]:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return [f"{key} must be an integer, got {value!r}"]
+    return [f"{key} must be >= {low}, got {value}"] if low is not None and value < low else []
+
+
+def _uncovered_problems(uncovered: Any) -> List[str]:
+    """coverage.uncovered: [pass, start, end] ranges of the permutation, start < end."""
+    if not isinstance(uncovered, list):
+        return [f"coverage.uncovered must be a list of [pass, start, end], got {uncovered!r}"]
+    problems = []
+    for i, span in enumerate(uncovered):
+        ok = isinstance(span, list) and len(span) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in span)
+        if not ok or span[1] >= span[2]:
+            problems.append(f"coverage.uncovered.{i} must be [pass, start, end] with integers "
+                            f">= 0 and start < end, got {span!r}")
+    return problems
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
 def sha256_of(path: Path) -> str:

@@ -36,7 +36,7 @@ from flodl_run.report.tracking import make_tracker
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from flodl_run.contracts.checkpoint import SaveLock
+    from flodl_run.contracts.checkpoint import BundleMeta, SaveLock
     from flodl_run.contracts.recipe import Recipe
     from flodl_run.launch.hosts import HostLayout
     from flodl_run.launch.slurm import SlurmPlan
@@ -309,13 +309,38 @@ def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"])
     from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta
 
     try:
-        reasons = check_resume(read_meta(config.resume_from), plan.world_size, config.seed,
-                               config.resume_from)
+        meta = read_meta(config.resume_from)
+        reasons = check_resume(meta, plan.world_size, config.seed, config.resume_from)
+        reasons += _trajectory_problems(config, plan, meta)
     except BundleError as exc:
         reasons = [str(exc)]
     if reasons:
         raise ConfigError([Problem("resume_from", config.resume_from, f"cannot be resumed here: {r}")
                            for r in reasons])
+
+
+def _trajectory_problems(config: ExperimentConfig, plan: Plan, meta: "BundleMeta") -> List[str]:
+    """What of a valid meta this run cannot continue: an epoch at or past the run's end (it
+    used to "complete" with 0 samples and save a bundle labelled with fewer epochs than it
+    holds), or an elche_state that ElChe cannot restore (it failed with a KeyError after the
+    ranks started)."""
+    splits = config.data.epoch_splits
+    problems = []
+    if meta.epoch >= config.num_epochs * splits:
+        done = -(-meta.epoch // splits)
+        problems.append(f"the bundle has trained {done} epoch{'s' if done != 1 else ''} and this run "
+                        f"ends at num_epochs={config.num_epochs}: to train on, resume with "
+                        f"num_epochs=<larger than {done}>")
+    if not plan.in_process:
+        from flodl_run.elche.balancer import ElChe
+
+        try:
+            ElChe.from_state(config.elche, meta.elche_state, world_size=meta.world_size_at_save)
+        except KeyError as exc:
+            problems.append(f"elche_state.{exc.args[0]} is missing")
+        except (TypeError, ValueError, AttributeError) as exc:
+            problems.append(f"elche_state cannot be restored ({type(exc).__name__}: {exc})")
+    return problems
 
 
 def _zygote_log(cluster: ClusterConfig, plan: Plan, run_dir: Path) -> Optional[Path]:
