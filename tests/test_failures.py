@@ -105,3 +105,50 @@ def test_a_recipe_that_exits_fails_its_rank_as_a_recipe_error(tmp_path):
     printed = [line for line in out.splitlines() if line.startswith("[rank 1]")]
     assert sum("Traceback" in line for line in printed) == 1, out
     assert 'exiting_recipe.py", line 8, in train_step' in out, out
+
+
+STARTS_PROCESSES = (
+    "import os, subprocess, time\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def build_model(device, **kw):\n"
+    "    sleeper = subprocess.Popen(['sleep', '3600'])\n"
+    "    child = os.fork()\n"
+    "    if child == 0:\n"
+    "        while True:\n"
+    "            time.sleep(60)\n"
+    "    with open(os.environ['LEFT_FILE'], 'a') as left:\n"
+    "        left.write(f'{sleeper.pid} {child}\\n')\n"
+    "    return digits_mlp.build_model(device, **kw)\n"
+)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may never reap what it inherits)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_what_a_recipe_starts_ends_with_the_run(tmp_path):
+    """Pins: ranks that exited cleanly left what the recipe started (a `sleep 3600`, an os.fork
+    child) running, re-parented to init: the supervisor signalled only ranks still alive. Now
+    what is left in the ranks' process groups is ended with the run."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "spawning_recipe.py").write_text(STARTS_PROCESSES)
+    left = tmp_path / "left"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), LEFT_FILE=str(left))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=spawning_recipe",
+                         "cluster=cpu_pair", "num_epochs=1", env=env)
+    pids = [int(pid) for pid in left.read_text().split()]
+    try:
+        assert proc.returncode == 0 and summary["status"] == "completed", proc.stdout + proc.stderr
+        assert len(pids) == 4 and [pid for pid in pids if _running(pid)] == []
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

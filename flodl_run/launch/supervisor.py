@@ -96,7 +96,8 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
 
 
 def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
-    """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL: no orphan remains."""
+    """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL; then the same for what
+    they started on this host (their process groups): no orphan remains."""
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.process.poll() is None]
         if not alive:
@@ -107,11 +108,49 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.process.poll() is None for p in alive):
             time.sleep(0.05)
+    end_leftovers([p.process.pid for p in procs
+                   if p.host is None and getattr(p.process, "signal_rank", None) is None], grace_s)
     for p in procs:
         if p.forwarder is not None:
             p.forwarder.join(timeout=2.0)
         p.log.write(f"# rank {p.rank} exited with code {p.process.poll()}\n")
         p.log.close()
+
+
+def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`, to what is left in the ranks' process groups
+    once the ranks are gone: a recipe's `sleep 3600` or os.fork child, re-parented to init,
+    used to outlive the run. Each rank leads its own group (its own session), so the group id
+    is the rank's pid; a group with no live member left is not signalled (its id may since be
+    another process's)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = _groups_with_members(groups)
+        if not live:
+            return
+        for group in live:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _groups_with_members(live):
+            time.sleep(0.05)
+
+
+def _groups_with_members(groups: List[int]) -> List[int]:
+    """The groups among `groups` that a live process (not a zombie) is in, from /proc."""
+    wanted, found = set(groups), set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in wanted:  # state, ppid, pgrp, ...
+            found.add(int(fields[2]))
+    return sorted(found)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
