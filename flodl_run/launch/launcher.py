@@ -140,12 +140,25 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
+    _open_files_up_to_the_hard_limit()
     lock = _lock_save_path(config, run_dir)
     try:
         return _run_planned(config, plan, run_dir, console, recipe, observer, show_progress)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _open_files_up_to_the_hard_limit() -> None:
+    """Raise this process's soft limit on open files to the hard one: the common soft limit,
+    1024, is what a flood of idle connections to the coordinator used up before their
+    handshake deadline closed them (the run then failed on its next file). Ranks, started
+    from here, inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard != resource.RLIM_INFINITY:  # an infinite hard limit: the kernel caps it lower
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _lock_save_path(config: ExperimentConfig, run_dir: Path) -> Optional["SaveLock"]:
