@@ -18,7 +18,7 @@ from flodl_run.config.schema import MaxFailureConfig
 from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, RankFailed, Regroup, Regrouped
 from flodl_run.control.runstate import Next, RunAborted, Send, ShutdownWithSave
 
-__all__ = ["Membership", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
+__all__ = ["Membership", "OrderClock", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
 
 LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
 log = logging.getLogger(__name__)
@@ -28,6 +28,23 @@ def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) ->
     """How long a training rank may go without finishing a batch: `factor` of its smoothed
     batch time, never less than `floor_s` (and just the floor before any batch was timed)."""
     return max(floor_s, factor * smoothed_ms / 1000.0) if smoothed_ms else floor_s
+
+
+class OrderClock:
+    """How long a rank may take over an ordered eval or save (the recipe's callbacks in it
+    included): `factor` times the longest of that kind measured so far, never less than
+    `floor_s` (just the floor before one was measured). The batch clock cannot judge these:
+    a rank that is not training restarts it."""
+
+    def __init__(self, factor: float, floor_s: float):
+        self.factor, self.floor_s = factor, floor_s
+        self.longest_s: Dict[str, float] = {}
+
+    def limit_s(self, kind: str) -> float:
+        return max(self.floor_s, self.factor * self.longest_s.get(kind, 0.0))
+
+    def took(self, kind: str, seconds: float) -> None:
+        self.longest_s[kind] = max(seconds, self.longest_s.get(kind, 0.0))
 
 
 class Membership:
@@ -65,6 +82,7 @@ class Membership:
         self.listeners: Dict[int, bytes] = {}  # each collective rank's listener (AbortGroup goes there)
         self.generation = 0
         self.regroup_needed = False
+        self.orders = OrderClock(progress_factor, progress_floor_s)
 
     # ---- what the coordinator hears ----------------------------------------------------------
 
@@ -118,6 +136,15 @@ class Membership:
         self.verdicts_postponed = None
         for rank, reason in verdicts:
             self.report_death(rank, reason)
+
+    def overdue(self, kind: str, ranks: Set[int], began: float) -> bool:
+        """Report as hung each of `ranks` still alive that has not answered its `kind` order
+        (eval, save) within the order's limit since `began`; True when any was."""
+        waited, limit = time.monotonic() - began, self.orders.limit_s(kind)
+        late = sorted(ranks & self.alive) if waited > limit else []
+        for rank in late:
+            self.report_death(rank, f"hung: its {kind} ran for {waited:.1f}s (limit {limit:g}s)")
+        return bool(late)
 
     def _silent(self, now: float) -> List[Tuple[int, str]]:
         timeout = self.heartbeat_timeout_s
