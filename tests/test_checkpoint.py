@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_run.contracts.checkpoint import SCHEMA_VERSION, BundleError, bundle_files, load_model, paths, read_meta
+from flodl_run.contracts.checkpoint import (
+    SCHEMA_VERSION,
+    BundleError,
+    bundle_files,
+    load_model,
+    paths,
+    read_meta,
+)
 from tests.support import LOCKSTEP, PAIR, _live_ranks, _run, start_cli
 
 pytestmark = pytest.mark.e2e

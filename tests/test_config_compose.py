@@ -138,7 +138,8 @@ ROUND_TRIP_OVERRIDES = [
     [],
     ["elche=cpu_async", "outer=diloco", "cluster=cpu_pair", "elche.partition_ratios=[1,3]",
      "max_failure.percent=0.5", "+scalar_reductions.acc=max", "recipe=synthetic_mlp"],
-    ["cluster=two_hosts", *TWO_HOSTS_EDITED, "data=generous", "tracking=mlflow_server", "epoch_callback_policy=rank:2"],
+    ["cluster=two_hosts", *TWO_HOSTS_EDITED, "data=generous", "tracking=mlflow_server",
+     "epoch_callback_policy=rank:2"],
 ]
 
 

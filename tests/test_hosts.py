@@ -264,7 +264,8 @@ def test_the_unedited_two_host_template_exits_2_and_says_to_edit_it(capsys, monk
     monkeypatch.setattr(probe, "inventories", lambda *a, **k: pytest.fail("probe reached for a host"))
     assert probe.main(["cluster=two_hosts"]) == 2
     err = capsys.readouterr().err
-    for key, host in (("cluster.controller.host", "gpu-a.invalid"), ("cluster.workers.0.host", "gpu-a.invalid"),
+    for key, host in (("cluster.controller.host", "gpu-a.invalid"),
+                      ("cluster.workers.0.host", "gpu-a.invalid"),
                       ("cluster.workers.1.host", "gpu-b.invalid")):
         assert f"{key}: is a placeholder of the template" in err and f"'{host}'" in err, err
     with pytest.raises(ConfigError, match="cluster.workers.1.host: is a placeholder"):

@@ -152,7 +152,8 @@ class SaveLock:
             except BlockingIOError:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
                 os.close(fd)
-                raise SavePathTaken(f"is being written by another run ({holder or 'unknown holder'})") from None
+                raise SavePathTaken(f"is being written by another run "
+                                    f"({holder or 'unknown holder'})") from None
             if _same_file(fd, path):  # not a file its holder unlinked as we opened it: ours now
                 break
             os.close(fd)
@@ -322,7 +323,8 @@ def meta_problems(raw: Dict[str, Any]) -> List[str]:
     for key, low in _COUNTS.items():
         problems += _count_problems(key, raw.get(key, 0), low)
     if raw.get("save_reason") not in SAVE_REASONS:
-        problems.append(f"save_reason must be one of {', '.join(SAVE_REASONS)}, got {raw.get('save_reason')!r}")
+        problems.append(f"save_reason must be one of {', '.join(SAVE_REASONS)}, "
+                        f"got {raw.get('save_reason')!r}")
     problems += [f"{key} must be a mapping, got {raw[key]!r}" for key in _TABLES
                  if key in raw and not isinstance(raw[key], dict)]
     if isinstance(raw.get("files"), dict):
@@ -334,7 +336,8 @@ def meta_problems(raw: Dict[str, Any]) -> List[str]:
     for key, low in _COVERAGE_COUNTS.items():
         problems += _count_problems(f"coverage.{key}", coverage.get(key), low)
     if coverage.get("epoch") != raw.get("epoch"):
-        problems.append(f"coverage.epoch must equal epoch ({raw.get('epoch')!r}), got {coverage.get('epoch')!r}")
+        problems.append(f"coverage.epoch must equal epoch ({raw.get('epoch')!r}), "
+                        f"got {coverage.get('epoch')!r}")
     return problems + _uncovered_problems(coverage.get("uncovered", []))
 
 
