@@ -177,8 +177,12 @@ def test_a_step_reports_only_the_task_srun_named_and_the_rest_as_ended_with_srun
     assert [t.poll() for t in tasks] == [None, 137, None]
     process.stdin.close()
     process.wait(timeout=30)
-    step.readers[1].join(timeout=30)
+    deadline = time.monotonic() + 30  # a bound on a failure: ends come once both streams are read
+    while None in [t.poll() for t in tasks] and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert [t.poll() for t in tasks] == [0, 137, 0]
+    # an end srun's own end tells waits for both of its streams, so rank 2's line is in its log
+    # (this test joined the stderr reader only, and once read the log before stdout was done)
     for log in logs:
         log.close()
     assert (tmp_path / "rank2.log").read_text() == "hello from 2\n"
