@@ -170,7 +170,7 @@ def _edited(stem: str, edit) -> None:
     (lambda raw: raw.update(save_reason="because"), "save_reason must be one of"),
 ])
 def test_a_meta_is_validated_like_a_config_naming_the_field(tmp_path, edit, field):
-    """Pins issue 27's edited metas: `epoch=-3` trained and then raised ZeroDivisionError,
+    """Pins edited metas: `epoch=-3` trained and then raised ZeroDivisionError,
     `epoch='abc'` a TypeError, a stripped elche_state a KeyError, out-of-range uncovered
     ranges gave empty batches; all exit 1 after the ranks started. Now read_meta refuses the
     meta naming the field and the rule (a BundleError: exit 2, before any rank starts)."""

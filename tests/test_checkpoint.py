@@ -182,7 +182,7 @@ def test_a_bundle_of_the_unsuffixed_layout_still_resumes(tmp_path, lockstep_bund
 
 
 def test_a_save_path_is_held_by_one_run_and_a_second_is_refused_naming_the_holder(tmp_path):
-    """Pins issue 27's two runs on one save_path: one's prune deleted the other's temp file
+    """Pins two runs on one save_path: one's prune deleted the other's temp file
     (FileNotFoundError .ckpt.g2.optim.rank1.pt.<pid>.tmp), metas named files that were gone and
     generations went backwards, with no lock and no warning. The save_path is now locked by
     the run writing it; a second run is a config error (exit 2) naming the key and the holder,

@@ -104,7 +104,7 @@ def test_a_silent_rank_dies_once_and_the_last_death_ends_the_run_with_a_save():
 
 
 def test_a_coordinator_that_was_stopped_gives_every_rank_a_fresh_grace_period():
-    """Pins issue 27's paused launcher: SIGSTOP for 8 s (Ctrl-Z, a VM pause), then SIGCONT, with
+    """Pins a paused launcher: SIGSTOP for 8 s (Ctrl-Z, a VM pause), then SIGCONT, with
     heartbeat_timeout_secs=5, and healthy ranks were declared `silent for 8.0s` and killed,
     judged by the coordinator's own stalled clock. A gap in the coordinator's loop longer than
     the timeout now restarts every rank's heartbeat and progress clocks instead; the next
@@ -188,7 +188,7 @@ def eval_step(model, batch):
 
 @pytest.mark.e2e
 def test_a_rank_hung_in_its_eval_is_declared_dead_and_another_evaluates(tmp_path):
-    """Pins issue 27's hung eval: an eval_step that hangs on the eval rank went undetected
+    """Pins a hung eval: an eval_step that hangs on the eval rank went undetected
     (100 s with heartbeat 5 s, progress 10 s): a rank not training restarts its batch clock.
     The eval now has its own deadline (here the 2 s floor: none was measured yet); the rank is
     declared hung, the other rank evaluates, and the run completes."""

@@ -104,7 +104,7 @@ def test_a_peer_without_the_secret_never_gets_past_the_handshake():
 
 
 def test_a_connection_that_does_not_pass_the_handshake_in_time_is_closed():
-    """Pins issue 27's connection flood: idle TCP connections without the secret stayed open
+    """Pins a connection flood: idle TCP connections without the secret stayed open
     until, at about 1,100, they used up the launcher's file descriptors (ulimit -n 1024) and
     the run failed. Each must now pass the handshake within its deadline or be closed (here
     300 ms); a rank connecting afterwards still gets through."""
