@@ -157,22 +157,23 @@ def test_a_silence_is_judged_after_the_queued_heartbeats_are_read():
 
 
 def test_an_eval_or_save_may_take_a_multiple_of_the_longest_measured_with_a_floor():
-    """Pins the order deadlines: the floor (progress_timeout_secs) before any was measured,
-    then progress_factor x the longest of its kind; a rank past it is reported hung once,
-    naming the order, and one that answered in time (or is dead already) is not."""
+    """Pins the order deadlines: progress_factor x the floor (progress_timeout_secs) before
+    any was measured, then progress_factor x the longest of its kind, never under the floor; a
+    rank past it is reported hung once, naming the order, and one that answered in time is not."""
     lost = _Deaths()
-    ranks = _membership(lost, world=3, progress_factor=3.0, progress_floor_s=10.0)
-    assert ranks.orders.limit_s("eval") == 10.0
+    ranks = _membership(lost, world=3, progress_factor=3.0, progress_floor_s=4.0)
+    assert ranks.orders.limit_s("eval") == 12.0
     ranks.orders.took("eval", 2.0)
     ranks.orders.took("eval", 5.0)
     ranks.orders.took("eval", 1.0)
-    assert (ranks.orders.limit_s("eval"), ranks.orders.limit_s("save")) == (15.0, 10.0)
+    ranks.orders.took("save", 0.1)
+    assert (ranks.orders.limit_s("eval"), ranks.orders.limit_s("save")) == (15.0, 4.0)
     now = time.monotonic()
     assert not ranks.overdue("eval", {1}, now - 14.0)
-    assert ranks.overdue("save", {0, 1}, now - 12.0)
+    assert ranks.overdue("save", {0, 1}, now - 6.0)
     assert ranks.absorb() and ranks.alive == {2}
     assert [r for r, _ in lost.dead] == [0, 1]
-    assert re.fullmatch(r"hung: its save ran for 1\d\.\ds \(limit 10s\)", lost.dead[0][1])
+    assert re.fullmatch(r"hung: its save ran for 6\.\ds \(limit 4s\)", lost.dead[0][1])
 
 
 HANGING_EVAL = """
@@ -190,13 +191,13 @@ def eval_step(model, batch):
 def test_a_rank_hung_in_its_eval_is_declared_dead_and_another_evaluates(tmp_path):
     """Pins a hung eval: an eval_step that hangs on the eval rank went undetected
     (100 s with heartbeat 5 s, progress 10 s): a rank not training restarts its batch clock.
-    The eval now has its own deadline (here the 2 s floor: none was measured yet); the rank is
-    declared hung, the other rank evaluates, and the run completes."""
+    The eval now has its own deadline (here progress_factor x the 2 s floor, none measured
+    yet); the rank is declared hung, the other rank evaluates, and the run completes."""
     (tmp_path / "hanging_eval.py").write_text(HANGING_EVAL)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=hanging_eval", "cluster=cpu_pair",
                          "num_epochs=2", "epoch_callback_policy=rank:1", "progress_timeout_secs=2",
-                         env=env)
+                         "progress_factor=1", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
     assert "rank 1 lost: hung: its eval ran for" in proc.stdout

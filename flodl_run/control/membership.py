@@ -33,15 +33,16 @@ def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) ->
 class OrderClock:
     """How long a rank may take over an ordered eval or save (the recipe's callbacks in it
     included): `factor` times the longest of that kind measured so far, never less than
-    `floor_s` (just the floor before one was measured). The batch clock cannot judge these:
-    a rank that is not training restarts it."""
+    `floor_s`; before one was measured, `factor` times the floor (a first eval or save of a
+    large model may well outlast the floor that suits batches). The batch clock cannot judge
+    these: a rank that is not training restarts it."""
 
     def __init__(self, factor: float, floor_s: float):
         self.factor, self.floor_s = factor, floor_s
         self.longest_s: Dict[str, float] = {}
 
     def limit_s(self, kind: str) -> float:
-        return max(self.floor_s, self.factor * self.longest_s.get(kind, 0.0))
+        return max(self.floor_s, self.factor * self.longest_s.get(kind, self.floor_s))
 
     def took(self, kind: str, seconds: float) -> None:
         self.longest_s[kind] = max(seconds, self.longest_s.get(kind, 0.0))
