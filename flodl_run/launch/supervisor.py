@@ -108,8 +108,7 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.process.poll() is None for p in alive):
             time.sleep(0.05)
-    end_leftovers([p.process.pid for p in procs
-                   if p.host is None and getattr(p.process, "signal_rank", None) is None], grace_s)
+    end_leftovers([p.process.pid for p in procs if p.host is None and not _is_srun_task(p)], grace_s)
     for p in procs:
         if p.forwarder is not None:
             p.forwarder.join(timeout=2.0)
@@ -176,7 +175,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
                 code = p.process.poll()
                 if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
                     reported.add(p.rank)  # exiting before it was told to stop is a death
-                    if ended_itself(code):
+                    if ended_itself(code) and not _is_srun_task(p):  # srun's code may be its own
                         coordinator.report_recipe_exit(p.rank, _self_exit(p, code))
                     else:
                         coordinator.report_death(p.rank, _exit_reason(p, code, procs))
@@ -210,6 +209,10 @@ def ended_itself(code: int) -> bool:
     128 + n or 255). Before the rank was told to stop, that is the recipe's os._exit (or
     sys.exit outside the rank's guard): a recipe error, not a lost rank."""
     return 0 <= code < 128 and code != 1
+
+
+def _is_srun_task(proc: RankProcess) -> bool:
+    return getattr(proc.process, "signal_rank", None) is not None
 
 
 def _self_exit(proc: RankProcess, code: int) -> str:
