@@ -188,20 +188,19 @@ def test_a_save_path_is_held_by_one_run_and_a_second_is_refused_naming_the_holde
     the run writing it; a second run is a config error (exit 2) naming the key and the holder,
     and the lock (and its file) goes when the first run lets go."""
     from flodl_run.config.materialize import ConfigError
-    from flodl_run.config.schema import ExperimentConfig
     from flodl_run.launch.launcher import _lock_save_path
 
-    config = ExperimentConfig(save_path=str(tmp_path / "bundles" / "ckpt"))
-    first = _lock_save_path(config, tmp_path / "run_a")
+    save_path = str(tmp_path / "bundles" / "ckpt")
+    first = _lock_save_path(save_path, tmp_path / "run_a")
     try:
         with pytest.raises(ConfigError) as refused:
-            _lock_save_path(config, tmp_path / "run_b")
+            _lock_save_path(save_path, tmp_path / "run_b")
         assert str(refused.value).count("save_path: is being written by another run "
                                         f"(pid {os.getpid()}, run dir {tmp_path / 'run_a'})") == 1
     finally:
         first.release()
     assert not (tmp_path / "bundles" / ".ckpt.lock").exists()
-    _lock_save_path(config, tmp_path / "run_b").release()
+    _lock_save_path(save_path, tmp_path / "run_b").release()
 
 
 def test_prune_leaves_a_temp_file_whose_writer_still_runs(tmp_path):

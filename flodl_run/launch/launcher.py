@@ -141,7 +141,7 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
     _open_files_up_to_the_hard_limit()
-    lock = _lock_save_path(config, run_dir)
+    lock = _lock_save_path(config.save_path, run_dir)
     try:
         return _run_planned(config, plan, run_dir, console, recipe, observer, show_progress)
     finally:
@@ -161,16 +161,16 @@ def _open_files_up_to_the_hard_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _lock_save_path(config: ExperimentConfig, run_dir: Path) -> Optional["SaveLock"]:
+def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLock"]:
     """This run's hold on its save_path (ConfigError naming the run that holds it)."""
-    if not config.save_path:
+    if not save_path:
         return None
     from flodl_run.contracts.checkpoint import SaveLock, SavePathTaken
 
     try:
-        return SaveLock.take(config.save_path, run_dir)
+        return SaveLock.take(save_path, run_dir)
     except SavePathTaken as exc:
-        raise ConfigError([Problem("save_path", config.save_path,
+        raise ConfigError([Problem("save_path", save_path,
                                    f"{exc}: give each run its own save_path")]) from None
 
 
