@@ -26,7 +26,6 @@ WHOLE_CONFIG = {
     "flodl_run.launch.launcher._check_run": "resume compatibility reads resume_from, seed and the topology",
     "flodl_run.launch.launcher._trajectory_problems":
         "a resumed bundle against the run's epochs, epoch splits and ElChe knobs",
-    "flodl_run.launch.launcher._run_planned": "run's body once planned: trains and records the whole run",
     "flodl_run.launch.launcher._dashboard": "turns the run's config into the dashboard's parts",
     "flodl_run.launch.launcher._record_log": "turns the run's config into the record log's parts",
     "flodl_run.launch.launcher._uploads": "which of the run's files the tracker uploads",

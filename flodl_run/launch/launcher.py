@@ -8,12 +8,13 @@ run wrote. Training itself lives in `solo` (in-process) and in the rank runtime 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 from rich.console import Console
 
@@ -141,12 +142,36 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
     _open_files_up_to_the_hard_limit()
-    lock = _lock_save_path(config.save_path, run_dir)
-    try:
-        return _run_planned(config, plan, run_dir, console, recipe, observer, show_progress)
-    finally:
-        if lock is not None:
-            lock.release()
+    with _holding(config.save_path, run_dir):
+        ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
+        live = serve_dashboard(config.dashboard)  # before anything starts: a port in use: config error
+        _say_plan(config.cluster.topology, plan, console)
+        tracker = make_tracker(config.tracking, _uploads(config))
+        mode, outer = ("solo", "none") if plan.in_process else (None, None)
+        tracker.start(config, run_dir, mode=mode, outer=outer)
+        progress = TerminalProgress(console) if show_progress else None
+        # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker,
+        # which uploads them; the live dashboard's server stops after the dashboard took the summary.
+        board = _dashboard(config, run_dir)
+        timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
+        outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
+                               live and live.start(board, console), timeline) if o is not None]
+        observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
+        try:
+            summary, model, error = _train(config, plan, run_dir, console, observers, recipe,
+                                           tracker.run_id, timeline)
+        finally:
+            if progress is not None:
+                progress.close()
+        summary.mlflow_run_id = tracker.run_id
+        latest = _close_records(summary, run_dir, outputs, tracker, observers.errors)
+        if error is not None:
+            say_unwritten(console, observers.errors)
+            raise error
+        _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+        say_unwritten(console, observers.errors)
+        return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
+                         tracker.run_id, model)
 
 
 def _open_files_up_to_the_hard_limit() -> None:
@@ -161,6 +186,17 @@ def _open_files_up_to_the_hard_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+@contextlib.contextmanager
+def _holding(save_path: Optional[str], run_dir: Path) -> Iterator[None]:
+    """The run's hold on its save_path, from before anything starts to its end."""
+    lock = _lock_save_path(save_path, run_dir)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLock"]:
     """This run's hold on its save_path (ConfigError naming the run that holds it)."""
     if not save_path:
@@ -172,39 +208,6 @@ def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLo
     except SavePathTaken as exc:
         raise ConfigError([Problem("save_path", save_path,
                                    f"{exc}: give each run its own save_path")]) from None
-
-
-def _run_planned(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console,
-                 recipe: Optional["Recipe"], observer: Optional[Observer], show_progress: bool) -> RunResult:
-    ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
-    live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
-    _say_plan(config.cluster.topology, plan, console)
-    tracker = make_tracker(config.tracking, _uploads(config))
-    mode, outer = ("solo", "none") if plan.in_process else (None, None)
-    tracker.start(config, run_dir, mode=mode, outer=outer)
-    progress = TerminalProgress(console) if show_progress else None
-    # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker, which
-    # uploads them; the live dashboard's server stops after the dashboard took the summary.
-    board = _dashboard(config, run_dir)
-    timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
-    outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
-                           live and live.start(board, console), timeline) if o is not None]
-    observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
-    try:
-        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id,
-                                       timeline)
-    finally:
-        if progress is not None:
-            progress.close()
-    summary.mlflow_run_id = tracker.run_id
-    latest = _close_records(summary, run_dir, outputs, tracker, observers.errors)
-    if error is not None:
-        say_unwritten(console, observers.errors)
-        raise error
-    _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
-    say_unwritten(console, observers.errors)
-    return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
-                     tracker.run_id, model)
 
 
 def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: Observer,
