@@ -253,7 +253,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_unedited_two_host_template_exits_2_and_says_to_edit_it(capsys, monkeypatch):
-    """Pins: `cluster=two_hosts` as shipped named private addresses (10.0.0.1, 10.0.0.2), so a
+    """Pins: `cluster=two_hosts` as shipped named two private addresses, so a
     new user's probe or launch sent SSH traffic to whatever owned them. The template now names
     hosts in the reserved .invalid domain, and probe and launch refuse them (exit 2, each key
     named) before any ssh."""
