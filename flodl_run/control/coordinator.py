@@ -283,6 +283,13 @@ class Coordinator:
         meta = self.saving.restore(stem, self._epoch_batches(0))
         self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         self.reduces.resume(meta.global_step, meta.sync_round)
+        span = self._span(meta.epoch)  # only now known: the train set's size came with the ranks
+        for i, (pass_index, start, end) in enumerate(meta.coverage.uncovered):
+            if pass_index != span.pass_index or start < span.start or end > span.end:
+                raise RunAborted("failed", f"resume_from: coverage.uncovered.{i} "
+                                           f"{[pass_index, start, end]} is not within epoch {meta.epoch} "
+                                           f"(pass {span.pass_index}, samples {span.start}-{span.end}): "
+                                           f"an edited or damaged bundle")
 
     def _reduce_ms(self) -> Optional[float]:
         """The slowest rank's view of one reduce timed before training (collective modes)."""
