@@ -152,3 +152,57 @@ def test_a_stop_deadline_never_cuts_a_save_in_half():
     finally:
         rank.close()
         coord.channel.socket.close()
+
+
+def _edited(stem: str, edit) -> None:
+    """Edit the meta's JSON as a user would, with or without fixing its own checksum."""
+    meta_path = paths(stem)["meta"]
+    raw = json.loads(meta_path.read_text())
+    edit(raw)
+    meta_path.write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda raw: raw.update(epoch=-3), "epoch must be >= 0, got -3"),
+    (lambda raw: raw.update(epoch="abc"), "epoch must be an integer, got 'abc'"),
+    (lambda raw: raw["coverage"].update(uncovered=[[0, 900, 100]]), "coverage.uncovered.0 must be"),
+    (lambda raw: raw.pop("elche_state"), "elche_state is missing"),
+    (lambda raw: raw.update(save_reason="because"), "save_reason must be one of"),
+])
+def test_a_meta_is_validated_like_a_config_naming_the_field(tmp_path, edit, field):
+    """Pins edited metas: `epoch=-3` trained and then raised ZeroDivisionError,
+    `epoch='abc'` a TypeError, a stripped elche_state a KeyError, out-of-range uncovered
+    ranges gave empty batches; all exit 1 after the ranks started. Now read_meta refuses the
+    meta naming the field and the rule (a BundleError: exit 2, before any rank starts)."""
+    stem = str(tmp_path / "checkpoint")
+    _save(stem, 1.0)
+    _edited(stem, lambda raw: (edit(raw), raw.pop("meta_sha256")))  # an older meta: no checksum
+    with pytest.raises(checkpoint.BundleError, match=field.replace("[", r"\[").replace("(", r"\(")):
+        read_meta(stem)
+
+
+def test_a_meta_carries_its_own_checksum(tmp_path):
+    """Pins: a meta had no checksum of its own, so a valid-looking edit went unnoticed. save_meta
+    records the SHA-256 of the rest of the meta, and read_meta refuses a meta that does not
+    match it."""
+    stem = str(tmp_path / "checkpoint")
+    _save(stem, 1.0)
+    assert len(json.loads(paths(stem)["meta"].read_text())["meta_sha256"]) == 64
+    _edited(stem, lambda raw: raw.update(global_step=11))
+    with pytest.raises(checkpoint.BundleError, match="does not match the checksum it records"):
+        read_meta(stem)
+
+
+def test_resuming_at_or_past_num_epochs_says_how_to_extend_the_run(tmp_path):
+    """Pins: resuming an epoch-4 bundle with num_epochs=3 "completed" with 0 samples and wrote
+    a bundle labelled epoch 3 holding four epochs of training. It is now a resume problem
+    (exit 2) that names num_epochs and how to extend the run; an elche_state ElChe cannot
+    restore is one too (it was a KeyError after the ranks started)."""
+    from flodl_run.launch.launcher import Plan, _trajectory_problems
+
+    meta = dataclasses.replace(_meta(1, {}), epoch=4, coverage=Coverage(0, 8, 1, 4))
+    plan = Plan(world_size=2, in_process=False, gpus=[])
+    problems = _trajectory_problems(ExperimentConfig(num_epochs=3), plan, meta)
+    assert problems[0] == ("the bundle has trained 4 epochs and this run ends at num_epochs=3: "
+                           "to train on, resume with num_epochs=<larger than 4>")
+    assert problems[1] == "elche_state.world_size is missing"

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from flodl_run.contracts.checkpoint import BundleError, bundle_files, load_model, paths, read_meta
+from flodl_run.contracts.checkpoint import (
+    SCHEMA_VERSION,
+    BundleError,
+    bundle_files,
+    load_model,
+    paths,
+    read_meta,
+)
 from tests.support import LOCKSTEP, PAIR, _live_ranks, _run, start_cli
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +63,7 @@ def test_clean_end_writes_a_complete_bundle(cadence_pair):
         {files["model"].name}
     assert sorted(p.name for p in Path(stem).parent.glob("checkpoint.*")) == \
         sorted([*meta.files, "checkpoint.meta.json"])  # older generations removed
-    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (2, 2, 2)
+    assert (meta.schema_version, meta.epoch, meta.world_size_at_save) == (SCHEMA_VERSION, 2, 2)
     assert meta.save_reason == "checkpoint" and meta.coverage.uncovered == []
     assert meta.global_step > 0 and meta.sync_round == summary["syncs"]
     assert meta.elche_state["phase"] == summary["phase"]
@@ -163,10 +172,56 @@ def test_a_bundle_of_the_unsuffixed_layout_still_resumes(tmp_path, lockstep_bund
     for name in meta.files:
         shutil.copy(saved.parent / name, old / name.replace(prefix, f"{saved.name}."))
     raw = json.loads(paths(lockstep_bundle)["meta"].read_text())
-    del raw["generation"], raw["files"]
+    del raw["generation"], raw["files"], raw["meta_sha256"]
     paths(old / saved.name)["meta"].write_text(json.dumps(dict(raw, schema_version=1)))
     assert paths(old / saved.name)["model"].is_file()
     proc, summary = _run(tmp_path / "b", *LOCKSTEP, "num_epochs=2", f"resume_from={old / saved.name}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [e["epoch"] for e in summary["epochs"]] == [1]
     assert read_meta(summary["checkpoint"]).generation >= 1
+
+
+def test_a_save_path_is_held_by_one_run_and_a_second_is_refused_naming_the_holder(tmp_path):
+    """Pins two runs on one save_path: one's prune deleted the other's temp file
+    (FileNotFoundError .ckpt.g2.optim.rank1.pt.<pid>.tmp), metas named files that were gone and
+    generations went backwards, with no lock and no warning. The save_path is now locked by
+    the run writing it; a second run is a config error (exit 2) naming the key and the holder,
+    and the lock (and its file) goes when the first run lets go."""
+    from flodl_run.config.materialize import ConfigError
+    from flodl_run.launch.launcher import _lock_save_path
+
+    save_path = str(tmp_path / "bundles" / "ckpt")
+    first = _lock_save_path(save_path, tmp_path / "run_a")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            _lock_save_path(save_path, tmp_path / "run_b")
+        assert str(refused.value).count("save_path: is being written by another run "
+                                        f"(pid {os.getpid()}, run dir {tmp_path / 'run_a'})") == 1
+    finally:
+        first.release()
+    assert not (tmp_path / "bundles" / ".ckpt.lock").exists()
+    _lock_save_path(save_path, tmp_path / "run_b").release()
+
+
+def test_prune_leaves_a_temp_file_whose_writer_still_runs(tmp_path):
+    """Pins: prune deleted every temp file of an older generation, including one another live
+    process was writing (its save then failed with FileNotFoundError). A temp file of a live
+    writer stays; one whose writer is gone (an interrupted save) is removed with its generation."""
+    from flodl_run.contracts.checkpoint import prune
+
+    stem = tmp_path / "ckpt"
+    gone = _exited_pid()
+    files = {"old": tmp_path / "ckpt.g1.pt", "dead": tmp_path / f".ckpt.g1.optim.pt.{gone}.tmp",
+             "live": tmp_path / f".ckpt.g1.optim.rank1.pt.{os.getppid()}.tmp",
+             "kept": tmp_path / "ckpt.g2.pt"}
+    for path in files.values():
+        path.write_bytes(b"x")
+    prune(stem, keep=2)
+    assert {name for name, path in files.items() if path.exists()} == {"live", "kept"}
+
+
+def _exited_pid() -> int:
+    """The pid of a process that has exited (and was reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid

@@ -29,7 +29,11 @@ CONF = REPO / "conf"
 GOLDEN_KEYS = Path(__file__).parent / "golden" / "config_keys.txt"
 
 # Options that cannot stand alone: the extra overrides a user must add to pick them.
-REQUIRED_WITH = {("recipe", "custom"): ["recipe.module=recipes.digits_mlp"]}
+TWO_HOSTS_EDITED = ["cluster.controller.host=127.0.0.1", "cluster.workers.0.host=127.0.0.1",
+                    "cluster.workers.1.host=127.0.0.2"]
+"""The two_hosts template with its placeholder hosts put in (loopback: nothing is reached)."""
+REQUIRED_WITH = {("recipe", "custom"): ["recipe.module=recipes.digits_mlp"],
+                 ("cluster", "two_hosts"): TWO_HOSTS_EDITED}
 
 
 def _options():
@@ -134,7 +138,8 @@ ROUND_TRIP_OVERRIDES = [
     [],
     ["elche=cpu_async", "outer=diloco", "cluster=cpu_pair", "elche.partition_ratios=[1,3]",
      "max_failure.percent=0.5", "+scalar_reductions.acc=max", "recipe=synthetic_mlp"],
-    ["cluster=two_hosts", "data=generous", "tracking=mlflow_server", "epoch_callback_policy=rank:2"],
+    ["cluster=two_hosts", *TWO_HOSTS_EDITED, "data=generous", "tracking=mlflow_server",
+     "epoch_callback_policy=rank:2"],
 ]
 
 

@@ -262,3 +262,22 @@ def test_mid_epoch_checkpoint_and_resume_cover_each_sample_exactly_once(tmp_path
     epoch1 = Counter({k: v for k, v in after.items() if k[0] == 1})
     assert set(epoch1) == uncovered and set(epoch1.values()) == {1}
     assert included | set(epoch1) == {(1, i) for i in range(NUM_SAMPLES)}
+
+
+@pytest.mark.coordinator
+def test_a_resume_whose_uncovered_ranges_lie_outside_the_epoch_fails_naming_them(tmp_path):
+    """Pins: out-of-range `uncovered` ranges in a meta gave empty batches and a `nonfinite`
+    failure. Only the ranks know the train set's size, so the coordinator checks them once the
+    ranks joined: the run fails before training, naming the field and the epoch's samples."""
+    stem = str(tmp_path / "ck")
+    keep = _KeepBundles(stem)
+    summary, _ = _run("cpu_cadence", [4.0, 10.0], epochs=2, checkpoint_at_epoch=1, save_path=stem,
+                      observer=keep)
+    assert summary.status == "completed", summary.message
+    mid = keep.metas[0]
+    mid.coverage.uncovered = [[1, NUM_SAMPLES + 8, NUM_SAMPLES + 16]]
+    save_meta(str(tmp_path / "mid"), mid)  # an edit with its checksum made good
+    summary2, ranks = _run("cpu_cadence", [4.0, 10.0], epochs=2, resume_from=str(tmp_path / "mid"))
+    assert summary2.status == "failed" and summary2.epochs == []
+    assert summary2.message.startswith("resume_from: coverage.uncovered.0 [1, "), summary2.message
+    assert not any(r.slices for r in ranks)

@@ -201,14 +201,14 @@ def test_ranks_are_labelled_with_their_worker_hosts_in_a_multi_host_run():
     from flodl_run.report.dashboard import Dashboard
 
     config = ExperimentConfig(cluster=ClusterConfig(topology=Topology.hosts, workers=[
-        WorkerConfig(host="10.0.0.1", local_devices=["cpu", "cpu"]),
-        WorkerConfig(host="10.0.0.2", local_devices=["cpu"], docker="trainer")]))
+        WorkerConfig(host="gpu-a.test", local_devices=["cpu", "cpu"]),
+        WorkerConfig(host="gpu-b.test", local_devices=["cpu"], docker="trainer")]))
     board = Dashboard(None, cluster=config.cluster)
     board.on_start(2, 10, 3)
     for rank in range(3):
         board.on_window(rank, 640, 20.0 * (rank + 1), 2**30 * rank)
     ranks = board.state()["ranks"]
-    assert [r["host"] for r in ranks] == ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
+    assert [r["host"] for r in ranks] == ["gpu-a.test", "gpu-a.test", "gpu-b.test"]
     assert [r["throughput"] for r in ranks] == pytest.approx([32000.0, 16000.0, 640 / 0.060], abs=1e-3)
     body = board.body()
-    assert body.count('name="rank-tab"') == 3 and "10.0.0.2" in body and "2.00 GiB" in body
+    assert body.count('name="rank-tab"') == 3 and "gpu-b.test" in body and "2.00 GiB" in body

@@ -32,12 +32,12 @@ SECRET = bytes(range(32))
 
 
 def _mixed(**worker) -> Any:
-    """Controller bare metal on 10.0.0.1 with one GPU rank; 10.0.0.2 runs one in docker."""
-    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[0], nccl_socket_ifname="eth0"),
-                 WorkerConfig(host="10.0.0.2", local_devices=[1], nccl_socket_ifname="eth0",
+    """Controller bare metal on gpu-a.test with one GPU rank; gpu-b.test runs one in docker."""
+    cfg = config(WorkerConfig(host="gpu-a.test", local_devices=[0], nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="gpu-b.test", local_devices=[1], nccl_socket_ifname="eth0",
                               path="/srv/deploy", docker="trainer", **worker),
-                 controller=ControllerConfig(host="10.0.0.1"), master_port=29511)
-    layout = plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+                 controller=ControllerConfig(host="gpu-a.test"), master_port=29511)
+    layout = plan_layout(cfg, ask=fake_ask({"gpu-a.test": facts(GPUS), "gpu-b.test": facts(GPUS)}))
     return cfg, layout
 
 
@@ -52,12 +52,12 @@ def test_docker_rank_command_execs_the_ssh_entry_in_the_service_with_the_torchru
     the service, the worker's python and the same remote entry as bare metal."""
     cfg, layout = _mixed(python="/opt/venv/bin/python")
     slots = layout.workers[1]
-    env = rank_environment(cfg.cluster, layout, slots, 0, "tcp://10.0.0.1:29400")
+    env = rank_environment(cfg.cluster, layout, slots, 0, "tcp://gpu-a.test:29400")
     command = rank_command(slots, env, 1, "run-x")
     assert command.startswith("cd /srv/deploy && { up=$(docker compose ps --status running")
     assert _exec_words(command) == [
         "docker", "compose", "exec", "-T", "-e", "RANK=1", "-e", "LOCAL_RANK=0",
-        "-e", "WORLD_SIZE=2", "-e", "LOCAL_WORLD_SIZE=1", "-e", "MASTER_ADDR=10.0.0.1",
+        "-e", "WORLD_SIZE=2", "-e", "LOCAL_WORLD_SIZE=1", "-e", "MASTER_ADDR=gpu-a.test",
         "-e", "MASTER_PORT=29511", "-e", "CUDA_VISIBLE_DEVICES=GPU-bbbb-1",
         "trainer", "/opt/venv/bin/python", "-m", "flodl_run.launch.ssh", "--rank", "1", "--run", "run-x"]
     bare = rank_command(layout.workers[0], env, 0, "run-x")
@@ -80,7 +80,7 @@ def test_secret_goes_on_stdin_and_never_into_a_docker_ranks_argv(monkeypatch, tm
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "run.yaml").write_text("seed: 0\n")
-    start_hosts(cfg.cluster, layout, "tcp://10.0.0.1:29400", SECRET, run_dir,
+    start_hosts(cfg.cluster, layout, "tcp://gpu-a.test:29400", SECRET, run_dir,
                 Console(file=io.StringIO()), save_path=cfg.save_path)
     docker = started[1]
     assert docker["argv"][0] == "ssh" and "docker compose exec -T" in docker["argv"][-1]
@@ -125,11 +125,11 @@ def test_service_check_runs_in_a_posix_shell(tmp_path, running, up):
 def test_docker_key_is_validated_as_a_service_name():
     """Pins the config rule: a docker value that is no compose service name (spaces, shell
     characters) is refused naming cluster.workers.<i>.docker."""
-    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[0], docker="trainer; rm -rf /"))
+    cfg = config(WorkerConfig(host="gpu-a.test", local_devices=[0], docker="trainer; rm -rf /"))
     problems = [str(p) for p in validate(cfg).problems]
     assert any(p.startswith("cluster.workers.0.docker: must be a compose service name")
                for p in problems), problems
-    assert not validate(config(WorkerConfig(host="10.0.0.1", local_devices=[0],
+    assert not validate(config(WorkerConfig(host="gpu-a.test", local_devices=[0],
                                             docker="gpu_worker-1.a"))).problems
 
 

@@ -22,8 +22,10 @@ RAISES_IN_BUILD_MODEL = (
 
 def test_a_recipe_that_raises_fails_the_run_with_its_own_error_and_nothing_else(tmp_path):
     """Rule: a recipe error in the ranks gives status failed and exit 1; each rank prints the
-    user's exception once (rank, then the traceback of the recipe's code only), and no internal
-    error follows (it used to end with an AttributeError and status shutdown_with_save)."""
+    user's exception once (rank, then the traceback of the recipe's code only, ending in the one
+    error line), and no internal error follows (it used to end with an AttributeError and status
+    shutdown_with_save). Exactly once: the test accepted a rank that printed nothing, and each
+    rank printed its error line twice (in its first line, then under the traceback)."""
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
     (pkg / "raising_recipe.py").write_text(RAISES_IN_BUILD_MODEL)
@@ -37,8 +39,8 @@ def test_a_recipe_that_raises_fails_the_run_with_its_own_error_and_nothing_else(
     assert summary["checkpoint"] is None
     for rank in (0, 1):
         printed = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]")]
-        assert sum("Traceback" in line for line in printed) <= 1, out
-        assert sum("ValueError: the recipe cannot" in line for line in printed) in (0, 2), out
+        assert sum("Traceback" in line for line in printed) == 1, out
+        assert sum("ValueError: the recipe cannot" in line for line in printed) == 1, out
     frames = [line for line in out.splitlines() if line.startswith("[rank") and 'File "' in line]
     assert frames and all('raising_recipe.py", line 3, in build_model' in f for f in frames), out
     assert "AttributeError" not in out and "Exception in thread" not in out, out
@@ -63,3 +65,90 @@ def test_sigterm_is_named_sigterm(tmp_path, cluster):
     assert "SIGTERM" in summary["message"] and "SIGINT" not in summary["message"]
     if cluster == "cpu_pair":
         assert summary["checkpoint"] == str(run_dir / "checkpoint")
+
+
+EXITS_IN_TRAIN_STEP = (
+    "import os, sys\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "steps = []\n"
+    "def train_step(model, batch):\n"
+    "    steps.append(1)\n"
+    "    if len(steps) == 2 and os.environ['RANK'] == '1':\n"
+    "        sys.exit(0)\n"
+    "    if len(steps) == 2 and os.environ['RANK'] == '2':\n"
+    "        os._exit(0)\n"
+    "    return digits_mlp.train_step(model, batch)\n"
+)
+
+
+def test_a_recipe_that_exits_fails_its_rank_as_a_recipe_error(tmp_path):
+    """Rule: a recipe's sys.exit or os._exit fails its rank as a recipe error, and the `done:`
+    line says so when the survivors finish the run. It used to read `rank 1 lost: exited with
+    code 0`, and the run completed as if nothing of the recipe's had gone wrong."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "exiting_recipe.py").write_text(EXITS_IN_TRAIN_STEP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=exiting_recipe", "cluster=cpu",
+                         "cluster.num_ranks=3", "cluster.threads_per_rank=1", "num_epochs=1", env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and summary["status"] == "completed", out
+    assert sorted(summary["dead_ranks"]) == [1, 2], out
+    assert summary["message"].startswith("rank 1 failed: SystemExit: the recipe called sys.exit(0)"), out
+    done = [line for line in out.splitlines() if line.startswith("done:")]
+    assert done and "rank 1 failed: SystemExit: the recipe called sys.exit(0)" in done[0], out
+    lost = [json.loads(line)["message"] for line in (tmp_path / "run" / "events.jsonl").open()
+            if json.loads(line)["kind"] == "rank_lost"]
+    assert any(m.startswith("rank 2 lost: failed: exited with code 0 before it was told to stop")
+               for m in lost), lost
+    printed = [line for line in out.splitlines() if line.startswith("[rank 1]")]
+    assert sum("Traceback" in line for line in printed) == 1, out
+    assert 'exiting_recipe.py", line 8, in train_step' in out, out
+
+
+STARTS_PROCESSES = (
+    "import os, subprocess, time\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def build_model(device, **kw):\n"
+    "    sleeper = subprocess.Popen(['sleep', '3600'])\n"
+    "    child = os.fork()\n"
+    "    if child == 0:\n"
+    "        while True:\n"
+    "            time.sleep(60)\n"
+    "    with open(os.environ['LEFT_FILE'], 'a') as left:\n"
+    "        left.write(f'{sleeper.pid} {child}\\n')\n"
+    "    return digits_mlp.build_model(device, **kw)\n"
+)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may never reap what it inherits)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_what_a_recipe_starts_ends_with_the_run(tmp_path):
+    """Pins: ranks that exited cleanly left what the recipe started (a `sleep 3600`, an os.fork
+    child) running, re-parented to init: the supervisor signalled only ranks still alive. Now
+    what is left in the ranks' process groups is ended with the run."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "spawning_recipe.py").write_text(STARTS_PROCESSES)
+    left = tmp_path / "left"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), LEFT_FILE=str(left))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=spawning_recipe",
+                         "cluster=cpu_pair", "num_epochs=1", env=env)
+    pids = [int(pid) for pid in left.read_text().split()]
+    try:
+        assert proc.returncode == 0 and summary["status"] == "completed", proc.stdout + proc.stderr
+        assert len(pids) == 4 and [pid for pid in pids if _running(pid)] == []
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -107,24 +107,24 @@ def test_ranks_follow_worker_order_and_all_probes_the_host():
     """Pins global ranks in worker order, `all` = the probed GPUs, and the rendezvous store on
     the controller (MASTER_ADDR = controller.host; port 0 = picked when the launcher starts the
     store), whatever cluster.master_addr says."""
-    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[1], nccl_socket_ifname="eth0"),
-                 WorkerConfig(host="10.0.0.2", local_devices="all", nccl_socket_ifname="eth0"),
-                 controller=ControllerConfig(host="10.0.0.1", port=29400))
-    layout = plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+    cfg = config(WorkerConfig(host="gpu-a.test", local_devices=[1], nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="gpu-b.test", local_devices="all", nccl_socket_ifname="eth0"),
+                 controller=ControllerConfig(host="gpu-a.test", port=29400))
+    layout = plan_layout(cfg, ask=fake_ask({"gpu-a.test": facts(GPUS), "gpu-b.test": facts(GPUS)}))
     assert [w.ranks for w in layout.workers] == [[0], [1, 2]]
     assert layout.workers[0].devices == ["GPU-bbbb-1"]
-    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.1", 0)
-    assert hosts_line(layout) == ("ddp: 3 ranks on 2 hosts | 10.0.0.1: A100 (80 GB) | "
-                                  "10.0.0.2: H200 (141 GB), A100 (80 GB)")
+    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "gpu-a.test", 0)
+    assert hosts_line(layout) == ("ddp: 3 ranks on 2 hosts | gpu-a.test: A100 (80 GB) | "
+                                  "gpu-b.test: H200 (141 GB), A100 (80 GB)")
 
 
 def test_layout_problems_are_config_errors_naming_the_worker():
     """Pins the exit-2 errors only the hosts can tell, all reported together: an unreachable
     host, `all` on a host without GPUs."""
-    cfg = config(WorkerConfig(host="10.0.0.1", local_devices="all", nccl_socket_ifname="eth0"),
-                 WorkerConfig(host="10.0.0.2", local_devices=["cpu"], nccl_socket_ifname="eth0"),
-                 controller=ControllerConfig(host="10.0.0.9"))
-    ask = fake_ask({"10.0.0.1": facts(), "10.0.0.2": "ssh failed: Connection refused"})
+    cfg = config(WorkerConfig(host="gpu-a.test", local_devices="all", nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="gpu-b.test", local_devices=["cpu"], nccl_socket_ifname="eth0"),
+                 controller=ControllerConfig(host="gpu-i.test"))
+    ask = fake_ask({"gpu-a.test": facts(), "gpu-b.test": "ssh failed: Connection refused"})
     with pytest.raises(ConfigError) as info:
         plan_layout(cfg, ask=ask)
     text = str(info.value)
@@ -142,12 +142,12 @@ def test_layout_refuses_what_needs_the_world(case, changes, key):
     """Pins the rules checked once the layout is known: one collective backend, a controller
     the workers can reach, and world-size rules (partition_ratios) with the probed size."""
     devices = changes.get("devices", (["cpu"], ["cpu"]))
-    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=devices[0], nccl_socket_ifname="e"),
-                 WorkerConfig(host="10.0.0.2", local_devices=devices[1], nccl_socket_ifname="e"),
-                 controller=changes.get("controller", ControllerConfig(host="10.0.0.1")))
+    cfg = config(WorkerConfig(host="gpu-a.test", local_devices=devices[0], nccl_socket_ifname="e"),
+                 WorkerConfig(host="gpu-b.test", local_devices=devices[1], nccl_socket_ifname="e"),
+                 controller=changes.get("controller", ControllerConfig(host="gpu-a.test")))
     cfg.elche.partition_ratios = changes.get("ratios")
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts(GPUS)}))
+        plan_layout(cfg, ask=fake_ask({"gpu-a.test": facts(GPUS), "gpu-b.test": facts(GPUS)}))
 
 
 def test_controller_only_takes_lists_as_given_and_refuses_all():
@@ -156,10 +156,10 @@ def test_controller_only_takes_lists_as_given_and_refuses_all():
         raise AssertionError("controller-only must not ssh")
     cfg = config(WorkerConfig(host="a", local_devices=[0, 1], nccl_socket_ifname="e"),
                  WorkerConfig(host="b", local_devices=[0], nccl_socket_ifname="e"),
-                 controller=ControllerConfig(host="10.0.0.1"), master_addr="10.0.0.5",
+                 controller=ControllerConfig(host="gpu-a.test"), master_addr="gpu-e.test",
                  launch_ranks=False)
     layout = plan_layout(cfg, ask=never)
-    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "10.0.0.5", 29500)
+    assert (layout.world_size, layout.master_addr, layout.master_port) == (3, "gpu-e.test", 29500)
     cfg.cluster.workers[1].local_devices = "all"
     with pytest.raises(ConfigError, match=r"cluster\.workers\.1\.local_devices"):
         plan_layout(cfg, ask=never)
@@ -169,19 +169,19 @@ def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
     """Pins what a remote rank is given: RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_*,
     the coordinator, NCCL/Gloo interface, the worker's env block, threads per CPU rank; the
     secret is not part of it (it is added to the stdin handshake only)."""
-    cfg = config(WorkerConfig(host="10.0.0.1", local_devices=[0], nccl_socket_ifname="eth0"),
-                 WorkerConfig(host="10.0.0.2", local_devices=["cpu", "cpu"], nccl_socket_ifname="ib0",
+    cfg = config(WorkerConfig(host="gpu-a.test", local_devices=[0], nccl_socket_ifname="eth0"),
+                 WorkerConfig(host="gpu-b.test", local_devices=["cpu", "cpu"], nccl_socket_ifname="ib0",
                               env={"LD_PRELOAD": "/opt/nccl.so"}),
-                 controller=ControllerConfig(host="10.0.0.1"), mode=Mode.cpu_cadence,
+                 controller=ControllerConfig(host="gpu-a.test"), mode=Mode.cpu_cadence,
                  master_port=29511)
-    layout = plan_layout(cfg, ask=fake_ask({"10.0.0.1": facts(GPUS), "10.0.0.2": facts()}))
-    env = rank_environment(cfg.cluster, layout, layout.workers[1], 1, "tcp://10.0.0.1:29400")
+    layout = plan_layout(cfg, ask=fake_ask({"gpu-a.test": facts(GPUS), "gpu-b.test": facts()}))
+    env = rank_environment(cfg.cluster, layout, layout.workers[1], 1, "tcp://gpu-a.test:29400")
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                 "MASTER_ADDR", "MASTER_PORT")} == {
         "RANK": "2", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
-    assert env["FLODL_RUN_COORD"] == "tcp://10.0.0.1:29400"
-    assert env["FLODL_RUN_STORE_HOSTED"] == "1" and env["FLODL_RUN_NODE"] == "10.0.0.2"
+        "MASTER_ADDR": "gpu-a.test", "MASTER_PORT": "29511"}
+    assert env["FLODL_RUN_COORD"] == "tcp://gpu-a.test:29400"
+    assert env["FLODL_RUN_STORE_HOSTED"] == "1" and env["FLODL_RUN_NODE"] == "gpu-b.test"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert env["LD_PRELOAD"] == "/opt/nccl.so" and env["FLODL_RUN_DEVICE"] == "cpu"
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 CPU ranks
@@ -250,3 +250,23 @@ def _alive(pid: int) -> bool:
             return ") Z " not in stat.read()
     except OSError:
         return False
+
+
+def test_the_unedited_two_host_template_exits_2_and_says_to_edit_it(capsys, monkeypatch):
+    """Pins: `cluster=two_hosts` as shipped named two private addresses, so a
+    new user's probe or launch sent SSH traffic to whatever owned them. The template now names
+    hosts in the reserved .invalid domain, and probe and launch refuse them (exit 2, each key
+    named) before any ssh."""
+    from flodl_run.config.compose import compose
+    from flodl_run.config.materialize import materialize
+    from flodl_run.launch import probe
+
+    monkeypatch.setattr(probe, "inventories", lambda *a, **k: pytest.fail("probe reached for a host"))
+    assert probe.main(["cluster=two_hosts"]) == 2
+    err = capsys.readouterr().err
+    for key, host in (("cluster.controller.host", "gpu-a.invalid"),
+                      ("cluster.workers.0.host", "gpu-a.invalid"),
+                      ("cluster.workers.1.host", "gpu-b.invalid")):
+        assert f"{key}: is a placeholder of the template" in err and f"'{host}'" in err, err
+    with pytest.raises(ConfigError, match="cluster.workers.1.host: is a placeholder"):
+        materialize(compose(["cluster=two_hosts"]), check_recipe=False)

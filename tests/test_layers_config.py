@@ -24,6 +24,8 @@ WHOLE_CONFIG = {
     "flodl_run.launch.launcher.one_device_warning": "plans the run as launcher.run would (review)",
     "flodl_run.launch.launcher._world_problems": "validate's world-size rules read the whole config",
     "flodl_run.launch.launcher._check_run": "resume compatibility reads resume_from, seed and the topology",
+    "flodl_run.launch.launcher._trajectory_problems":
+        "a resumed bundle against the run's epochs, epoch splits and ElChe knobs",
     "flodl_run.launch.launcher._dashboard": "turns the run's config into the dashboard's parts",
     "flodl_run.launch.launcher._record_log": "turns the run's config into the record log's parts",
     "flodl_run.launch.launcher._uploads": "which of the run's files the tracker uploads",

@@ -103,6 +103,107 @@ def test_a_silent_rank_dies_once_and_the_last_death_ends_the_run_with_a_save():
     assert ranks.alive == set() and [r for r, _ in lost.dead] == [1, 0]
 
 
+def test_a_coordinator_that_was_stopped_gives_every_rank_a_fresh_grace_period():
+    """Pins a paused launcher: SIGSTOP for 8 s (Ctrl-Z, a VM pause), then SIGCONT, with
+    heartbeat_timeout_secs=5, and healthy ranks were declared `silent for 8.0s` and killed,
+    judged by the coordinator's own stalled clock. A gap in the coordinator's loop longer than
+    the timeout now restarts every rank's heartbeat and progress clocks instead; the next
+    silence is judged as before."""
+    lost = _Deaths()
+    ranks = _membership(lost, heartbeat_timeout_s=5.0)
+    now = time.monotonic()
+    ranks.heard(0, now - 8.0, Heartbeat(0, 4, True))
+    ranks.heard(1, now - 8.0, Heartbeat(1, 9, True))
+    ranks.loop_seen = now - 8.0  # the loop's last pass, before the stop
+    ranks.check_liveness()
+    assert not ranks.absorb() and lost.dead == []
+    assert all(now - seen < 1.0 for seen in ranks.last_seen.values())
+    assert [batches for batches, _ in ranks.batch_clock.values()] == [4, 9]
+    ranks.last_seen[1] -= 6.0  # then rank 1 falls silent for real
+    ranks.liveness_checked = 0.0
+    ranks.check_liveness()
+    assert ranks.absorb() and [r for r, _ in lost.dead] == [1]
+
+
+def test_a_silence_is_judged_after_the_queued_heartbeats_are_read():
+    """Pins the other half: with heartbeats waiting on the channel, a rank that only looks
+    silent (its beats are queued, unread) is not judged until they are read, nor later than
+    one more heartbeat timeout while input keeps coming."""
+    import zmq
+
+    from flodl_run.contracts.wire import Channel
+
+    ctx = zmq.Context.instance()
+    ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    ours.bind("inproc://liveness-queue")
+    theirs.connect("inproc://liveness-queue")
+    try:
+        lost = _Deaths()
+        ranks = _membership(lost, heartbeat_timeout_s=5.0)
+        ranks.channel = Channel(ours, b"k" * 32)
+        now = time.monotonic()
+        ranks.heard(1, now - 7.0)
+        theirs.send(b"rank 1's heartbeat, not read yet")
+        assert ours.poll(5000, zmq.POLLIN)
+        ranks.check_liveness()
+        assert not ranks.absorb()  # put off: the beat that would clear it may be in the queue
+        ranks.verdicts_postponed -= 6.0  # input kept coming for longer than a timeout
+        ranks.liveness_checked = 0.0
+        ranks.check_liveness()
+        assert ranks.absorb() and [r for r, _ in lost.dead] == [1]
+    finally:
+        ours.close(linger=0)
+        theirs.close(linger=0)
+
+
+def test_an_eval_or_save_may_take_a_multiple_of_the_longest_measured_with_a_floor():
+    """Pins the order deadlines: progress_factor x the floor (progress_timeout_secs) before
+    any was measured, then progress_factor x the longest of its kind, never under the floor; a
+    rank past it is reported hung once, naming the order, and one that answered in time is not."""
+    lost = _Deaths()
+    ranks = _membership(lost, world=3, progress_factor=3.0, progress_floor_s=4.0)
+    assert ranks.orders.limit_s("eval") == 12.0
+    ranks.orders.took("eval", 2.0)
+    ranks.orders.took("eval", 5.0)
+    ranks.orders.took("eval", 1.0)
+    ranks.orders.took("save", 0.1)
+    assert (ranks.orders.limit_s("eval"), ranks.orders.limit_s("save")) == (15.0, 4.0)
+    now = time.monotonic()
+    assert not ranks.overdue("eval", {1}, now - 14.0)
+    assert ranks.overdue("save", {0, 1}, now - 6.0)
+    assert ranks.absorb() and ranks.alive == {2}
+    assert [r for r, _ in lost.dead] == [0, 1]
+    assert re.fullmatch(r"hung: its save ran for \d+\.\ds \(limit 4s\)", lost.dead[0][1])
+
+
+HANGING_EVAL = """
+import os, threading
+from recipes import digits_mlp
+from recipes.digits_mlp import *  # noqa: F401,F403
+def eval_step(model, batch):
+    if os.environ["RANK"] == "1":
+        threading.Event().wait()
+    return digits_mlp.eval_step(model, batch)
+"""
+
+
+@pytest.mark.e2e
+def test_a_rank_hung_in_its_eval_is_declared_dead_and_another_evaluates(tmp_path):
+    """Pins a hung eval: an eval_step that hangs on the eval rank went undetected
+    (100 s with heartbeat 5 s, progress 10 s): a rank not training restarts its batch clock.
+    The eval now has its own deadline (here progress_factor x the 2 s floor, none measured
+    yet); the rank is declared hung, the other rank evaluates, and the run completes."""
+    (tmp_path / "hanging_eval.py").write_text(HANGING_EVAL)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=hanging_eval", "cluster=cpu_pair",
+                         "num_epochs=2", "epoch_callback_policy=rank:1", "progress_timeout_secs=2",
+                         "progress_factor=1", env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [1]
+    assert "rank 1 lost: hung: its eval ran for" in proc.stdout
+    assert all(epoch["eval"] is not None for epoch in summary["epochs"])
+
+
 @pytest.mark.apart
 @pytest.mark.e2e
 def test_a_rank_hung_in_train_step_is_declared_dead_and_the_run_goes_on(tmp_path):

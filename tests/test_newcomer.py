@@ -240,6 +240,19 @@ def _text_files():
         yield from (p for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".yaml", ".sh"))
 
 
+def test_no_doc_test_or_template_names_an_address_off_loopback():
+    """Pins: the two_hosts template and docs/multi-host.md named private addresses (10.0.0.x,
+    ...), so a probe tried as a new user would try it sent SSH to whatever owned them; tests
+    named them too. Anything that stands for a machine is a name (`.invalid` in templates and
+    docs, `.test` in tests) or a loopback address; 0.0.0.0 (listen on all) is no machine."""
+    ipv4 = re.compile(r"(?<![\d.])(\d{1,3})\.\d{1,3}\.\d{1,3}\.\d{1,3}(?![\d.])")
+    for path in _text_files():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for match in ipv4.finditer(line):
+                assert match[1] == "127" or match[0] == "0.0.0.0", \
+                    f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+
+
 def test_docs_are_self_contained():
     """Pins: docs and code comments citing a design document or issue numbers that are not in
     the repository, bare `python` in shell examples (fails outside the venv), docs/elche.md and

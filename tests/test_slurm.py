@@ -129,18 +129,18 @@ def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeyp
     environment (only the 0600 file's path is)."""
     monkeypatch.setenv("FLODL_RUN_SECRET", "deadbeef")
     alloc = Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "n1")
-    gpu = srun_argv(_slurm_config(gpus_per_node=4).cluster, SlurmPlan(alloc, 8, True, "10.0.0.1"))
+    gpu = srun_argv(_slurm_config(gpus_per_node=4).cluster, SlurmPlan(alloc, 8, True, "gpu-a.test"))
     for option in ("--ntasks=8", "--nodes=2", "--kill-on-bad-exit=0", "--no-kill", "--label",
                    "--ntasks-per-node=4", "--gpus-per-task=1"):
         assert option in gpu
     assert gpu[-3:] == [sys.executable, "-m", "flodl_run.launch.slurm_task"]
-    cpu_plan = SlurmPlan(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "10.0.0.1")
+    cpu_plan = SlurmPlan(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "gpu-a.test")
     assert "--cpus-per-task=2" in srun_argv(_slurm_config().cluster, cpu_plan)
-    env = step_environment(_slurm_config().cluster, cpu_plan, "tcp://10.0.0.1:1", 2, tmp_path / "secret",
+    env = step_environment(_slurm_config().cluster, cpu_plan, "tcp://gpu-a.test:1", 2, tmp_path / "secret",
                            tmp_path / "run.yaml")
     assert "FLODL_RUN_SECRET" not in env and env["FLODL_RUN_SECRET_FILE"] == str(tmp_path / "secret")
     assert (env["MASTER_ADDR"], env["OMP_NUM_THREADS"], env["FLODL_RUN_STORE_HOSTED"]) == \
-        ("10.0.0.1", "2", "1")
+        ("gpu-a.test", "2", "1")
     assert not any("deadbeef" in word for word in gpu)
 
 
@@ -152,8 +152,10 @@ def test_an_allocation_that_cannot_serve_the_config_names_the_key():
         _plan(_slurm_config(gpus_per_node=2), Allocation("7", ["n1"], [2], 0, 4, "n1"))
     with pytest.raises(ConfigError, match="cluster.controller.host: must be an address the other"):
         _plan(_slurm_config(), Allocation("7", ["localhost", "n2"], [1, 1], 0, 4, "localhost"))
-    plan = _plan(_slurm_config(gpus_per_node=4), Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "10.0.0.1"))
-    assert (plan.world_size, plan.gpus, plan.addr) == (8, True, "10.0.0.1")
+    named = _slurm_config(gpus_per_node=4)
+    named.cluster.controller.host = "gpu-a.test"  # a name the nodes reach: taken as given, no look-up
+    plan = _plan(named, Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "n1"))
+    assert (plan.world_size, plan.gpus, plan.addr) == (8, True, "gpu-a.test")
 
 
 def test_a_step_reports_only_the_task_srun_named_and_the_rest_as_ended_with_srun(tmp_path):
@@ -175,8 +177,12 @@ def test_a_step_reports_only_the_task_srun_named_and_the_rest_as_ended_with_srun
     assert [t.poll() for t in tasks] == [None, 137, None]
     process.stdin.close()
     process.wait(timeout=30)
-    step.readers[1].join(timeout=30)
+    deadline = time.monotonic() + 30  # a bound on a failure: ends come once both streams are read
+    while None in [t.poll() for t in tasks] and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert [t.poll() for t in tasks] == [0, 137, 0]
+    # an end srun's own end tells waits for both of its streams, so rank 2's line is in its log
+    # (this test joined the stderr reader only, and once read the log before stdout was done)
     for log in logs:
         log.close()
     assert (tmp_path / "rank2.log").read_text() == "hello from 2\n"

@@ -71,8 +71,8 @@ def _peer(address: str, messages, password: str = "") -> None:
                    text=True, check=True, timeout=60)
 
 
-def _coordinator_socket(secret: bytes, limit: int = -1):
-    sock, address, gate = bind_router(zmq.Context(), "127.0.0.1", 0, limit, secret)
+def _coordinator_socket(secret: bytes, limit: int = -1, **options):
+    sock, address, gate = bind_router(zmq.Context(), "127.0.0.1", 0, limit, secret, **options)
     return sock, address, Channel(sock, secret), gate
 
 
@@ -101,6 +101,37 @@ def test_a_peer_without_the_secret_never_gets_past_the_handshake():
     sock.disable_monitor()
     sock.close()
     gate.stop()
+
+
+def test_a_connection_that_does_not_pass_the_handshake_in_time_is_closed():
+    """Pins a connection flood: idle TCP connections without the secret stayed open
+    until, at about 1,100, they used up the launcher's file descriptors (ulimit -n 1024) and
+    the run failed. Each must now pass the handshake within its deadline or be closed (here
+    300 ms); a rank connecting afterwards still gets through."""
+    import socket
+
+    secret = new_secret()
+    sock, address, coordinator, gate = _coordinator_socket(secret, handshake_ms=300)
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(8)]
+    try:
+        for conn in idle:
+            conn.settimeout(30)  # a bound on a failure, not a synchronization
+            closed = False
+            while not closed:  # the coordinator's greeting, then its close
+                try:
+                    closed = conn.recv(1 << 16) == b""
+                except ConnectionResetError:
+                    closed = True
+        rank = connect_dealer(zmq.Context.instance(), address, secret)
+        Channel(rank, secret).send(Heartbeat(1))
+        assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(1)
+        rank.close(linger=0)
+    finally:
+        for conn in idle:
+            conn.close()
+        sock.close()
+        gate.stop()
 
 
 @pytest.mark.e2e

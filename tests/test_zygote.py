@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
-from tests.support import REPO, _run
+from tests.support import REPO, _run, start_cli
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -155,6 +155,8 @@ def test_the_spare_is_forked_only_from_one_bare_thread_and_a_run_without_ranks_d
 VIEW_RECIPE = '''
 import json, logging, os, signal, sys, torch
 parent = f"/proc/{os.getppid()}/"
+forked = open(parent + "comm").read().strip() == "flodl_zygote"  # the launcher is its parent then
+launcher = int(open(parent + "stat").read().rsplit(")", 1)[1].split()[1]) if forked else os.getppid()
 if "RANK" in os.environ:  # the ranks; the launcher imports this recipe too
     with open(os.environ["SEEN_FILE"], "a") as seen:
         seen.write(json.dumps({
@@ -163,7 +165,7 @@ if "RANK" in os.environ:  # the ranks; the launcher imports this recipe too
             "stderr": [type(sys.stderr.buffer).__name__, sys.stderr.write_through],
             "cwd": os.getcwd(), "path": list(dict.fromkeys(sys.path)),
             "argv0": os.path.basename(sys.argv[0]), "leads": os.getsid(0) == os.getpid(),
-            "watches": os.environ["FLODL_RUN_PARENT_PID"] == str(os.getppid()),
+            "watches": os.environ["FLODL_RUN_PARENT_PID"] == str(launcher),
             "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
             "sigterm": str(signal.getsignal(signal.SIGTERM)),
             "logging": [len(logging.root.handlers), logging.root.level],
@@ -178,7 +180,8 @@ def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, mo
     """The spare was forked from the launcher, not started by the supervisor: its ranks must
     still get the rank's threads (OMP_NUM_THREADS, which torch read before), unbuffered
     output, the launcher's working directory when they start (here Hydra's job.chdir moved it
-    after the fork), sys.path, argv[0], their own session, a parent they watch, default signal
+    after the fork), sys.path, argv[0], their own session, the launcher to watch (not the
+    zygote, which is the forked ranks' parent), default signal
     handlers and no logging handler, exactly as the same run's spawned ranks."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -205,3 +208,61 @@ def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, mo
     for key in views["spawn"][0]:
         assert [view[key] for view in views["zygote"]] == [view[key] for view in views["spawn"]], key
     assert views["spawn"][0]["threads"] == 1 and views["spawn"][0]["stdout"] == ["FileIO", True]
+
+
+SLOW_STEPS = (  # a step that mostly waits: the run lasts without spending the machine's CPU
+    "import time\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def train_step(model, batch):\n"
+    "    time.sleep(0.02)\n"
+    "    return digits_mlp.train_step(model, batch)\n"
+)
+
+
+def _zygotes_of(pid: int) -> list[int]:
+    """The children of `pid` named flodl_zygote."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, NotADirectoryError):
+            continue
+        name, rest = stat.split(" (", 1)[1].rsplit(") ", 1)
+        if name == "flodl_zygote" and int(rest.split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_zygote_killed_alone_is_reported_and_its_ranks_train_on(tmp_path):
+    """Pins: forked ranks watched the zygote as their launcher (FLODL_RUN_PARENT_PID was its
+    pid), so a SIGKILL of flodl_zygote alone made every rank remove the run's /dev/shm and
+    exit, and the run ended `all_ranks_lost` while the launcher was alive. Now they watch the
+    launcher: 2.5 heartbeat periods after the kill (each rank checks once a period) both still
+    train, the launcher says the zygote is gone, and a SIGTERM still stops the run with a save."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "slow_recipe.py").write_text(SLOW_STEPS)
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu_pair", "recipe=custom",
+                     "recipe.module=slow_recipe", "num_epochs=500", env=env)
+    lines = []
+    for line in proc.stdout:  # wait until training is under way
+        lines.append(line)
+        if line.startswith("epoch 1/"):
+            break
+    (zygote,) = _zygotes_of(proc.pid)
+    os.kill(zygote, signal.SIGKILL)
+    killed = time.monotonic()
+    for line in proc.stdout:  # not a synchronization: how long the ranks must have had to notice
+        lines.append(line)
+        if time.monotonic() - killed > 2.5 and line.startswith("epoch "):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(lines) + proc.communicate(timeout=60)[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert proc.returncode == 130 and summary["status"] == "interrupted", out
+    assert summary["dead_ranks"] == [] and "the launcher is gone" not in out, out
+    assert f"the rank zygote (pid {zygote}) is gone" in out, out
+    assert summary["checkpoint"] == str(run_dir / "checkpoint"), out

@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
+from flodl_run.contracts.checkpoint import pid_alive
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -79,17 +81,6 @@ def remove_run(prefix: Optional[str]) -> None:
     if prefix.endswith(os.sep):
         shutil.rmtree(prefix, onerror=lambda _f, path, exc: log.warning(
             "could not remove %s: %s", path, exc[1]))
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (another user's included)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process holds that pid
-    return True
 
 
 class Slab:

@@ -399,7 +399,8 @@ class DdpRunConfig:
     """A rank with batches to train that finishes none for max(progress_factor x its smoothed
     batch time, this), in seconds, is hung: declared dead and killed; > 0. The floor covers
     slow first batches (autotuning, compilation); time in an ordered reduce, eval or save does
-    not count."""
+    not count. It is also the floor of an eval's or a save's deadline (progress_factor x the
+    longest of that kind so far; progress_factor x this before one was timed)."""
     progress_factor: float = 20.0
     """Smoothed batch times a training rank may go without finishing a batch; >= 1."""
     epoch_callback_policy: str = "fastest"

@@ -328,6 +328,7 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
                           f"must have one factor per rank (world size {world_size})")
     yield from _within("cluster.emulate_jitter", c.emulate_jitter, 0.0, 0.5)
     if c.topology is Topology.hosts:
+        yield from _placeholders(cfg)
         yield from _workers(cfg)
     if c.topology is Topology.slurm:
         yield from _slurm(cfg)
@@ -358,6 +359,20 @@ def _slurm(cfg: ExperimentConfig) -> Iterator[Any]:
                       "is required with topology slurm on CPU (cluster.slurm.gpus_per_node=0)")
     if s.gpus_per_node > 0 and c.num_ranks is not None:
         yield "cluster.num_ranks has no effect with topology slurm on GPUs (one rank per GPU)"
+
+
+PLACEHOLDER_DOMAIN = ".invalid"
+"""RFC 6761's reserved domain: a name in it never resolves, so the two_hosts template names its
+hosts there (gpu-a.invalid) and a run that still does was never edited for real machines."""
+
+
+def _placeholders(cfg: ExperimentConfig) -> Iterator[Problem]:
+    hosts = [("cluster.controller.host", cfg.cluster.controller.host)]
+    hosts += [(f"cluster.workers.{i}.host", w.host) for i, w in enumerate(cfg.cluster.workers)]
+    for key, host in hosts:
+        if host.rstrip(".").lower().endswith(PLACEHOLDER_DOMAIN):
+            yield Problem(key, host, "is a placeholder of the template (the .invalid domain never "
+                                     "resolves): edit it to name your machine (docs/multi-host.md)")
 
 
 def _workers(cfg: ExperimentConfig) -> Iterator[Any]:

@@ -11,6 +11,8 @@ before anything trains; who saves when, and which rank writes what, is the coord
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -21,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+"""3: the meta carries its own checksum (`meta_sha256`); 2: generations and file checksums."""
 SAVE_REASONS = ("checkpoint", "graceful_shutdown", "max_failure_exceeded", "single_survivor",
                 "all_ranks_lost", "reduce_stall", "nonfinite", "callback_failed")
 _HASH_CHUNK = 1 << 20
@@ -62,6 +65,8 @@ class BundleMeta:
     files: Dict[str, str] = field(default_factory=dict)
     """File name (in the stem's directory) -> SHA-256 of its bytes, for every file of the
     generation (empty for schema 1 bundles: nothing to verify)."""
+    meta_sha256: str = ""
+    """SHA-256 of this meta's own JSON without this field (`meta_digest`); empty before schema 3."""
 
 
 def paths(stem: str | Path) -> Dict[str, Path]:
@@ -121,6 +126,57 @@ def next_generation(stem: str | Path) -> int:
     return max(_generations(stem), default=0) + 1
 
 
+class SavePathTaken(Exception):
+    """Another live run writes this save_path; the message names it (pid, run dir)."""
+
+
+class SaveLock:
+    """The save_path's writer: `.S.lock` beside the bundle, held (fcntl, exclusive) from the
+    run's start to its end, naming the run that holds it. Two runs on one save_path used to
+    break each other's bundles: one's prune deleted the other's temp files, metas named files
+    that were gone, generations went backwards. The kernel drops the lock with its process, so
+    a run killed by SIGKILL leaves no stale lock; the file goes with the release."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def take(cls, stem: str | Path, run_dir: str | Path) -> "SaveLock":
+        """Hold the lock for `stem` or raise SavePathTaken naming its holder."""
+        path = Path(stem).with_name(f".{Path(stem).name}.lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise SavePathTaken(f"is being written by another run "
+                                    f"({holder or 'unknown holder'})") from None
+            if _same_file(fd, path):  # not a file its holder unlinked as we opened it: ours now
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, run dir {run_dir}".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Remove the file while holding it, then let go (a run that opened it meanwhile sees
+        another file at the path, and starts over)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self.fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename in `directory` durable (POSIX: the entry lives in the directory)."""
     fd = os.open(directory, os.O_RDONLY)
@@ -170,22 +226,52 @@ def require_finite(state: Any, what: str) -> None:
 
 
 def save_meta(stem: str | Path, meta: BundleMeta) -> None:
-    """The commit point of a save: after this rename, `meta.generation` is the bundle."""
-    text = json.dumps(asdict(meta), indent=2, default=str) + "\n"
+    """The commit point of a save: after this rename, `meta.generation` is the bundle. The
+    meta is written with its own checksum."""
+    record = asdict(meta)
+    record["meta_sha256"] = meta_digest(record)
+    text = json.dumps(record, indent=2, default=str) + "\n"
     _atomic(paths(stem)["meta"], lambda tmp: tmp.write_text(text))
+
+
+def meta_digest(record: Dict[str, Any]) -> str:
+    """SHA-256 of a meta's JSON (keys sorted, `meta_sha256` left out)."""
+    rest = {k: v for k, v in record.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_TEMP = re.compile(r"\.(\d+)\.tmp$")
 
 
 def prune(stem: str | Path, keep: int) -> None:
     """Remove every generation but `keep` (older ones, and half-written ones of interrupted
-    saves), and schema 1 files, once the meta names `keep`."""
+    saves), and schema 1 files, once the meta names `keep`. A temp file whose writer (the pid
+    in its name) still runs is not ours to remove: its writer removes or renames it."""
     legacy = [p for k, p in paths(stem).items() if k != "meta"]
     legacy += Path(stem).parent.glob(Path(stem).name + ".optim.rank*.pt")
-    doomed = legacy + [f for g, files in _generations(stem).items() if g != keep for f in files]
+    doomed = legacy + [f for g, files in _generations(stem).items() if g != keep for f in files
+                       if not _written_by_another_live_process(f)]
     for path in doomed:
         try:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _written_by_another_live_process(path: Path) -> bool:
+    match = _TEMP.search(path.name)
+    return match is not None and int(match.group(1)) != os.getpid() and pid_alive(int(match.group(1)))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds that pid
+    return True
 
 
 def load_tensors(path: Path) -> Any:
@@ -210,11 +296,73 @@ def read_meta(stem: str | Path) -> BundleMeta:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise BundleError(f"{path}: schema_version {version!r} is newer than this flodl_run "
                           f"reads ({SCHEMA_VERSION})")
-    try:
-        raw["coverage"] = Coverage(**raw["coverage"])
-        return BundleMeta(**raw)
-    except (KeyError, TypeError) as exc:
-        raise BundleError(f"{path}: corrupt ({exc})") from None
+    if raw.get("meta_sha256") and raw["meta_sha256"] != meta_digest(raw):
+        raise BundleError(f"{path}: does not match the checksum it records (meta_sha256): an "
+                          f"edited or damaged meta ({_WHAT_TO_DO})")
+    problems = meta_problems(raw)
+    if problems:
+        raise BundleError(f"{path}: " + "; ".join(problems))
+    raw["coverage"] = Coverage(**raw["coverage"])
+    return BundleMeta(**raw)
+
+
+_COUNTS = {"epoch": 0, "global_step": 0, "sync_round": 0, "world_size_at_save": 1, "generation": 0}
+_COVERAGE_COUNTS = {"seed": None, "batch_size": 1, "epoch_splits": 1, "epoch": 0}
+_TABLES = ("elche_state", "config", "files")
+
+
+def meta_problems(raw: Dict[str, Any]) -> List[str]:
+    """What is wrong with a meta's fields, each naming the field, its value and the rule (as a
+    config's problems do): read before any rank starts, so that an edited meta is a bad
+    bundle (exit 2), not an internal error after the ranks started."""
+    known = dataclasses.fields(BundleMeta)
+    problems = [f"{f.name} is missing" for f in known if f.name not in raw
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    problems += [f"{key} is not a field of a bundle meta"
+                 for key in sorted(set(raw) - {f.name for f in known})]
+    for key, low in _COUNTS.items():
+        problems += _count_problems(key, raw.get(key, 0), low)
+    if raw.get("save_reason") not in SAVE_REASONS:
+        problems.append(f"save_reason must be one of {', '.join(SAVE_REASONS)}, "
+                        f"got {raw.get('save_reason')!r}")
+    problems += [f"{key} must be a mapping, got {raw[key]!r}" for key in _TABLES
+                 if key in raw and not isinstance(raw[key], dict)]
+    if isinstance(raw.get("files"), dict):
+        problems += [f"files.{name} must be a SHA-256 (64 hex digits), got {digest!r}"
+                     for name, digest in raw["files"].items() if not _is_sha256(digest)]
+    coverage = raw.get("coverage")
+    if not isinstance(coverage, dict):
+        return problems + [f"coverage must be a mapping, got {coverage!r}"]
+    for key, low in _COVERAGE_COUNTS.items():
+        problems += _count_problems(f"coverage.{key}", coverage.get(key), low)
+    if coverage.get("epoch") != raw.get("epoch"):
+        problems.append(f"coverage.epoch must equal epoch ({raw.get('epoch')!r}), "
+                        f"got {coverage.get('epoch')!r}")
+    return problems + _uncovered_problems(coverage.get("uncovered", []))
+
+
+def _count_problems(key: str, value: Any, low: Optional[int]) -> List[str]:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return [f"{key} must be an integer, got {value!r}"]
+    return [f"{key} must be >= {low}, got {value}"] if low is not None and value < low else []
+
+
+def _uncovered_problems(uncovered: Any) -> List[str]:
+    """coverage.uncovered: [pass, start, end] ranges of the permutation, start < end."""
+    if not isinstance(uncovered, list):
+        return [f"coverage.uncovered must be a list of [pass, start, end], got {uncovered!r}"]
+    problems = []
+    for i, span in enumerate(uncovered):
+        ok = isinstance(span, list) and len(span) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in span)
+        if not ok or span[1] >= span[2]:
+            problems.append(f"coverage.uncovered.{i} must be [pass, start, end] with integers "
+                            f">= 0 and start < end, got {span!r}")
+    return problems
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
 def sha256_of(path: Path) -> str:

@@ -55,16 +55,30 @@ class CallbackFailed(Exception):
         return f"{self}\n{trace}"
 
 
-def user_traceback(exc: BaseException) -> str:
-    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
-    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # flodl_run/, above contracts/
+
+
+def _is_ours(frame: traceback.FrameSummary) -> bool:
+    return frame.filename.startswith((_PACKAGE, "<frozen"))
+
+
+def raised_by_recipe(exc: BaseException) -> bool:
+    """The innermost frame of `exc` is the recipe's (or a library's it called), not ours: a
+    SystemExit from there is the recipe's sys.exit, where ours (a rank told it is dead) is not."""
     frames = traceback.extract_tb(exc.__traceback__)
-    package = str(Path(__file__).resolve().parents[1])  # flodl_run/, above contracts/
-    theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
+    return bool(frames) and not _is_ours(frames[-1])
+
+
+def user_traceback(exc: BaseException, error: Optional[str] = None) -> str:
+    """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set; it ends with `error` when given (the
+    error line as reported), else with the exception as Python prints it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    theirs = [f for f in frames if not _is_ours(f)]
     if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
         theirs = frames
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
-                    *traceback.format_exception_only(type(exc), exc)])
+                    *([f"{error}\n"] if error else traceback.format_exception_only(type(exc), exc))])
 
 
 @dataclass

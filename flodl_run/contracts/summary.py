@@ -107,7 +107,8 @@ class Summary:
     checkpoint: Optional[str] = None
     mlflow_run_id: Optional[str] = None
     message: Optional[str] = None
-    """Human-readable reason for a status other than completed."""
+    """Human-readable reason for a status other than completed; for a completed run, the
+    ranks that failed (a recipe error) while the survivors carried on, else None."""
 
 
 def _clean(value: Any) -> Any:
@@ -121,16 +122,36 @@ def _clean(value: Any) -> Any:
     return value
 
 
+OUTCOME_FIELDS = ("status", "message", "mode", "outer", "world_size", "final_eval", "wall_s",
+                  "dead_ranks", "checkpoint", "mlflow_run_id")
+"""What `write_outcome` keeps: how the run ended and where its bundle is, in a few hundred bytes."""
+
+
+def write_outcome(path: str | Path, summary: Summary) -> None:
+    """summary.json with the outcome only (OUTCOME_FIELDS), written as `write_summary` writes:
+    the launcher writes it first, so that a disk with no room for the whole record (its epochs
+    and reduces grow with the run) still keeps how the run ended."""
+    record = dataclasses.asdict(summary)
+    _write_atomically(Path(path), {key: record[key] for key in OUTCOME_FIELDS})
+
+
 def write_summary(path: str | Path, summary: Summary) -> None:
     """Write atomically and durably (temp file, fsync, rename, directory fsync) so a reader
-    never sees half a file, even after a crash."""
-    path = Path(path)
+    never sees half a file, even after a crash; a write that fails leaves no temp file."""
+    _write_atomically(Path(path), dataclasses.asdict(summary))
+
+
+def _write_atomically(path: Path, record: Dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(_clean(dataclasses.asdict(summary)), indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(_clean(record), indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk keeps no half record (and gets its space back)
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -375,18 +375,26 @@ class _Gate(ThreadAuthenticator):
         return allowed, b"OK" if allowed else b"not this run"
 
 
+HANDSHAKE_DEADLINE_MS = 10_000
+"""How long a connection to the coordinator may take to pass the handshake before it is
+closed: a rank's takes milliseconds; idle connections without the secret used to stay open
+until they used up the launcher's file descriptors."""
+
+
 def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
-                secret: bytes) -> Tuple[zmq.Socket, str, _Gate]:
+                secret: bytes, handshake_ms: int = HANDSHAKE_DEADLINE_MS) -> Tuple[zmq.Socket, str, _Gate]:
     """The coordinator's ROUTER, bound to `host` (random port when 0), behind a handshake that
-    only this run's ranks pass (`connect_dealer`), and refusing frames over `max_frame_bytes`
-    before they are buffered whole (MAXMSGSIZE is per frame and must be set before bind: the
-    listener copies the socket's options). `ctx` must be the coordinator's own: zmq has one
-    handshake handler per context. Stop the gate when the run ends."""
+    only this run's ranks pass (`connect_dealer`) within `handshake_ms`, and refusing frames
+    over `max_frame_bytes` before they are buffered whole (MAXMSGSIZE is per frame and, as
+    HANDSHAKE_IVL, must be set before bind: the listener copies the socket's options). `ctx`
+    must be the coordinator's own: zmq has one handshake handler per context. Stop the gate
+    when the run ends."""
     gate = _Gate(ctx, secret)
     gate.start()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)
     sock.plain_server = True
     if port:
         sock.bind(f"tcp://{host}:{port}")

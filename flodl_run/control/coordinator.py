@@ -225,6 +225,12 @@ class Coordinator:
         """A rank process ended without being told to (seen by the launcher)."""
         self.members.report_death(rank, reason)
 
+    def report_recipe_exit(self, rank: int, reason: str) -> None:
+        """A rank process ended itself before it was told to: a recipe error, reported as the
+        rank's failure (thread-safe, as report_death)."""
+        self.members.note_raised(RankFailed(rank, reason))
+        self.members.report_death(rank, f"failed: {reason}")
+
     def stopped(self, rank: int) -> bool:
         """The rank was sent Stop: its exit is clean, never a death."""
         return rank in self.members.stopped
@@ -237,6 +243,8 @@ class Coordinator:
             self._await_ranks()
             self._train_all_epochs()
             self.summary.status = "completed"
+            if self.members.raised:  # the survivors carried on; the outcome still says who failed
+                self.summary.message = self.members.failed_ranks("")
         except ShutdownWithSave as exc:
             if self.elche is None:  # lost before training began: nothing to save
                 self.summary.status, self.summary.message = "failed", self.members.failed_ranks(exc.detail)
@@ -287,6 +295,13 @@ class Coordinator:
         meta = self.saving.restore(stem, self._epoch_batches(0))
         self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         self.reduces.resume(meta.global_step, meta.sync_round)
+        span = self._span(meta.epoch)  # only now known: the train set's size came with the ranks
+        for i, (pass_index, start, end) in enumerate(meta.coverage.uncovered):
+            if pass_index != span.pass_index or start < span.start or end > span.end:
+                raise RunAborted("failed", f"resume_from: coverage.uncovered.{i} "
+                                           f"{[pass_index, start, end]} is not within epoch {meta.epoch} "
+                                           f"(pass {span.pass_index}, samples {span.start}-{span.end}): "
+                                           f"an edited or damaged bundle")
 
     def _reduce_ms(self) -> Optional[float]:
         """The slowest rank's view of one reduce timed before training (collective modes)."""

@@ -127,9 +127,13 @@ class Epochs:
                        [as_frame(p) for p in center])
         else:
             self._send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
-        result = self._next(expect=Evaluated)
+        began = time.monotonic()
+        deadline = began + self.members.orders.limit_s("eval")
+        result = self._next(expect=Evaluated, deadline=deadline)
         while result is None or result.rank not in self.alive:
-            if rank not in self.alive:  # the callback rank died: ask another
+            if rank not in self.alive:  # the callback rank died or hung: ask another
                 return self.evaluate(epoch, score, epoch_fn)
-            result = self._next(expect=Evaluated)
+            self.members.overdue("eval", {rank}, began)  # past its limit: declared hung
+            result = self._next(expect=Evaluated, deadline=deadline)
+        self.members.orders.took("eval", time.monotonic() - began)
         return result.score if score and result.score == result.score else None  # NaN: no eval set

@@ -18,7 +18,7 @@ from flodl_run.config.schema import MaxFailureConfig
 from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, RankFailed, Regroup, Regrouped
 from flodl_run.control.runstate import Next, RunAborted, Send, ShutdownWithSave
 
-__all__ = ["Membership", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
+__all__ = ["Membership", "OrderClock", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
 
 LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
 log = logging.getLogger(__name__)
@@ -28,6 +28,24 @@ def hung_limit_s(smoothed_ms: Optional[float], factor: float, floor_s: float) ->
     """How long a training rank may go without finishing a batch: `factor` of its smoothed
     batch time, never less than `floor_s` (and just the floor before any batch was timed)."""
     return max(floor_s, factor * smoothed_ms / 1000.0) if smoothed_ms else floor_s
+
+
+class OrderClock:
+    """How long a rank may take over an ordered eval or save (the recipe's callbacks in it
+    included): `factor` times the longest of that kind measured so far, never less than
+    `floor_s`; before one was measured, `factor` times the floor (a first eval or save of a
+    large model may well outlast the floor that suits batches). The batch clock cannot judge
+    these: a rank that is not training restarts it."""
+
+    def __init__(self, factor: float, floor_s: float):
+        self.factor, self.floor_s = factor, floor_s
+        self.longest_s: Dict[str, float] = {}
+
+    def limit_s(self, kind: str) -> float:
+        return max(self.floor_s, self.factor * self.longest_s.get(kind, self.floor_s))
+
+    def took(self, kind: str, seconds: float) -> None:
+        self.longest_s[kind] = max(seconds, self.longest_s.get(kind, 0.0))
 
 
 class Membership:
@@ -58,11 +76,14 @@ class Membership:
         self.last_seen: Dict[int, float] = {}
         self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
         self.liveness_checked = 0.0
+        self.loop_seen: Optional[float] = None  # when the coordinator's loop last came by
+        self.verdicts_postponed: Optional[float] = None  # since when queued input put verdicts off
         self.stopped: Set[int] = set()
         self.raised: Dict[int, str] = {}  # rank -> the exception it reported (RankFailed)
         self.listeners: Dict[int, bytes] = {}  # each collective rank's listener (AbortGroup goes there)
         self.generation = 0
         self.regroup_needed = False
+        self.orders = OrderClock(progress_factor, progress_floor_s)
 
     # ---- what the coordinator hears ----------------------------------------------------------
 
@@ -93,25 +114,65 @@ class Membership:
             self.batch_clock[beat.rank] = (beat.batches, now)
 
     def check_liveness(self) -> None:
-        """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S."""
+        """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S (the coordinator's
+        loop calls this on every pass), judged once the heartbeats queued for us are read:
+        while input waits on the channel a verdict waits too, for at most one more heartbeat
+        timeout (a socket kept busy must not hide a dead rank). A loop that did not come by
+        for longer than the timeout (the launcher was stopped: Ctrl-Z, SIGSTOP, a VM pause)
+        heard nobody meanwhile: every rank gets a fresh grace period instead of a verdict."""
         now = time.monotonic()
+        gap = None if self.loop_seen is None else now - self.loop_seen
+        self.loop_seen = now
+        if gap is not None and gap > self.heartbeat_timeout_s:
+            self._grace(now, gap)
+            return
         if now - self.liveness_checked < LIVENESS_EVERY_S:
             return
         self.liveness_checked = now
-        self._check_heartbeats(now)
+        verdicts = self._silent(now) + self._hung(now)
+        if verdicts and self._input_queued():
+            self.verdicts_postponed = self.verdicts_postponed or now
+            if now - self.verdicts_postponed <= self.heartbeat_timeout_s:
+                return
+        self.verdicts_postponed = None
+        for rank, reason in verdicts:
+            self.report_death(rank, reason)
+
+    def overdue(self, kind: str, ranks: Set[int], began: float) -> bool:
+        """Report as hung each of `ranks` still alive that has not answered its `kind` order
+        (eval, save) within the order's limit since `began`; True when any was."""
+        waited, limit = time.monotonic() - began, self.orders.limit_s(kind)
+        late = sorted(ranks & self.alive) if waited > limit else []
+        for rank in late:
+            self.report_death(rank, f"hung: its {kind} ran for {waited:.1f}s (limit {limit:g}s)")
+        return bool(late)
+
+    def _silent(self, now: float) -> List[Tuple[int, str]]:
+        timeout = self.heartbeat_timeout_s
+        return [(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+                for rank, seen in self.last_seen.items() if rank in self.alive and now - seen > timeout]
+
+    def _hung(self, now: float) -> List[Tuple[int, str]]:
         smoothed = self._smoothed_ms()
+        hung = []
         for rank, (batches, since) in self.batch_clock.items():
             ms = smoothed[rank] if rank < len(smoothed) else None
             limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
             if rank in self.alive and now - since > limit:
-                self.report_death(rank, f"hung: no batch finished for {now - since:.1f}s while "
-                                        f"training (limit {limit:g}s; last at batch {batches})")
+                hung.append((rank, f"hung: no batch finished for {now - since:.1f}s while "
+                                   f"training (limit {limit:g}s; last at batch {batches})"))
+        return hung
 
-    def _check_heartbeats(self, now: float) -> None:
-        timeout = self.heartbeat_timeout_s
-        for rank, seen in self.last_seen.items():
-            if rank in self.alive and now - seen > timeout:
-                self.report_death(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
+    def _grace(self, now: float, gap: float) -> None:
+        """Restart every rank's heartbeat and progress clocks: the silence was ours."""
+        log.warning("the coordinator did not run for %.1fs (stopped?): every rank gets a fresh "
+                    "heartbeat and progress period", gap)
+        self.last_seen = {rank: now for rank in self.last_seen}
+        self.batch_clock = {rank: (batches, now) for rank, (batches, _) in self.batch_clock.items()}
+        self.verdicts_postponed = None
+
+    def _input_queued(self) -> bool:
+        return self.channel is not None and bool(self.channel.socket.poll(0, zmq.POLLIN))
 
     # ---- deaths ------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 import zmq
@@ -111,14 +112,20 @@ class Saving:
             self._send(writer, SaveCheckpoint(data, epoch=hook))
         files: Dict[str, str] = {}
         answered: Set[int] = set()
+        began, late = time.monotonic(), False
+        deadline = began + self.members.orders.limit_s("save")
         while not self.alive <= answered:
-            saved = self._next(expect=CheckpointSaved)
+            saved = self._next(expect=CheckpointSaved, deadline=deadline)
+            if saved is None:  # past the limit: the ranks that did not answer are hung
+                late = self.members.overdue("save", self.alive - answered, began) or late
             if saved is None or saved.stem != data:
                 continue
             answered.add(saved.rank)
             if saved.error:
                 raise RunAborted("failed", f"rank {saved.rank} could not save {data}: {saved.error}")
             files.update(saved.files)
+        if not late:  # a hang is not a measure of how long a save takes
+            self.members.orders.took("save", time.monotonic() - began)
         return files
 
     def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]], generation: int,

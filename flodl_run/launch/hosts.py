@@ -156,7 +156,7 @@ def _layout_problems(cluster: ClusterConfig, mode: Mode, layout: HostLayout) -> 
 
 
 def hosts_line(layout: HostLayout) -> str:
-    """e.g. `ddp: 3 ranks on 2 hosts | 10.0.0.1: H200 (141 GB) x2 | 10.0.0.2: cpu`."""
+    """e.g. `ddp: 3 ranks on 2 hosts | gpu-a.invalid: H200 (141 GB) x2 | gpu-b.invalid: cpu`."""
     parts = []
     for w in layout.workers:
         labels: Dict[str, int] = {}

@@ -8,22 +8,23 @@ run wrote. Training itself lives in `solo` (in-process) and in the rank runtime 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 from rich.console import Console
 
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
 from flodl_run.config.validate import Problem, validate
-from flodl_run.contracts.summary import Summary, write_summary
+from flodl_run.contracts.summary import Summary, write_outcome, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.launch.zygote import fork_ranks, ready_spare
-from flodl_run.observe.observer import Observer, Observers
+from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.observe.timeline import TimelineFile
 from flodl_run.report.dashboard import Dashboard
@@ -36,6 +37,7 @@ from flodl_run.report.tracking import make_tracker
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from flodl_run.contracts.checkpoint import BundleMeta, SaveLock
     from flodl_run.contracts.recipe import Recipe
     from flodl_run.launch.hosts import HostLayout
     from flodl_run.launch.slurm import SlurmPlan
@@ -139,37 +141,101 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     tell, and re-raises what the recipe raised once the run's records are closed."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
-    ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
-    live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
-    _say_plan(config.cluster.topology, plan, console)
-    tracker = make_tracker(config.tracking, _uploads(config))
-    mode, outer = ("solo", "none") if plan.in_process else (None, None)
-    tracker.start(config, run_dir, mode=mode, outer=outer)
-    progress = TerminalProgress(console) if show_progress else None
-    # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker, which
-    # uploads them; the live dashboard's server stops after the dashboard took the summary.
-    board = _dashboard(config, run_dir)
-    timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
-    outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
-                           live and live.start(board, console), timeline) if o is not None]
-    observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
+    _open_files_up_to_the_hard_limit()
+    with _holding(config.save_path, run_dir):
+        ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
+        live = serve_dashboard(config.dashboard)  # before anything starts: a port in use: config error
+        _say_plan(config.cluster.topology, plan, console)
+        tracker = make_tracker(config.tracking, _uploads(config))
+        mode, outer = ("solo", "none") if plan.in_process else (None, None)
+        tracker.start(config, run_dir, mode=mode, outer=outer)
+        progress = TerminalProgress(console) if show_progress else None
+        # Teardown outputs (events, record log, dashboard, timeline) finish before the tracker,
+        # which uploads them; the live dashboard's server stops after the dashboard took the summary.
+        board = _dashboard(config, run_dir)
+        timeline = None if plan.in_process else TimelineFile.for_run(config.timeline, run_dir)
+        outputs = [o for o in (EventFile(run_dir), _record_log(config, run_dir), board,
+                               live and live.start(board, console), timeline) if o is not None]
+        observers = Observers(*[o for o in (progress, *outputs, observer, tracker) if o is not None])
+        try:
+            summary, model, error = _train(config, plan, run_dir, console, observers, recipe,
+                                           tracker.run_id, timeline)
+        finally:
+            if progress is not None:
+                progress.close()
+        summary.mlflow_run_id = tracker.run_id
+        latest = _close_records(summary, run_dir, outputs, tracker, observers.errors)
+        if error is not None:
+            say_unwritten(console, observers.errors)
+            raise error
+        _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+        say_unwritten(console, observers.errors)
+        return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
+                         tracker.run_id, model)
+
+
+def _open_files_up_to_the_hard_limit() -> None:
+    """Raise this process's soft limit on open files to the hard one: the common soft limit,
+    1024, is what a flood of idle connections to the coordinator used up before their
+    handshake deadline closed them (the run then failed on its next file). Ranks, started
+    from here, inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard != resource.RLIM_INFINITY:  # an infinite hard limit: the kernel caps it lower
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+@contextlib.contextmanager
+def _holding(save_path: Optional[str], run_dir: Path) -> Iterator[None]:
+    """The run's hold on its save_path, from before anything starts to its end."""
+    lock = _lock_save_path(save_path, run_dir)
     try:
-        summary, model, error = _train(config, plan, run_dir, console, observers, recipe, tracker.run_id,
-                                       timeline)
+        yield
     finally:
-        if progress is not None:
-            progress.close()
-    summary.mlflow_run_id = tracker.run_id
-    write_summary(run_dir / "summary.json", summary)
-    for output in outputs:
-        output.finish(summary, run_dir)
-    tracker.finish(summary, run_dir)
-    latest = link_latest(run_dir, Path.cwd() / "outputs")
-    if error is not None:
-        raise error
-    _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
-    return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
-                     tracker.run_id, model)
+        if lock is not None:
+            lock.release()
+
+
+def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLock"]:
+    """This run's hold on its save_path (ConfigError naming the run that holds it)."""
+    if not save_path:
+        return None
+    from flodl_run.contracts.checkpoint import SaveLock, SavePathTaken
+
+    try:
+        return SaveLock.take(save_path, run_dir)
+    except SavePathTaken as exc:
+        raise ConfigError([Problem("save_path", save_path,
+                                   f"{exc}: give each run its own save_path")]) from None
+
+
+def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: Observer,
+                   errors: OutputErrors) -> Optional[Path]:
+    """summary.json (its outcome first, then the whole record), each output's end (the `end`
+    line of events.jsonl, ...), the tracked run, and the `outputs/latest` link. What does not
+    fit on the disk is noted in `errors` and the rest still goes: an output error never fails a
+    run by itself. Returns the latest link, or None."""
+    path = run_dir / "summary.json"
+    if errors.attempt("summary.json", write_outcome, path, summary):
+        errors.attempt("summary.json in full (its outcome is there)", write_summary, path, summary)
+    for output in (*outputs, tracker):
+        errors.attempt(f"the end of {output.output or type(output).__name__}", output.finish,
+                       summary, run_dir)
+    latest: List[Optional[Path]] = [None]
+
+    def link() -> None:
+        latest[0] = link_latest(run_dir, Path.cwd() / "outputs")
+
+    errors.attempt("outputs/latest", link)
+    return latest[0]
+
+
+def say_unwritten(console: Console, errors: OutputErrors) -> None:
+    """The outcome stands; say what of its record is missing (nothing when all was written)."""
+    if errors.failed:
+        say_labelled(console, "not written", "; ".join(f"{what} ({why})" for what, why
+                                                       in errors.failed.items()), "yellow")
 
 
 def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
@@ -259,13 +325,38 @@ def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"])
     from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta
 
     try:
-        reasons = check_resume(read_meta(config.resume_from), plan.world_size, config.seed,
-                               config.resume_from)
+        meta = read_meta(config.resume_from)
+        reasons = check_resume(meta, plan.world_size, config.seed, config.resume_from)
+        reasons += _trajectory_problems(config, plan, meta)
     except BundleError as exc:
         reasons = [str(exc)]
     if reasons:
         raise ConfigError([Problem("resume_from", config.resume_from, f"cannot be resumed here: {r}")
                            for r in reasons])
+
+
+def _trajectory_problems(config: ExperimentConfig, plan: Plan, meta: "BundleMeta") -> List[str]:
+    """What of a valid meta this run cannot continue: an epoch at or past the run's end (it
+    used to "complete" with 0 samples and save a bundle labelled with fewer epochs than it
+    holds), or an elche_state that ElChe cannot restore (it failed with a KeyError after the
+    ranks started)."""
+    splits = config.data.epoch_splits
+    problems = []
+    if meta.epoch >= config.num_epochs * splits:
+        done = -(-meta.epoch // splits)
+        problems.append(f"the bundle has trained {done} epoch{'s' if done != 1 else ''} and this run "
+                        f"ends at num_epochs={config.num_epochs}: to train on, resume with "
+                        f"num_epochs=<larger than {done}>")
+    if not plan.in_process:
+        from flodl_run.elche.balancer import ElChe
+
+        try:
+            ElChe.from_state(config.elche, meta.elche_state, world_size=meta.world_size_at_save)
+        except KeyError as exc:
+            problems.append(f"elche_state.{exc.args[0]} is missing")
+        except (TypeError, ValueError, AttributeError) as exc:
+            problems.append(f"elche_state cannot be restored ({type(exc).__name__}: {exc})")
+    return problems
 
 
 def _zygote_log(cluster: ClusterConfig, plan: Plan, run_dir: Path) -> Optional[Path]:
@@ -330,6 +421,8 @@ def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
         if summary.dead_ranks:  # the survivors finished the run; the last line still says who did not
             ranks = ", ".join(str(r) for r in summary.dead_ranks)
             lost = f" | rank{'s' if len(summary.dead_ranks) > 1 else ''} {ranks} lost (events.jsonl says why)"
+        if summary.message:  # ranks that failed (a recipe error) while the survivors carried on
+            lost += f" | {summary.message}"
         say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
                      f"{summary.samples_per_s:,.0f} samples/s{syncs}{lost}")
     else:

@@ -222,7 +222,7 @@ class SrunStep:
         self.secret_file = secret_file
         self.nodes, self.job_id = nodes, job_id
         self.ends: Dict[int, tuple] = {}
-        self.stderr_done = threading.Event()
+        self.stdout_done, self.stderr_done = threading.Event(), threading.Event()
         self.asked: Dict[int, Set[int]] = {}
         self.lock = threading.Lock()
         self.readers = [threading.Thread(target=self._stdout, daemon=True),
@@ -233,6 +233,7 @@ class SrunStep:
     def _stdout(self) -> None:
         for line in self.process.stdout:
             self._route(line)
+        self.stdout_done.set()
         if self.secret_file is not None:  # every task has ended: none reads it again
             self.secret_file.unlink(missing_ok=True)
 
@@ -258,12 +259,14 @@ class SrunStep:
                            soft_wrap=True)
 
     def code(self, task: int) -> Optional[int]:
-        """The task's exit code, or None while it may still run."""
+        """The task's exit code, or None while it may still run. An end that srun's own end
+        tells is known once both of srun's streams are read: every line of the task is then
+        in its log (the log is closed after the end is seen)."""
         with self.lock:
             if task in self.ends:
                 return self.ends[task][1]
         code = self.process.poll()
-        if code is None or not self.stderr_done.is_set():
+        if code is None or not (self.stderr_done.is_set() and self.stdout_done.is_set()):
             return None
         return 0 if code == 0 or self.ends else code
 

@@ -96,7 +96,8 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
 
 
 def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
-    """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL: no orphan remains."""
+    """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL; then the same for what
+    they started on this host (their process groups): no orphan remains."""
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.process.poll() is None]
         if not alive:
@@ -107,11 +108,48 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.process.poll() is None for p in alive):
             time.sleep(0.05)
+    end_leftovers([p.process.pid for p in procs if p.host is None and not _is_srun_task(p)], grace_s)
     for p in procs:
         if p.forwarder is not None:
             p.forwarder.join(timeout=2.0)
         p.log.write(f"# rank {p.rank} exited with code {p.process.poll()}\n")
         p.log.close()
+
+
+def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`, to what is left in the ranks' process groups
+    once the ranks are gone: a recipe's `sleep 3600` or os.fork child, re-parented to init,
+    used to outlive the run. Each rank leads its own group (its own session), so the group id
+    is the rank's pid; a group with no live member left is not signalled (its id may since be
+    another process's)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = _groups_with_members(groups)
+        if not live:
+            return
+        for group in live:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _groups_with_members(live):
+            time.sleep(0.05)
+
+
+def _groups_with_members(groups: List[int]) -> List[int]:
+    """The groups among `groups` that a live process (not a zombie) is in, from /proc."""
+    wanted, found = set(groups), set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in wanted:  # state, ppid, pgrp, ...
+            found.add(int(fields[2]))
+    return sorted(found)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -128,16 +166,31 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankProcess]) -> None:
     """Until the coordinator ends: report a rank that exited early, turn Ctrl-C into a stop."""
     reported = set()
+    zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
         try:
             time.sleep(0.2)  # not thread.join(): a Ctrl-C inside join() can break is_alive()
+            zygotes = [z for z in zygotes if not _said_lost(z)]
             for p in procs:
                 code = p.process.poll()
                 if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
                     reported.add(p.rank)  # exiting before it was told to stop is a death
-                    coordinator.report_death(p.rank, _exit_reason(p, code, procs))
+                    if ended_itself(code) and not _is_srun_task(p):  # srun's code may be its own
+                        coordinator.report_recipe_exit(p.rank, _self_exit(p, code))
+                    else:
+                        coordinator.report_death(p.rank, _exit_reason(p, code, procs))
         except KeyboardInterrupt:
             coordinator.request_stop(f"interrupted by {_signal_names.pop(0) if _signal_names else 'SIGINT'}")
+
+
+def _said_lost(zygote: Zygote) -> bool:
+    """Say so when the rank zygote was killed by itself: its ranks watch the launcher, not it,
+    and train on; only their exit codes are gone (a rank's exit is then seen as code 1)."""
+    code = zygote.lost()
+    if code is not None:
+        log.warning("the rank zygote (pid %d) is gone (exit code %d); the ranks it forked keep "
+                    "training", zygote.process.pid, code)
+    return code is not None
 
 
 def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
@@ -148,6 +201,23 @@ def _killer(procs: List[RankProcess]) -> Callable[[int], None]:
             if p.rank == rank and p.process.poll() is None:
                 _signal_group(p.process, signal.SIGKILL)
     return kill
+
+
+def ended_itself(code: int) -> bool:
+    """An exit code only the rank's own code gives: 0, or one below 128 other than 1 (a rank
+    that reported its failure exits 1; a signal, or ssh losing the host, gives a negative code,
+    128 + n or 255). Before the rank was told to stop, that is the recipe's os._exit (or
+    sys.exit outside the rank's guard): a recipe error, not a lost rank."""
+    return 0 <= code < 128 and code != 1
+
+
+def _is_srun_task(proc: RankProcess) -> bool:
+    return getattr(proc.process, "signal_rank", None) is not None
+
+
+def _self_exit(proc: RankProcess, code: int) -> str:
+    where = "" if proc.host is None else f" on host {proc.host}"
+    return f"exited{where} with code {code} before it was told to stop (the recipe called os._exit?)"
 
 
 def _exit_reason(proc: RankProcess, code: int, procs: List[RankProcess]) -> str:

@@ -16,9 +16,10 @@ each child's exit status (as `Popen.returncode` states it: negative for a signal
 
 Lifetime: the zygote never touches CUDA (each rank picks its devices after the fork). It exits
 when the supervisor's end closes (a launcher killed by SIGKILL included) or when it has been
-told that no more ranks come and the last child was reaped. A child watches the zygote the way
-a plain rank watches the launcher (FLODL_RUN_PARENT_PID): when the zygote is gone, so is the
-launcher, and the rank removes the run's slabs and exits.
+told that no more ranks come and the last child was reaped. A child watches the launcher, as a
+plain rank does (FLODL_RUN_PARENT_PID names the launcher, not the zygote): a zygote lost by
+itself leaves the ranks training, and the supervisor says it is gone (the ranks' exit codes
+went with it).
 
 In `ps`, a forked rank shows the zygote's command line (`-m flodl_run.launch.zygote`) and the name
 `flodl_rankN`; the zygote is named `flodl_zygote`. Their /proc/PID/environ is the zygote's
@@ -150,6 +151,16 @@ class Zygote:
             if not self.closed:
                 self.sock.send(b'{"seal": true}')
 
+    def lost(self) -> Optional[int]:
+        """The zygote's exit code when it ended other than as told (killed from outside: it
+        exits 0 once sealed and its last child is reaped), else None. Its ranks live on,
+        watching the launcher."""
+        with self.lock:
+            while not self.closed and self._take(block=False):
+                pass
+            code = self.process.returncode if self.closed else None
+        return code if code else None
+
     def returncode(self, pid: int) -> Optional[int]:
         with self.lock:
             while not self.closed and self._take(block=False):
@@ -183,7 +194,7 @@ class ForkedRank:
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
-            from flodl_run.averaging.shm import pid_alive  # here: `prefork` runs before torch loads
+            from flodl_run.contracts.checkpoint import pid_alive  # here: `prefork` runs before torch loads
 
             self.returncode = self.zygote.returncode(self.pid)
             if self.returncode is None and self.zygote.closed and not pid_alive(self.pid):
@@ -356,7 +367,7 @@ def _serve(sock: socket.socket) -> Optional[dict]:
             pid = os.fork()
             if pid == 0:
                 _become_rank(sock, fds_in[0], children)
-                return request
+                return {**request, "launcher": launcher}
             os.close(fds_in[0])
             children[pid] = _pidfd(pid)
             sock.send(json.dumps({"started": pid}).encode())
@@ -416,7 +427,7 @@ def _run_rank(request: dict) -> int:
     os.environ.update(env)
     if _base_path is not None:  # sys.path as `python -m` builds it here: cwd, PYTHONPATH, the rest
         sys.path[:] = [os.getcwd(), *_entries(env.get("PYTHONPATH", "")), *_base_path]
-    os.environ["FLODL_RUN_PARENT_PID"] = str(os.getppid())  # our parent is the zygote
+    os.environ["FLODL_RUN_PARENT_PID"] = str(request["launcher"])  # not our parent, the zygote
     fresh_random_state()
     _intra_op_threads(env)
     from flodl_run.rank import process as rank

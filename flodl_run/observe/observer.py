@@ -1,19 +1,26 @@
 """What a run tells the outside while it trains: the observer interface and its fan-out.
 
 Trainers (solo, coordinator) call these hooks; the progress bar, the MLflow tracker and tests
-implement them. Observers never change the run.
+implement them. Observers never change the run: an output that cannot be written (a full disk,
+no file descriptors left) is said once (`OutputErrors`) and the run goes on without it.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import logging
+from typing import Any, Callable, Dict, List, Sequence
 
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord
 from flodl_run.hardware.hostinfo import HostInfo
 
+log = logging.getLogger(__name__)
+
 
 class Observer:
     """No-op base: override the hooks you need."""
+
+    output = ""
+    """What it writes, as a user names it (`events.jsonl`); empty: the class name says it."""
 
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
         """Once, before the first batch."""
@@ -42,39 +49,58 @@ class Observer:
 
 
 class Observers(Observer):
-    """Fans every hook out to several observers, in order."""
+    """Fans every hook out to several observers, in order; one that cannot write is said once
+    (`errors`) and neither stops the run nor the others."""
 
     def __init__(self, *observers: Observer):
         self.observers: Sequence[Observer] = observers
+        self.errors = OutputErrors()
+
+    def _fan(self, hook: str, *args: Any) -> None:
+        for o in self.observers:
+            self.errors.attempt(o.output or type(o).__name__, getattr(o, hook), *args)
 
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
-        for o in self.observers:
-            o.on_start(total_epochs, batches_per_epoch, world_size)
+        self._fan("on_start", total_epochs, batches_per_epoch, world_size)
 
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
-        for o in self.observers:
-            o.on_batch(epoch, batches_done, loss)
+        self._fan("on_batch", epoch, batches_done, loss)
 
     def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:
-        for o in self.observers:
-            o.on_window(rank, samples, wall_ms, device_bytes)
+        self._fan("on_window", rank, samples, wall_ms, device_bytes)
 
     def on_reduce(self, record: ReduceRecord) -> None:
-        for o in self.observers:
-            o.on_reduce(record)
+        self._fan("on_reduce", record)
 
     def on_report(self, record: ReportRecord) -> None:
-        for o in self.observers:
-            o.on_report(record)
+        self._fan("on_report", record)
 
     def on_epoch(self, record: EpochRecord) -> None:
-        for o in self.observers:
-            o.on_epoch(record)
+        self._fan("on_epoch", record)
 
     def on_event(self, kind: str, message: str) -> None:
-        for o in self.observers:
-            o.on_event(kind, message)
+        self._fan("on_event", kind, message)
 
     def on_nodes(self, nodes: List[HostInfo]) -> None:
-        for o in self.observers:
-            o.on_nodes(nodes)
+        self._fan("on_nodes", nodes)
+
+
+class OutputErrors:
+    """What a run could not write (a full disk, no file descriptors left), each said once as a
+    warning and kept for the run's last lines. An output error is never a reason for the run
+    to fail: it used to end runs `failed` (`coordinator error: OSError: ... events.jsonl`) and
+    kill the launcher before its summary."""
+
+    def __init__(self) -> None:
+        self.failed: Dict[str, str] = {}
+
+    def attempt(self, what: str, write: Callable[..., object], *args: Any) -> bool:
+        """`write(*args)`; False, said once for `what`, when it raised OSError."""
+        try:
+            write(*args)
+            return True
+        except OSError as exc:
+            if what not in self.failed:
+                self.failed[what] = str(exc)
+                log.warning("could not write %s (%s); the run goes on without it", what, exc)
+            return False

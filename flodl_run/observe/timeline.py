@@ -315,6 +315,8 @@ class TimelineFile(Timeline, Observer):
     instants (events, anchor and phase changes) on the coordinator's track. `finish` writes
     `timeline.json` into the run dir."""
 
+    output = "the timeline"
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.recorder = Recording()

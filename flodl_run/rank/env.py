@@ -16,6 +16,7 @@ from typing import Dict, Optional
 import torch
 
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run
+from flodl_run.contracts.checkpoint import pid_alive
 from flodl_run.rank.faults import FaultPlan, FaultSpecError
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -64,8 +65,12 @@ def pick_device(env: RankEnv) -> torch.device:
 
 
 def is_orphaned(env: RankEnv) -> bool:
-    """The launcher that started this rank is gone (the rank was re-parented)."""
-    return env.parent_pid is not None and os.getppid() != env.parent_pid
+    """The launcher that started this rank is gone. A rank the launcher spawned is its child
+    until then; one a zygote forked is the zygote's, and watches the launcher's pid instead (it
+    used to watch the zygote, and took a zygote killed alone for the end of the run)."""
+    if env.parent_pid is None or os.getppid() == env.parent_pid:
+        return False
+    return not pid_alive(env.parent_pid)
 
 
 def leave_orphaned(env: RankEnv) -> None:

@@ -18,7 +18,7 @@ import zmq
 
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run
 from flodl_run.config.compose import experiment_from_yaml
-from flodl_run.contracts.recipe import user_traceback
+from flodl_run.contracts.recipe import raised_by_recipe, user_traceback
 from flodl_run.contracts.wire import Channel, RankFailed, connect_dealer
 from flodl_run.rank.env import RankEnv, is_orphaned
 from flodl_run.rank.loop import RankWorker
@@ -27,23 +27,34 @@ __all__ = ["RankEnv", "RankWorker", "main"]
 
 
 def main() -> int:
-    """Run one rank; an exception (the recipe's, or ours) is reported to the coordinator and
-    printed once, as the traces of the code that raised it, and the rank exits 1."""
+    """Run one rank; an exception (the recipe's, or ours) or the recipe's sys.exit is reported
+    to the coordinator and printed once (`rank 1: failed:`, the traces of the code that raised
+    it, then the one error line), and the rank exits 1."""
     env = RankEnv.from_environ(dict(os.environ))
     config = experiment_from_yaml(env.run_file.read_text())
     worker: Optional[RankWorker] = None
     try:
         worker = RankWorker(env, config)
         return worker.run()
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+    except (Exception, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and not raised_by_recipe(exc):
+            raise  # ours: a rank the coordinator declared dead leaves with its message
+        error = _error_line(exc)
         when = "failed" if worker is not None else "failed to start"
-        print(f"rank {env.rank}: {when}: {error}\n{user_traceback(exc)}", file=sys.stderr, end="")
+        print(f"rank {env.rank}: {when}:\n{user_traceback(exc, error)}", file=sys.stderr, end="")
         _report_failure(env, worker, RankFailed(env.rank, error))
         return 1
     finally:
         if is_orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays
             remove_run(os.environ.get(PREFIX_ENV))
+
+
+def _error_line(exc: BaseException) -> str:
+    """`ValueError: ...`; a recipe's sys.exit is a recipe error too, named as one (it used to
+    end the rank with code 0, taken for a lost rank, and the run completed)."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: the recipe called sys.exit({exc.code!r}); a recipe ends its rank by raising"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFailed) -> None:

@@ -70,6 +70,8 @@ class Dashboard(Observer):
     """Collects the hooks' records; `finish(summary, run_dir)` writes the HTML file (when it
     has a path) and `page()`, `body()` and `state()` read a consistent copy at any time."""
 
+    output = "the dashboard page"
+
     def __init__(self, path: Optional[Path], theme: str = "auto", title: str = "flodl_run",
                  details: Optional[Dict[str, str]] = None,
                  cluster: Optional[ClusterConfig] = None):

@@ -91,6 +91,8 @@ class LiveServer(Observer):
     """uvicorn serving `make_app(board)` on a socket bound up front, in a daemon thread. An
     output of the run: `finish` (after the dashboard's own) stops it."""
 
+    output = "the live dashboard"
+
     def __init__(self, sock: socket.socket):
         self.sock, self.url = sock, url_of(sock)
         self._server: Any = None

@@ -87,6 +87,8 @@ class RecordLog(Observer):
 
     `cluster` places each rank on its worker host in the records (None: all on this host)."""
 
+    output = "the record log"
+
     def __init__(self, root: Path, max_bytes: int, cluster: Optional[ClusterConfig] = None,
                  host: Optional[HostInfo] = None):
         self.root, self.max_bytes, self.cluster = Path(root), max_bytes, cluster

@@ -25,6 +25,8 @@ STARTUP_FILES = (".hydra", "cli.log", "run.yaml")
 class EventFile(Observer):
     """`<run dir>/events.jsonl`: a start line, every event, and an end line with the status."""
 
+    output = "events.jsonl"
+
     def __init__(self, run_dir: Path):
         self.path = run_dir / "events.jsonl"
 

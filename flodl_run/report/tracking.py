@@ -152,6 +152,8 @@ class MlflowTracker(NullTracker):
     store that cannot be reached is reported before any work is done.
     """
 
+    output = "the MLflow run"
+
     def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = ()):
         """`artifacts`: files of the run dir (the dashboard, the timeline) uploaded at the end
         when the run wrote them."""
