@@ -1,0 +1,53 @@
+"""A newcomer's second hour (issue 28), run the way they run it: the CLI as a user types it, its
+exit code, its output and what it wrote. Most of these paths end before any rank starts, so each
+costs a fork of the launch server and a compose, not a training run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flodl_run.config.compose import register_schemas
+from flodl_run.config.overrides import check
+from tests.support import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+EXIT_CONFIG = 2
+
+
+@pytest.mark.e2e
+def test_values_hydra_refuses_are_reported_in_our_words(tmp_path):
+    """Pins: `num_epochs=ten`, a mistyped group option (its list showing the schema node
+    `base_elche`), `recipe.params.x=...` without `+` and a run dir under a file coming straight
+    from Hydra (its own text, a traceback for the file) instead of `key: rule, got value`."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = run_cli("num_epochs=ten", "elche=nccl_cadenc", "recipe=digits_cnn",
+                   "recipe.params.hidden=32", f"hydra.run.dir={afile}/run", cwd=tmp_path)
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "invalid config (4 problems)" in err
+    assert "num_epochs: must be an integer, got 'ten'" in err
+    assert "elche: must be one of cpu_async, cpu_cadence, cpu_sync, nccl_cadence, nccl_sync " \
+           "(did you mean nccl_cadence?), got 'nccl_cadenc'" in err
+    assert "recipe.params.hidden: is not a param of recipe digits_cnn" in err
+    assert "+recipe.params.hidden=32 adds one" in err
+    assert f"hydra.run.dir: must be a folder path ({afile} is a file)" in err
+    assert "base_elche" not in err and "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_option_checks_leave_other_search_paths_and_known_params_alone():
+    """Pins: the option check refusing a cluster YAML of the user's own search path
+    (docs/multi-host.md's `hydra.searchpath=[...] cluster=my_hosts`), a recipe's own param set
+    without `+`, an interpolated value, or a sweep's good values."""
+    register_schemas()
+    conf = REPO / "conf"
+    assert check(["hydra.searchpath=[file:///x.invalid]", "cluster=my_hosts"], conf, "config") == []
+    assert check(["cluster=my_hosts"], conf, "config", extra_search_path=True) == []
+    assert check(["recipe.params.hidden=8", "num_epochs=${oc.env:N}", "seed=1,2",
+                  "elche=nccl_sync,cpu_sync"], conf, "config") == []
+    [problem] = check(["seed=1,x"], conf, "config")
+    assert str(problem) == "seed: must be an integer, got 'x'"
