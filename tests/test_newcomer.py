@@ -214,13 +214,14 @@ def test_help_lists_groups_options_and_when_to_choose_them(tmp_path, module, gro
 
 def test_train_from_python_writes_the_clis_run_dir(tmp_path, mlflow_db, monkeypatch, capsys):
     """Pins: `flodl_run.train()` leaving no run dir, summary.json or MLflow run, not returning
-    where they are, or printing when progress was not asked for."""
+    where they are, or printing when progress was not asked for; and refusing the plain
+    strings the YAML takes for an enum field (`topology="solo"`, `kind="mlflow"`)."""
     import flodl_run
-    from flodl_run.config.schema import TrackingConfig, TrackingKind
+    from flodl_run.config.schema import ClusterConfig, TrackingConfig
 
     monkeypatch.chdir(tmp_path)
-    config = ExperimentConfig(num_epochs=1, tracking=TrackingConfig(
-        kind=TrackingKind.mlflow, uri=f"sqlite:///{mlflow_db}"))
+    config = ExperimentConfig(num_epochs=1, cluster=ClusterConfig(topology="solo"),
+                              tracking=TrackingConfig(kind="mlflow", uri=f"sqlite:///{mlflow_db}"))
     result = flodl_run.train(config)
     assert capsys.readouterr().out == ""
     assert result.run_dir.parent.parent == tmp_path / "outputs"

@@ -51,3 +51,28 @@ def test_option_checks_leave_other_search_paths_and_known_params_alone():
                   "elche=nccl_sync,cpu_sync"], conf, "config") == []
     [problem] = check(["seed=1,x"], conf, "config")
     assert str(problem) == "seed: must be an integer, got 'x'"
+
+
+def test_python_configs_take_the_yamls_strings_for_every_enum_field():
+    """Pins: `ClusterConfig(topology="cpu")` failing in validate with `'str' object has no
+    attribute 'value'` (issue 28 #14), a string of a nested or dict enum field left a string,
+    or a misspelt one passing without naming its dotted key."""
+    from flodl_run.config.materialize import ConfigError, materialize
+    from flodl_run.config.schema import (ClusterConfig, ElCheConfig, ExperimentConfig, GuardKind,
+                                         Mode, OuterConfig, OuterKind, Reduction, Theme, Topology,
+                                         TrackingConfig, TrackingKind)
+
+    config = ExperimentConfig(
+        cluster=ClusterConfig(topology="cpu", num_ranks=2),
+        elche=ElCheConfig(mode="cpu_async", convergence_guard="rate"), outer=OuterConfig(kind="slowmo"),
+        tracking=TrackingConfig(kind="off"), scalar_reductions={"acc": "max"}, dashboard_theme="dark")
+    typed = materialize(config, check_recipe=False).config
+    assert (typed.cluster.topology, typed.elche.mode, typed.elche.convergence_guard) == (
+        Topology.cpu, Mode.cpu_async, GuardKind.rate)
+    assert (typed.outer.kind, typed.tracking.kind, typed.dashboard_theme) == (
+        OuterKind.slowmo, TrackingKind.off, Theme.dark)
+    assert typed.scalar_reductions["acc"] is Reduction.max
+    with pytest.raises(ConfigError) as caught:
+        materialize(ExperimentConfig(cluster=ClusterConfig(topology="cpuu")), check_recipe=False)
+    assert "cluster.topology: must be one of auto, solo, cpu, local_gpus, hosts, slurm, got 'cpuu'" \
+        in str(caught.value)
