@@ -5,6 +5,7 @@ costs a fork of the launch server and a compose, not a training run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,25 @@ def test_python_configs_take_the_yamls_strings_for_every_enum_field():
         materialize(ExperimentConfig(cluster=ClusterConfig(topology="cpuu")), check_recipe=False)
     assert "cluster.topology: must be one of auto, solo, cpu, local_gpus, hosts, slurm, got 'cpuu'" \
         in str(caught.value)
+
+
+@pytest.mark.e2e
+def test_a_recipe_error_in_process_reads_as_on_ranks(tmp_path):
+    """Pins: a raising `train_step` in an in-process run (`cluster=solo`, the default on one
+    device) printing Hydra's `Error executing job`, our own frames and the HYDRA_FULL_ERROR hint,
+    with no `failed:` or `wrote:` line, where the distributed path prints the recipe's frames
+    once and exits 1."""
+    (tmp_path / "bad_step.py").write_text(
+        "from recipes.digits_mlp import build_model, build_optimizer, train_dataset  # noqa: F401\n"
+        "def train_step(model, batch):\n"
+        "    raise ValueError('boom in my step')\n")
+    proc = run_cli("recipe=custom", "recipe.module=bad_step", "cluster=solo", "num_epochs=1",
+                   "tracking=off", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "failed: ValueError: boom in my step\nTraceback (most recent call last):\n" in out
+    assert "bad_step.py\", line 3, in train_step" in out and out.count("boom in my step") == 3
+    assert "flodl_run/" not in out.split("Traceback")[1].split("wrote:")[0]  # the recipe's frames only
+    assert "Error executing job" not in out and "HYDRA_FULL_ERROR" not in out
+    assert "wrote: " in proc.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"

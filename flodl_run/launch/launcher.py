@@ -126,8 +126,10 @@ class RunResult:
 
 
 def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
-    """Run the job; returns the summary status (completed, interrupted, failed, ...)."""
-    return run(config, run_dir, console).summary.status
+    """Run the job; returns the summary status (completed, interrupted, failed, ...). What the
+    recipe raised in this process was printed as a rank prints it (the `failed:` line, the
+    recipe's frames): the run is `failed`, nothing is raised."""
+    return _run(config, run_dir, console)[0].summary.status
 
 
 def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optional["Recipe"] = None,
@@ -137,6 +139,15 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     `recipe` replaces loading `config.recipe.module` (in-process runs only); `observer` sees
     every hook besides the launcher's own. Raises ConfigError for what only the hardware can
     tell, and re-raises what the recipe raised once the run's records are closed."""
+    result, error = _run(config, run_dir, console, recipe, observer, show_progress)
+    if error is not None:
+        raise error
+    return result
+
+
+def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optional["Recipe"] = None,
+         observer: Optional[Observer] = None, show_progress: bool = True) -> tuple:
+    """`run`'s body: (the result, what the recipe raised in this process or None)."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
     ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
@@ -165,11 +176,9 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
         output.finish(summary, run_dir)
     tracker.finish(summary, run_dir)
     latest = link_latest(run_dir, Path.cwd() / "outputs")
-    if error is not None:
-        raise error
-    _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+    _report(summary, console, written(run_dir, summary, latest, config.tracking.uri), error)
     return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
-                     tracker.run_id, model)
+                     tracker.run_id, model), error
 
 
 def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
@@ -319,8 +328,10 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     return trainer.summary, trainer.replica.model
 
 
-def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
-    """The outcome line, then one line naming everything the run wrote."""
+def _report(summary: Summary, console: Console, artifacts: List[str],
+            error: Optional[BaseException] = None) -> None:
+    """The outcome line (with the recipe's frames of what it raised in this process, as a rank
+    prints them), then one line naming everything the run wrote."""
     if summary.status == "completed":
         final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
         syncs = ""
@@ -334,4 +345,8 @@ def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
                      f"{summary.samples_per_s:,.0f} samples/s{syncs}{lost}")
     else:
         say_labelled(console, summary.status, summary.message or summary.status, "bold red")
+    if error is not None:
+        from flodl_run.contracts.recipe import user_traceback
+
+        say(console, user_traceback(error).rstrip("\n"))
     say(console, "wrote: " + " | ".join(artifacts))
