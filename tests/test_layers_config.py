@@ -19,6 +19,7 @@ WHOLE_CONFIG = {
     "flodl_run.train": "the library entry point: one whole run",
     "flodl_run.launch.launcher.launch": "the CLI's run: plans, trains and records one whole run",
     "flodl_run.launch.launcher.run": "plans, trains and records one whole run",
+    "flodl_run.launch.launcher._run": "run's body, shared with launch: one whole run",
     "flodl_run.launch.launcher.plan_topology":
         "a hosts or slurm plan checks the config's world-size rules once the world size is known",
     "flodl_run.launch.launcher.one_device_warning": "plans the run as launcher.run would (review)",

@@ -12,7 +12,7 @@ import pytest
 
 from flodl_run.config.compose import register_schemas
 from flodl_run.config.overrides import check
-from tests.support import run_cli
+from tests.support import LOCKSTEP, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
@@ -99,3 +99,30 @@ def test_a_recipe_error_in_process_reads_as_on_ranks(tmp_path):
     assert "Error executing job" not in out and "HYDRA_FULL_ERROR" not in out
     assert "wrote: " in proc.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.e2e
+def test_a_bundle_of_another_model_or_no_epochs_left_and_an_unwritable_save_path_exit_2(
+        tmp_path, lockstep_run):
+    """Pins (issue 28 #6, #7, #9): resuming another recipe's bundle or other parameter shapes
+    failing in every rank's load_state_dict after the ranks started; `num_epochs` at or below
+    the bundle's epoch exiting 0 after training nothing; `save_path` under a regular file found
+    only after training, with no bundle."""
+    stem = Path(lockstep_run["run_dir"]) / "checkpoint"  # digits_mlp, 2 ranks, 1 epoch
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = run_cli(*LOCKSTEP, "tracking=off", f"resume_from={stem}", "recipe=digits_cnn",
+                   "num_epochs=1", f"save_path={afile}/ckpt", f"hydra.run.dir={tmp_path / 'a'}")
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert f"save_path: must lie in a folder ({afile} is a file)" in err
+    assert "recipe.module: must be the bundle's recipe recipes.digits_mlp" in err
+    assert "num_epochs: must be above the 1 epoch the bundle holds: num_epochs counts from the " \
+           "start, so num_epochs=6 trains 5 more, got 1" in err
+    proc = run_cli(*LOCKSTEP, "tracking=off", f"resume_from={stem}", "recipe.params.hidden=32",
+                   "num_epochs=2", f"hydra.run.dir={tmp_path / 'b'}")
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
+    assert "resume_from: must hold this run's model (0.weight is [128, 64] in the bundle, [32, 64] " \
+           "here" in proc.stderr
+    assert "recipe.params.hidden 128 -> 32" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -1,7 +1,7 @@
 """The materializer: composed config -> resolved, validated, typed ExperimentConfig.
 
 Owns the one pass that gathers every problem (compose-time conversion, value rules, the recipe
-contract) into a single ConfigError. Printing and exit codes belong to the CLI.
+contract, what the disk says: `config.preflight`) into a single ConfigError. Printing and exit codes belong to the CLI.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Iterator, List, Optional
 from omegaconf import DictConfig
 
 from flodl_run.config.compose import to_experiment
+from flodl_run.config.preflight import resume_problems, save_path_problems
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import Problem, Report, epoch_splits_problem, resolve, validate
 from flodl_run.contracts.recipe import RecipeError, load_recipe
@@ -56,8 +57,10 @@ def materialize(cfg: DictConfig | ExperimentConfig, run_dir: Optional[str] = Non
     problems = list(report.problems)
     if check_recipe:
         problems += _recipe_problems(typed)
+    if not report.problems:
+        problems += save_path_problems(typed)
     if typed.resume_from and not report.problems:
-        problems += _resume_problems(typed, world_size)
+        problems += resume_problems(typed, world_size, check_model=check_recipe)
     if problems:
         raise ConfigError(problems, report.warnings)
     return Materialized(resolve(typed, run_dir, outputs_dir), report.warnings)
@@ -99,20 +102,6 @@ def _member(key: str, value: Any, kind: type) -> Iterator[Problem]:
     except ValueError:
         yield Problem(key, value, f"must be one of {', '.join(m.value for m in kind)}")
         return value
-
-
-def _resume_problems(cfg: ExperimentConfig, world_size: Optional[int]) -> List[Problem]:
-    """A bundle this run cannot continue is a config error, never a silent fresh start."""
-    from flodl_run.config.validate import planned_world_size
-    from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta
-
-    try:
-        meta = read_meta(cfg.resume_from)
-    except BundleError as exc:
-        return [Problem("resume_from", cfg.resume_from, f"must name a readable bundle ({exc})")]
-    size = world_size if world_size is not None else planned_world_size(cfg)
-    return [Problem("resume_from", cfg.resume_from, f"cannot be resumed here: {why}")
-            for why in check_resume(meta, size, cfg.seed, cfg.resume_from)]
 
 
 def _recipe_problems(cfg: ExperimentConfig) -> List[Problem]:
