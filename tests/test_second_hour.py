@@ -6,6 +6,7 @@ costs a fork of the launch server and a compose, not a training run.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,19 @@ def test_a_bundle_of_another_model_or_no_epochs_left_and_an_unwritable_save_path
            "here" in proc.stderr
     assert "recipe.params.hidden 128 -> 32" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.e2e
+def test_an_unreachable_tracking_server_exits_2_at_once(tmp_path):
+    """Pins (issue 28 #4): `tracking=mlflow_server` with no server spending minutes in MLflow's
+    retries, then a long traceback, exit 1 and a run dir left behind."""
+    with socket.socket() as s:  # a loopback port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_cli("tracking=mlflow_server", f"tracking.uri=http://127.0.0.1:{port}", "num_epochs=1",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
+    assert f"tracking.uri: must reach an MLflow tracking server (127.0.0.1:{port}: " in proc.stderr
+    assert f"mlflow server --host 127.0.0.1 --port {port}" in proc.stderr
+    assert "tracking=off" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()

@@ -31,7 +31,7 @@ from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
 from flodl_run.report.rundir import EventFile, link_latest, written
 from flodl_run.report.say import say, say_labelled
-from flodl_run.report.tracking import make_tracker
+from flodl_run.report.tracking import make_tracker, unreachable_server
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -256,13 +256,17 @@ def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
 
 
 def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
-    """What only the plan can tell: a Recipe object cannot reach rank processes, and a bundle
-    saved by another world size cannot be resumed (before a probe only a fixed cluster could
-    be checked; here `cluster=auto` is too)."""
+    """What only the plan can tell: a Recipe object cannot reach rank processes, a tracking
+    server must answer before anything starts, and a bundle saved by another world size cannot
+    be resumed (before a probe only a fixed cluster could be checked; here `cluster=auto` is
+    too)."""
     if recipe is not None and not plan.in_process:
         raise ConfigError([Problem("cluster.topology", config.cluster.topology.value,
                                    "must train in-process (one device) when the recipe is a Recipe "
                                    "object; ranks import recipe.module instead")])
+    unreachable = unreachable_server(config.tracking)
+    if unreachable:  # found now, in seconds, rather than after minutes of MLflow's retries
+        raise ConfigError([Problem("tracking.uri", config.tracking.uri, unreachable)])
     if not config.resume_from:
         return
     from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta

@@ -320,3 +320,31 @@ def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = ()) -> Nul
     if tracking.kind is TrackingKind.off:
         return NullTracker()
     return MlflowTracker(tracking, artifacts)
+
+
+SERVER_PROBE_S = 3.0
+"""How long the start waits for a tracking server's answer: MLflow's own client retries a
+refused connection for minutes before it fails."""
+
+
+def unreachable_server(tracking: TrackingConfig) -> Optional[str]:
+    """Why the tracking server at an http(s) `tracking.uri` cannot be reached, or None (also for
+    local stores and `tracking=off`). Any HTTP answer counts as reached, an error status too."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    uri = tracking.uri or ""
+    if tracking.kind is TrackingKind.off or not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=SERVER_PROBE_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        where = urlsplit(uri)
+        return (f"must reach an MLflow tracking server ({where.netloc}: {reason}): start one "
+                f"(mlflow server --host {where.hostname} --port {where.port or 5000}), or log "
+                f"to the local store with tracking=mlflow, or not at all with tracking=off")
+    return None
