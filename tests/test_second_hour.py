@@ -6,17 +6,21 @@ costs a fork of the launch server and a compose, not a training run.
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from flodl_run.config.compose import register_schemas
 from flodl_run.config.overrides import check
-from tests.support import LOCKSTEP, run_cli
+from tests.support import LOCKSTEP, PAIR, run_cli, start_cli
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
 
 
 @pytest.mark.e2e
@@ -143,3 +147,66 @@ def test_an_unreachable_tracking_server_exits_2_at_once(tmp_path):
     assert f"mlflow server --host 127.0.0.1 --port {port}" in proc.stderr
     assert "tracking=off" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_second_stop_request_names_both_signals_and_stops_at_once():
+    """Pins (issue 28 #16): SIGTERM then SIGINT reporting only SIGINT, and a second request
+    reported as `no reduce boundary within 8s` when it cut the grace short itself."""
+    from flodl_run.control.runstate import RunAborted, StopRequest
+
+    stop = StopRequest()
+    stop.request("interrupted by SIGTERM")
+    stop.request("interrupted by SIGINT")
+    with pytest.raises(RunAborted) as aborted:
+        stop.check()
+    assert aborted.value.reason == "interrupted by SIGTERM; then SIGINT (stopped at once: not saved)"
+
+
+def test_a_ctrl_c_while_ranks_stop_hurries_to_the_next_signal(tmp_path):
+    """Pins (issue 28 #1): a Ctrl-C during the launcher's wait for its ranks raising out of
+    stop_ranks (the run then lost its summary.json and end event); here it moves on to the
+    next, harder signal. The rank ignores SIGTERM, so only SIGKILL ends it: with a grace of
+    ten minutes per signal, only hurrying gets there before the test's timeout."""
+    from flodl_run.launch.rankproc import RankProcess
+    from flodl_run.launch.supervisor import stop_ranks
+
+    ignores_term = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                    "print('ready', flush=True); time.sleep(900)")
+    child = subprocess.Popen([sys.executable, "-S", "-c", ignores_term], start_new_session=True,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"  # SIGTERM is ignored from here on
+    rank = RankProcess(0, child, open(tmp_path / "rank0.log", "w"))
+    stop_ranks([rank], grace_s=600, hurry=lambda: True)
+    assert child.returncode == -signal.SIGKILL
+    assert (tmp_path / "rank0.log").read_text() == f"# rank 0 exited with code {-signal.SIGKILL}\n"
+
+
+@pytest.mark.e2e
+def test_sigterm_then_ctrl_c_twice_still_writes_the_summary(tmp_path):
+    """Pins (issue 28 #1, #16): a Ctrl-C during the stop raising a KeyboardInterrupt out of the
+    launcher (no summary.json, no `end` event, death by SIGINT), the screen saying nothing for
+    the 8 s a stop may wait, and SIGTERM then SIGINT reported as SIGINT only. Each signal waits
+    for the line the one before it printed; the last lands wherever the stop has got to."""
+    run_dir = tmp_path / "run"
+    proc = start_cli(*PAIR, "num_epochs=500", "tracking=off", f"hydra.run.dir={run_dir}")
+    seen: list = []
+
+    def until(prefix: str) -> None:
+        for line in iter(proc.stdout.readline, ""):
+            seen.append(line)
+            if line.startswith(prefix):
+                return
+        raise AssertionError(f"no line {prefix!r}: {''.join(seen)}")
+
+    until("epoch 1/")
+    proc.send_signal(signal.SIGTERM)
+    until("stopping (SIGTERM): saving at the next reduce boundary, within 8 s; Ctrl-C again")
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out = "".join(seen) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == EXIT_INTERRUPTED, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["message"].startswith("interrupted by SIGTERM")
+    last = json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])
+    assert last["kind"] == "end" and last["message"].startswith("interrupted: interrupted by SIGTERM")

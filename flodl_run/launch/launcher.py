@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 
 from rich.console import Console
 
@@ -171,14 +172,33 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
         if progress is not None:
             progress.close()
     summary.mlflow_run_id = tracker.run_id
-    write_summary(run_dir / "summary.json", summary)
-    for output in outputs:
-        output.finish(summary, run_dir)
-    tracker.finish(summary, run_dir)
+    with _signals_held():  # a Ctrl-C now would lose the summary and the end event
+        write_summary(run_dir / "summary.json", summary)
+        for output in outputs:
+            output.finish(summary, run_dir)
+    try:
+        tracker.finish(summary, run_dir)
+    except KeyboardInterrupt:  # Ctrl-C during the upload skips what is left of it
+        say_labelled(console, "warning", "tracking: interrupted, the MLflow run is not complete", "yellow")
     latest = link_latest(run_dir, Path.cwd() / "outputs")
     _report(summary, console, written(run_dir, summary, latest, config.tracking.uri), error)
     return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
                      tracker.run_id, model), error
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM do nothing while the block runs (in the main thread): the run is
+    ending anyway, and its own records are written in well under a second."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
