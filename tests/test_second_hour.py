@@ -210,3 +210,17 @@ def test_sigterm_then_ctrl_c_twice_still_writes_the_summary(tmp_path):
     assert summary["status"] == "interrupted" and summary["message"].startswith("interrupted by SIGTERM")
     last = json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])
     assert last["kind"] == "end" and last["message"].startswith("interrupted: interrupted by SIGTERM")
+
+
+def test_default_run_names_say_the_outer_optimizer():
+    """Pins (issue 28 #12): slowmo and diloco runs both named `nccl_cadence-digits_mlp`; a name
+    the user gave is kept as given."""
+    from flodl_run.config.schema import OuterKind
+    from flodl_run.config.validate import resolve
+    from flodl_run.report.tracking import _run_name
+    from tests.support import make
+
+    diloco = resolve(make(outer__kind=OuterKind.diloco))
+    assert diloco.run_name == "nccl_cadence+diloco-digits_mlp"
+    assert _run_name(diloco, "solo", "none") == "solo-digits_mlp"  # what trained, in-process
+    assert resolve(make(outer__kind=OuterKind.slowmo, run_name="mine")).run_name == "mine"

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from rich.console import Console
+
 from flodl_run.report.compare import JobOutcome, plot, to_csv, to_markdown
+from flodl_run.report.say import say
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,13 @@ class Sweep:
                 client.log_artifact(run_id, str(path))
             client.set_tag(run_id, "num_jobs", str(len(jobs)))
             client.set_terminated(run_id, status)
+        say(Console(), self.written(files))
+
+    def written(self, files: List[Path]) -> str:
+        """The sweep's last line: its comparison files and its MLflow parent run(s)."""
+        parents = [f"mlflow parent run {run_id} in {client.tracking_uri}"
+                   for client, run_id in self.parents.values()]
+        return " | ".join([f"sweep: wrote {self.dir}/: {', '.join(p.name for p in files)}", *parents])
 
 
 def _parent_status(statuses: List[str]) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from flodl_run.config.compose import dotted_items
-from flodl_run.config.schema import ExperimentConfig, TrackingConfig, TrackingKind
+from flodl_run.config.schema import ExperimentConfig, OuterKind, TrackingConfig, TrackingKind
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.elche.phase import Phase
 from flodl_run.hardware.hostinfo import HostInfo, metric_safe, this_host
@@ -70,6 +70,16 @@ def recipe_git(module: str) -> Dict[str, str]:
     if dirty is not None:
         tags["git_dirty"] = str(bool(dirty)).lower()
     return tags
+
+
+def _run_name(config: ExperimentConfig, mode: Optional[str], outer: Optional[str]) -> Optional[str]:
+    """The run's name; a default name says what actually trained (`solo-...` in-process)."""
+    from flodl_run.config.validate import default_run_name
+
+    if mode is None or config.run_name != default_run_name(config, config.elche.mode.value,
+                                                           config.outer.kind.value):
+        return config.run_name
+    return default_run_name(config, mode, outer or OuterKind.none.value)
 
 
 def _params(config: ExperimentConfig) -> Dict[str, str]:
@@ -202,7 +212,7 @@ class MlflowTracker(NullTracker):
         resumed = _resumed_run_id(config.resume_from)
         if resumed:
             tags["resumed_from_run_id"] = resumed  # a resume is a new run linked to the old one
-        run = self.client.create_run(experiment_id, run_name=config.run_name, tags=tags)
+        run = self.client.create_run(experiment_id, run_name=_run_name(config, mode, outer), tags=tags)
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in _params(config).items()]
         for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
