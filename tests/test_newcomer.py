@@ -120,14 +120,17 @@ def test_run_dir_has_readable_logs_events_latest_link_and_final_line(first_run):
 
 @pytest.mark.e2e
 def test_in_process_run_writes_a_bundle_that_resumes(first_run):
-    """Pins: an in-process run ending with `"checkpoint": null`, and a resume that retrains
-    epochs the bundle already holds."""
+    """Pins: an in-process run ending with `"checkpoint": null`, a resume that retrains
+    epochs the bundle already holds or does not say where it starts, and an in-process
+    `timeline=true` writing no trace without saying why."""
     home, _, run_dir = first_run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoint"] == str(run_dir / "checkpoint")
     proc = cli(home, f"resume_from={run_dir}/checkpoint", "num_epochs=2", "tracking=off",
-               f"hydra.run.dir={home / 'resumed'}")
+               "timeline=true", f"hydra.run.dir={home / 'resumed'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"resumed from {run_dir}/checkpoint at epoch 1: training epoch 2\n" in proc.stdout
+    assert "note: timeline=true writes no trace for an in-process run" in proc.stdout
     resumed = json.loads((home / "resumed" / "summary.json").read_text())
     assert [e["epoch"] for e in resumed["epochs"]] == [1]
 

@@ -154,6 +154,7 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
     ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
     live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
     _say_plan(config.cluster.topology, plan, console)
+    _say_what_differs(config, plan, console)
     tracker = make_tracker(config.tracking, _uploads(config))
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
@@ -273,6 +274,22 @@ def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
     notice = one_device_notice(topology, plan)
     if notice:
         say_labelled(console, "note", notice, "cyan")
+
+
+def _say_what_differs(config: ExperimentConfig, plan: Plan, console: Console) -> None:
+    """What would otherwise go unsaid: where a resume starts, and why an in-process run writes
+    no timeline."""
+    if config.resume_from:
+        from flodl_run.contracts.checkpoint import read_meta
+
+        meta = read_meta(config.resume_from)  # _check_run read it already: it is readable
+        part = " (part of it trained)" if meta.coverage.uncovered else ""
+        first, last = meta.epoch + 1, config.num_epochs
+        epochs = f"epoch {last}" if first == last else f"epochs {first}-{last}"
+        say(console, f"resumed from {config.resume_from} at epoch {meta.epoch}{part}: training {epochs}")
+    if config.timeline and plan.in_process:
+        say_labelled(console, "note", "timeline=true writes no trace for an in-process run: the "
+                     "timeline records the coordinator and the ranks (cluster=cpu_pair has both)", "cyan")
 
 
 def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
