@@ -224,3 +224,52 @@ def test_default_run_names_say_the_outer_optimizer():
     assert diloco.run_name == "nccl_cadence+diloco-digits_mlp"
     assert _run_name(diloco, "solo", "none") == "solo-digits_mlp"  # what trained, in-process
     assert resolve(make(outer__kind=OuterKind.slowmo, run_name="mine")).run_name == "mine"
+
+
+@pytest.mark.parametrize("choice", ["auto", "solo"])
+def test_a_bench_on_one_gpu_runs_its_solo_loops_on_it(choice):
+    """Pins (issue 28 #15): `python -m flodl_run.bench cluster=auto` (or `solo`) on a one-GPU
+    host describing `1 CPU ranks` and placing its solo loops on the CPU, while the runner's own
+    in-process run with the same cluster trains on the GPU."""
+    from flodl_run.bench.run import BenchRunConfig, _solo_job, resolve_rig
+    from flodl_run.config.schema import ClusterConfig, Topology
+    from flodl_run.hardware.devices import GpuInfo
+
+    gpu = GpuInfo(0, "GPU-0000.invalid", "NVIDIA H200", 141 * 2**30)
+    cfg = BenchRunConfig(cluster=ClusterConfig(topology=Topology(choice)))
+    rig = resolve_rig(cfg, choice, [], gpus=[gpu])
+    assert rig.world_size == 1 and rig.gpu_uuids == (gpu.uuid,)
+    assert "(1 GPU ranks" in rig.describe()
+    job = _solo_job(rig, cfg.bench, cfg.bench.recipes[0], "digits_mlp", 1.0)
+    assert "device=cuda:0" in job.overrides and dict(job.env)["CUDA_VISIBLE_DEVICES"] == gpu.uuid
+    assert resolve_rig(cfg, choice, [], gpus=[]).gpu_uuids == ()  # no GPU: its CPU threads
+
+
+def test_the_bench_terminal_table_keeps_names_whole_and_the_plot_tells_entries_apart(tmp_path):
+    """Pins (issue 28 #13): a 17-column terminal table cutting `nccl_cadence` and
+    `nccl_cadence+timeline` to `nccl_cade…`, and bench.png drawing solo@1.0 and torch_localsgd
+    (the 1st and 11th entries of matplotlib's 10-colour cycle) in the same dashed blue."""
+    import io
+
+    from rich.console import Console
+
+    from flodl_run.bench.report import TERMINAL_COLUMNS, RecipeBench, bench_document, entry_styles, tables
+    from flodl_run.bench.run import RunOutcome
+    from tests.support import _summary
+
+    names = ["solo@1.0", "solo@2.5", "runner_solo@1.0", "torch_ddp", "nccl_sync", "nccl_cadence",
+             "nccl_cadence+timeline", "cpu_sync", "cpu_cadence", "cpu_async", "torch_localsgd"]
+    outcomes = [RunOutcome(n, "r", "flodl_run" if n.startswith(("nccl", "cpu")) else "peer",
+                           "solo", "none", 2.0, _summary([0.5, 0.6]), str(tmp_path), "python ...")
+                for n in names]
+    doc = bench_document([RecipeBench("r", 0.55, [1.0, 2.5])], outcomes, {})
+    shown = Console(file=io.StringIO(), width=100)
+    for table in tables(doc):
+        shown.print(table)
+    text = shown.file.getvalue()
+    assert all(f" {n} " in text for n in names) and "…" not in text, text
+    assert len(TERMINAL_COLUMNS) <= 9
+    styles = entry_styles(doc["entries"])
+    looks = {(s["color"], s["marker"], s["linestyle"]) for s in styles.values()}
+    assert len(looks) == len(names)
+    assert styles["solo@1.0"]["color"] != styles["torch_localsgd"]["color"]
