@@ -1,4 +1,4 @@
-"""A newcomer's second hour (issue 28), run the way they run it: the CLI as a user types it, its
+"""A newcomer's second hour, run the way they run it: the CLI as a user types it, its
 exit code, its output and what it wrote. Most of these paths end before any rank starts, so each
 costs a fork of the launch server and a compose, not a training run.
 """
@@ -61,7 +61,7 @@ def test_option_checks_leave_other_search_paths_and_known_params_alone():
 
 def test_python_configs_take_the_yamls_strings_for_every_enum_field():
     """Pins: `ClusterConfig(topology="cpu")` failing in validate with `'str' object has no
-    attribute 'value'` (issue 28 #14), a string of a nested or dict enum field left a string,
+    attribute 'value'`, a string of a nested or dict enum field left a string,
     or a misspelt one passing without naming its dotted key."""
     from flodl_run.config.materialize import ConfigError, materialize
     from flodl_run.config.schema import (ClusterConfig, ElCheConfig, ExperimentConfig, GuardKind,
@@ -109,7 +109,7 @@ def test_a_recipe_error_in_process_reads_as_on_ranks(tmp_path):
 @pytest.mark.e2e
 def test_a_bundle_of_another_model_or_no_epochs_left_and_an_unwritable_save_path_exit_2(
         tmp_path, lockstep_run):
-    """Pins (issue 28 #6, #7, #9): resuming another recipe's bundle or other parameter shapes
+    """Pins: resuming another recipe's bundle or other parameter shapes
     failing in every rank's load_state_dict after the ranks started; `num_epochs` at or below
     the bundle's epoch exiting 0 after training nothing; `save_path` under a regular file found
     only after training, with no bundle."""
@@ -135,7 +135,7 @@ def test_a_bundle_of_another_model_or_no_epochs_left_and_an_unwritable_save_path
 
 @pytest.mark.e2e
 def test_an_unreachable_tracking_server_exits_2_at_once(tmp_path):
-    """Pins (issue 28 #4): `tracking=mlflow_server` with no server spending minutes in MLflow's
+    """Pins: `tracking=mlflow_server` with no server spending minutes in MLflow's
     retries, then a long traceback, exit 1 and a run dir left behind."""
     with socket.socket() as s:  # a loopback port nobody listens on once closed
         s.bind(("127.0.0.1", 0))
@@ -150,7 +150,7 @@ def test_an_unreachable_tracking_server_exits_2_at_once(tmp_path):
 
 
 def test_a_second_stop_request_names_both_signals_and_stops_at_once():
-    """Pins (issue 28 #16): SIGTERM then SIGINT reporting only SIGINT, and a second request
+    """Pins: SIGTERM then SIGINT reporting only SIGINT, and a second request
     reported as `no reduce boundary within 8s` when it cut the grace short itself."""
     from flodl_run.control.runstate import RunAborted, StopRequest
 
@@ -163,7 +163,7 @@ def test_a_second_stop_request_names_both_signals_and_stops_at_once():
 
 
 def test_a_ctrl_c_while_ranks_stop_hurries_to_the_next_signal(tmp_path):
-    """Pins (issue 28 #1): a Ctrl-C during the launcher's wait for its ranks raising out of
+    """Pins: a Ctrl-C during the launcher's wait for its ranks raising out of
     stop_ranks (the run then lost its summary.json and end event); here it moves on to the
     next, harder signal. The rank ignores SIGTERM, so only SIGKILL ends it: with a grace of
     ten minutes per signal, only hurrying gets there before the test's timeout."""
@@ -183,7 +183,7 @@ def test_a_ctrl_c_while_ranks_stop_hurries_to_the_next_signal(tmp_path):
 
 @pytest.mark.e2e
 def test_sigterm_then_ctrl_c_twice_still_writes_the_summary(tmp_path):
-    """Pins (issue 28 #1, #16): a Ctrl-C during the stop raising a KeyboardInterrupt out of the
+    """Pins: a Ctrl-C during the stop raising a KeyboardInterrupt out of the
     launcher (no summary.json, no `end` event, death by SIGINT), the screen saying nothing for
     the 8 s a stop may wait, and SIGTERM then SIGINT reported as SIGINT only. Each signal waits
     for the line the one before it printed; the last lands wherever the stop has got to."""
@@ -213,7 +213,7 @@ def test_sigterm_then_ctrl_c_twice_still_writes_the_summary(tmp_path):
 
 
 def test_default_run_names_say_the_outer_optimizer():
-    """Pins (issue 28 #12): slowmo and diloco runs both named `nccl_cadence-digits_mlp`; a name
+    """Pins: slowmo and diloco runs both named `nccl_cadence-digits_mlp`; a name
     the user gave is kept as given."""
     from flodl_run.config.schema import OuterKind
     from flodl_run.config.validate import resolve
@@ -228,7 +228,7 @@ def test_default_run_names_say_the_outer_optimizer():
 
 @pytest.mark.parametrize("choice", ["auto", "solo"])
 def test_a_bench_on_one_gpu_runs_its_solo_loops_on_it(choice):
-    """Pins (issue 28 #15): `python -m flodl_run.bench cluster=auto` (or `solo`) on a one-GPU
+    """Pins: `python -m flodl_run.bench cluster=auto` (or `solo`) on a one-GPU
     host describing `1 CPU ranks` and placing its solo loops on the CPU, while the runner's own
     in-process run with the same cluster trains on the GPU."""
     from flodl_run.bench.run import BenchRunConfig, _solo_job, resolve_rig
@@ -246,7 +246,7 @@ def test_a_bench_on_one_gpu_runs_its_solo_loops_on_it(choice):
 
 
 def test_the_bench_terminal_table_keeps_names_whole_and_the_plot_tells_entries_apart(tmp_path):
-    """Pins (issue 28 #13): a 17-column terminal table cutting `nccl_cadence` and
+    """Pins: a 17-column terminal table cutting `nccl_cadence` and
     `nccl_cadence+timeline` to `nccl_cade…`, and bench.png drawing solo@1.0 and torch_localsgd
     (the 1st and 11th entries of matplotlib's 10-colour cycle) in the same dashed blue."""
     import io
