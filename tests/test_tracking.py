@@ -245,6 +245,9 @@ def test_recipe_raising_in_train_step_ends_the_run_failed(tmp_path, monkeypatch,
     assert "failed: RuntimeError: recipe broke at step 40\nTraceback" in shown and "wrote: " in shown
     client, run, summary = _run_of(db, run_dir)
     assert summary["status"] == "failed" and run.info.status == "FAILED"
+    # marked a training experiment: MLflow 3's UI then opens it on its runs, not a GenAI overview
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
     assert run.data.tags["last_event"].startswith("failed: RuntimeError: recipe broke")
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0]
 
