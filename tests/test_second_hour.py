@@ -273,3 +273,20 @@ def test_the_bench_terminal_table_keeps_names_whole_and_the_plot_tells_entries_a
     looks = {(s["color"], s["marker"], s["linestyle"]) for s in styles.values()}
     assert len(looks) == len(names)
     assert styles["solo@1.0"]["color"] != styles["torch_localsgd"]["color"]
+
+
+def test_train_step_and_eval_step_get_the_params_they_declare(tmp_path, monkeypatch):
+    """Pins: `train_step`/`eval_step` called without `recipe.params` while the README says every
+    recipe function gets the params it declares (and a `**_` one must not get `model` twice)."""
+    from flodl_run.contracts.recipe import load_recipe
+
+    (tmp_path / "declares.py").write_text(
+        "from recipes.digits_mlp import build_model, build_optimizer, train_dataset, eval_dataset  # noqa\n"
+        "def train_step(model, batch, scale=1.0):\n"
+        "    return ('train', scale)\n"
+        "def eval_step(model, batch, **params):\n"
+        "    return ('eval', sorted(params))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = load_recipe("declares", {"scale": 3.0, "hidden": 8, "model": "not twice"})
+    assert recipe.train_step("m", "b") == ("train", 3.0)
+    assert recipe.eval_step("m", "b") == ("eval", ["hidden", "scale"])

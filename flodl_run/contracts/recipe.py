@@ -13,6 +13,7 @@ turns what a callback raises into CallbackFailed; it never imports the repo's `r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -190,4 +191,20 @@ def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
         transform_fn = getattr(mod, transform, None)
         if not callable(transform_fn):
             raise RecipeError("data.transform", transform, f"must name a function of {module}")
+    for name in PER_BATCH:  # called per batch as fn(model, batch): bind their params once
+        fns[name] = _with_params(fns[name], dict(params or {}))
     return Recipe(**fns, transform=transform_fn, params=dict(params or {}), name=module)
+
+
+PER_BATCH = ("train_step", "eval_step")
+"""Recipe functions the runtime calls directly, `fn(model, batch)`, once per batch."""
+
+
+def _with_params(fn: Optional[Callable[..., Any]], params: Dict[str, Any]) -> Optional[Callable[..., Any]]:
+    """`fn` with the `recipe.params` it declares bound by keyword (`fn` itself when none); a
+    param named like one of the two arguments the runtime passes is not bound."""
+    if fn is None:
+        return None
+    passed = list(inspect.signature(fn).parameters)[:2]
+    accepted = {k: v for k, v in _accepted(fn, params).items() if k not in passed}
+    return functools.partial(fn, **accepted) if accepted else fn
