@@ -91,8 +91,13 @@ def test_one_device_run_says_so_and_tags_match_summary(first_run):
             "e.g. cluster=cpu_pair") in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     client = mlflow.MlflowClient(f"sqlite:///{home / 'outputs' / 'mlflow.db'}")
-    tags = client.get_run(summary["mlflow_run_id"]).data.tags
+    run = client.get_run(summary["mlflow_run_id"])
+    tags = run.data.tags
     assert (tags["mode"], tags["outer"]) == (summary["mode"], summary["outer"]) == ("solo", "none")
+    assert run.info.run_name == "solo-digits_mlp"  # what trained, not `cpu_async+diloco-...`
+    assert [e["samples"] for e in summary["epochs"]] == [1437]  # was 0 in-process
+    done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
+    assert re.search(r"\| [\d.]+s wall, [\d.]+s training \| [\d,]+ samples/s in training", done), done
 
 
 @pytest.mark.e2e

@@ -382,8 +382,9 @@ def _report(summary: Summary, console: Console, artifacts: List[str],
         if summary.dead_ranks:  # the survivors finished the run; the last line still says who did not
             ranks = ", ".join(str(r) for r in summary.dead_ranks)
             lost = f" | rank{'s' if len(summary.dead_ranks) > 1 else ''} {ranks} lost (events.jsonl says why)"
-        say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
-                     f"{summary.samples_per_s:,.0f} samples/s{syncs}{lost}")
+        train_s = sum(e.epoch_ms for e in summary.epochs) / 1000.0  # what samples/s divides by
+        say(console, f"done: final eval {final} | {summary.wall_s:.1f}s wall, {train_s:.1f}s "
+                     f"training | {summary.samples_per_s:,.0f} samples/s in training{syncs}{lost}")
     else:
         say_labelled(console, summary.status, summary.message or summary.status, "bold red")
     if error is not None:
