@@ -290,3 +290,23 @@ def test_train_step_and_eval_step_get_the_params_they_declare(tmp_path, monkeypa
     recipe = load_recipe("declares", {"scale": 3.0, "hidden": 8, "model": "not twice"})
     assert recipe.train_step("m", "b") == ("train", 3.0)
     assert recipe.eval_step("m", "b") == ("eval", ["hidden", "scale"])
+
+
+def test_every_options_help_line_is_a_whole_sentence():
+    """Pins: `--help` showing byte_lm's and grad_accum's first comment line cut mid-sentence."""
+    from flodl_run.config.helppage import choose_when
+
+    for option in sorted(REPO.glob("conf/*/*.yaml")):
+        if option.parent.name != "hydra":
+            assert choose_when(option).endswith("."), option
+    assert choose_when(REPO / "conf" / "recipe" / "grad_accum.yaml") == (
+        "Choose to see gradient accumulation in a recipe's own loop (synthetic_mlp's model and data).")
+
+
+def test_the_first_anchor_election_reads_as_one():
+    """Pins: the dashboard's events list showing `anchor_rank None -> 1` for the first
+    election."""
+    from flodl_run.elche.balancer import _anchor_change
+
+    assert _anchor_change(None, 1) == "rank 1 (first)"
+    assert _anchor_change(1, 0) == "rank 1 -> rank 0"
