@@ -310,3 +310,26 @@ def test_the_first_anchor_election_reads_as_one():
 
     assert _anchor_change(None, 1) == "rank 1 (first)"
     assert _anchor_change(1, 0) == "rank 1 -> rank 0"
+
+
+def test_a_long_epoch_shows_progress_without_a_terminal():
+    """Pins: byte_lm on a CPU showing nothing for ten minutes without a TTY (the epoch line is
+    the first). Here the clock is the test's: a line once LINE_EVERY_S has passed, not before."""
+    import io
+
+    from rich.console import Console
+
+    from flodl_run.report.progress import LINE_EVERY_S, TerminalProgress
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = TerminalProgress(Console(file=out, force_terminal=False, width=200), clock=lambda: now[0])
+    progress.on_start(24, 400, 2)
+    progress.on_batch(0, 10, 5.5)
+    assert out.getvalue() == ""
+    now[0] = LINE_EVERY_S
+    progress.on_batch(0, 120, 3.25)
+    progress.on_batch(0, 121, 3.25)  # one line per LINE_EVERY_S
+    assert out.getvalue().splitlines() == [
+        f"epoch 1/24  batch 120/400  loss 3.2500  {120 / LINE_EVERY_S:.2f} batches/s  "
+        f"epoch ETA {280 / (120 / LINE_EVERY_S):,.0f}s"]
