@@ -1,7 +1,8 @@
 """The materializer: composed config -> resolved, validated, typed ExperimentConfig.
 
-Owns the one pass that gathers every problem (compose-time conversion, value rules, the recipe
-contract, what the disk says: `config.preflight`) into a single ConfigError. Printing and exit codes belong to the CLI.
+Owns the one pass that gathers every problem (compose-time conversion, the strings a Python
+config gives enum fields, value rules, the recipe contract, what the disk says:
+`config.preflight`) into a single ConfigError. Printing and exit codes belong to the CLI.
 """
 
 from __future__ import annotations
