@@ -6,6 +6,7 @@ costs a fork of the launch server and a compose, not a training run.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -353,3 +354,20 @@ def test_a_gpu_sized_model_on_cpu_ranks_is_warned_about_before_it_starts(tmp_pat
     assert warning.startswith("wide builds a 16.0 M-parameter model and trains it on CPU")
     small = ExperimentConfig(recipe=RecipeConfig(module="wide", params={"width": 100}), cluster=pair)
     assert cpu_sized_warning(small.recipe, None, "auto", plan_topology(small)) is None
+
+
+@pytest.mark.e2e
+def test_a_sim_sweep_writes_a_comparison(tmp_path):
+    """Pins: `python -m flodl_run.sim -m elche=a,b` writing one sim.json per job and no
+    comparison of them, where a training sweep writes one."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "flodl_run.sim", "-m", "elche=nccl_sync,nccl_cadence",
+                           "sim.table=none", "sim.windows=10", f"hydra.sweep.dir={sweep}"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(f"sweep: wrote {sweep}/: comparison.md, comparison.csv") == 1
+    table = (sweep / "comparison.md").read_text().splitlines()
+    assert table[0] == "| job | overrides | samples/s | x ideal | reduces to settle | mean idle |"
+    assert table[2].startswith("| 0 | elche=nccl_sync ") and table[3].startswith("| 1 | elche=nccl_cadence ")
+    assert "| - |" not in "\n".join(table[2:])  # every job's figures were read

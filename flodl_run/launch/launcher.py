@@ -379,7 +379,8 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     from flodl_run.rank.solo import SoloTrainer
 
     if recipe is None:
-        recipe = load_recipe(recipe_config.module, recipe_config.params, transform, recipe_config.loop)
+        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
+                             config.recipe.loop)
     trainer = SoloTrainer(config, recipe, observer)
     terms: List[int] = []
 

@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from rich.console import Console
 
 from flodl_run.report.compare import JobOutcome, plot, to_csv, to_markdown
-from flodl_run.report.say import say
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,8 @@ class Sweep:
                 client.log_artifact(run_id, str(path))
             client.set_tag(run_id, "num_jobs", str(len(jobs)))
             client.set_terminated(run_id, status)
-        say(Console(), self.written(files))
+        # printed, not logged: after the jobs, Hydra's own log handler would print it again
+        Console().print(self.written(files), markup=False, highlight=False, soft_wrap=True)
 
     def written(self, files: List[Path]) -> str:
         """The sweep's last line: its comparison files and its MLflow parent run(s)."""
