@@ -108,7 +108,26 @@ def end_active() -> None:
         log.warning("sweep %s: comparison not written (%s: %s)", sweep.dir, type(exc).__name__, exc)
 
 
-class SweepCallback:
+def job_entry(config: Any) -> Tuple[int, List[str], Path]:
+    """A sweep's job as Hydra's on_job_start describes it: (number, overrides, run dir)."""
+    return (int(config.hydra.job.num), [str(o) for o in config.hydra.overrides.task],
+            Path(str(config.hydra.runtime.output_dir)))
+
+
+class UnusedHooks:
+    """Hydra's callback hooks a sweep callback does not use (Hydra calls each by name)."""
+
+    def on_run_start(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_run_end(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_job_end(self, config: Any, **_: Any) -> None:
+        pass
+
+
+class SweepCallback(UnusedHooks):
     """Hydra callback (`hydra.callbacks.sweep` in conf/config.yaml). Hydra calls the on_* methods
     by name; in single runs (no multirun) it does nothing."""
 
@@ -123,18 +142,7 @@ class SweepCallback:
 
     def on_job_start(self, config: Any, **_: Any) -> None:
         if _active is not None:
-            _active.jobs.append((int(config.hydra.job.num),
-                                 [str(o) for o in config.hydra.overrides.task],
-                                 Path(str(config.hydra.runtime.output_dir))))
+            _active.jobs.append(job_entry(config))
 
     def on_multirun_end(self, config: Any, **_: Any) -> None:
         end_active()
-
-    def on_run_start(self, config: Any, **_: Any) -> None:
-        pass
-
-    def on_run_end(self, config: Any, **_: Any) -> None:
-        pass
-
-    def on_job_end(self, config: Any, **_: Any) -> None:
-        pass

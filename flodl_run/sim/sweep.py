@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from rich.console import Console
 
+from flodl_run.report.sweep import UnusedHooks, job_entry
+
 COLUMNS = (("job", "job"), ("overrides", "overrides"), ("samples/s", "samples_per_s"),
            ("x ideal", "ratio_to_ideal"), ("reduces to settle", "reduces_to_settle"),
            ("mean idle", "mean_idle"))
@@ -55,7 +57,7 @@ def to_csv(rows: List[Dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-class SimSweepCallback:
+class SimSweepCallback(UnusedHooks):
     """Hydra callback (`hydra.callbacks.sweep` in conf/sim.yaml): collects the jobs of a sweep
     and writes their comparison at its end; in single runs it does nothing."""
 
@@ -68,8 +70,7 @@ class SimSweepCallback:
 
     def on_job_start(self, config: Any, **_: Any) -> None:
         if self.dir is not None:
-            self.jobs.append((int(config.hydra.job.num), [str(o) for o in config.hydra.overrides.task],
-                              Path(str(config.hydra.runtime.output_dir))))
+            self.jobs.append(job_entry(config))
 
     def on_multirun_end(self, config: Any, **_: Any) -> None:
         if self.dir is None:
@@ -81,12 +82,3 @@ class SimSweepCallback:
         # printed, not logged: after the jobs, Hydra's own log handler would print it again
         Console().print(f"sweep: wrote {self.dir}/: comparison.md, comparison.csv", markup=False,
                         highlight=False, soft_wrap=True)
-
-    def on_run_start(self, config: Any, **_: Any) -> None:
-        pass
-
-    def on_run_end(self, config: Any, **_: Any) -> None:
-        pass
-
-    def on_job_end(self, config: Any, **_: Any) -> None:
-        pass
