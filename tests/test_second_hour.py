@@ -283,13 +283,14 @@ def test_train_step_and_eval_step_get_the_params_they_declare(tmp_path, monkeypa
 
     (tmp_path / "declares.py").write_text(
         "from recipes.digits_mlp import build_model, build_optimizer, train_dataset, eval_dataset  # noqa\n"
+        "import torch\n"
         "def train_step(model, batch, scale=1.0):\n"
-        "    return ('train', scale)\n"
+        "    return torch.tensor(scale)\n"
         "def eval_step(model, batch, **params):\n"
         "    return ('eval', sorted(params))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = load_recipe("declares", {"scale": 3.0, "hidden": 8, "model": "not twice"})
-    assert recipe.train_step("m", "b") == ("train", 3.0)
+    assert recipe.train_step("m", "b").item() == 3.0
     assert recipe.eval_step("m", "b") == ("eval", ["hidden", "scale"])
 
 
@@ -371,3 +372,21 @@ def test_a_sim_sweep_writes_a_comparison(tmp_path):
     assert table[0] == "| job | overrides | samples/s | x ideal | reduces to settle | mean idle |"
     assert table[2].startswith("| 0 | elche=nccl_sync ") and table[3].startswith("| 1 | elche=nccl_cadence ")
     assert "| - |" not in "\n".join(table[2:])  # every job's figures were read
+
+
+def test_a_train_step_returning_a_float_is_named_with_its_line(tmp_path, monkeypatch):
+    """Pins: `return loss.item()` failing as `'float' object has no attribute 'backward'` with
+    only the runtime's frames, on every path (in-process and on each rank)."""
+    from flodl_run.contracts.recipe import NotALoss, load_recipe, user_traceback
+
+    (tmp_path / "floats.py").write_text(
+        "from recipes.digits_mlp import build_model, build_optimizer, train_dataset  # noqa: F401\n"
+        "def train_step(model, batch):\n"
+        "    return 1.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(NotALoss) as caught:
+        load_recipe("floats").train_step("m", "b")
+    assert str(caught.value).startswith(f"train_step ({tmp_path / 'floats.py'}:2) must return the loss "
+                                        "as a scalar tensor")
+    assert "got float 1.5; return the tensor, not loss.item()" in str(caught.value)
+    assert user_traceback(caught.value) == ""  # the message says where; the frames are all ours

@@ -58,10 +58,13 @@ class CallbackFailed(Exception):
 
 def user_traceback(exc: BaseException) -> str:
     """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
-    is ours (none outside) or FLODL_RUN_TRACEBACK is set."""
+    is ours (none outside) or FLODL_RUN_TRACEBACK is set; none for a train_step that returned
+    no loss (the message says where)."""
     frames = traceback.extract_tb(exc.__traceback__)
     package = str(Path(__file__).resolve().parents[1])  # flodl_run/, above contracts/
     theirs = [f for f in frames if not f.filename.startswith((package, "<frozen"))]
+    if isinstance(exc, NotALoss) and not os.environ.get("FLODL_RUN_TRACEBACK"):
+        return ""  # its message names the function and the line; every frame would be ours
     if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
         theirs = frames
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
@@ -193,11 +196,34 @@ def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
             raise RecipeError("data.transform", transform, f"must name a function of {module}")
     for name in PER_BATCH:  # called per batch as fn(model, batch): bind their params once
         fns[name] = _with_params(fns[name], dict(params or {}))
+    if fns["train_step"] is not None:
+        fns["train_step"] = _returning_a_loss(fns["train_step"])
     return Recipe(**fns, transform=transform_fn, params=dict(params or {}), name=module)
 
 
 PER_BATCH = ("train_step", "eval_step")
 """Recipe functions the runtime calls directly, `fn(model, batch)`, once per batch."""
+
+
+class NotALoss(TypeError):
+    """train_step returned something the runtime cannot call backward() on."""
+
+
+def _returning_a_loss(step: Callable[..., Any]) -> Callable[..., Any]:
+    """`train_step` checked for what it returns: a float (`loss.item()`) or None would fail
+    inside the runtime as `'float' object has no attribute 'backward'`, naming none of it."""
+    code = getattr(inspect.unwrap(getattr(step, "func", step)), "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+
+    @functools.wraps(step)
+    def train_step(model: Any, batch: Any) -> Any:
+        loss = step(model, batch)
+        if not hasattr(loss, "backward"):
+            raise NotALoss(f"train_step{where} must return the loss as a scalar tensor (one that "
+                           f"backward() works on), got {type(loss).__name__} {loss!r:.40}; "
+                           "return the tensor, not loss.item()")
+        return loss
+    return train_step
 
 
 def _with_params(fn: Optional[Callable[..., Any]], params: Dict[str, Any]) -> Optional[Callable[..., Any]]:

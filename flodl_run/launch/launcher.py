@@ -406,6 +406,8 @@ def _report(summary: Summary, console: Console, artifacts: List[str],
             error: Optional[BaseException] = None) -> None:
     """The outcome line (with the recipe's frames of what it raised in this process, as a rank
     prints them), then one line naming everything the run wrote."""
+    from flodl_run.contracts.recipe import user_traceback
+
     if summary.status == "completed":
         final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
         syncs = ""
@@ -420,8 +422,7 @@ def _report(summary: Summary, console: Console, artifacts: List[str],
                      f"training | {summary.samples_per_s:,.0f} samples/s in training{syncs}{lost}")
     else:
         say_labelled(console, summary.status, summary.message or summary.status, "bold red")
-    if error is not None:
-        from flodl_run.contracts.recipe import user_traceback
-
-        say(console, user_traceback(error).rstrip("\n"))
+    trace = user_traceback(error).rstrip("\n") if error is not None else ""
+    if trace:
+        say(console, trace)
     say(console, "wrote: " + " | ".join(artifacts))
