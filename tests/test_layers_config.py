@@ -20,7 +20,7 @@ WHOLE_CONFIG = {
     "flodl_run.launch.launcher.launch": "the CLI's run: plans, trains and records one whole run",
     "flodl_run.launch.launcher.run": "plans, trains and records one whole run",
     "flodl_run.launch.launcher._run": "run's body, shared with launch: one whole run",
-    "flodl_run.launch.launcher._say_what_differs": "what the whole run leaves unsaid: resume, timeline, size",
+    "flodl_run.launch.notices.say_what_differs": "what the whole run leaves unsaid: resume, timeline, size",
     "flodl_run.launch.launcher.plan_topology":
         "a hosts or slurm plan checks the config's world-size rules once the world size is known",
     "flodl_run.launch.launcher.one_device_warning": "plans the run as launcher.run would (review)",

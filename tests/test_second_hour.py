@@ -341,7 +341,8 @@ def test_a_gpu_sized_model_on_cpu_ranks_is_warned_about_before_it_starts(tmp_pat
     """Pins: byte_lm starting on CPU ranks without a word, then showing `0/24` for over ten
     minutes. The model is counted on the meta device: 16 M parameters cost no memory here."""
     from flodl_run.config.schema import ClusterConfig, ExperimentConfig, RecipeConfig, Topology
-    from flodl_run.launch.launcher import cpu_sized_warning, plan_topology
+    from flodl_run.launch.launcher import plan_topology
+    from flodl_run.launch.notices import cpu_sized_warning
 
     (tmp_path / "wide.py").write_text(
         "import torch\n"

@@ -19,16 +19,17 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Optional
 from rich.console import Console
 
 from flodl_run.config.materialize import ConfigError
-from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, RecipeConfig, Topology
+from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
 from flodl_run.config.validate import Problem, validate
 from flodl_run.contracts.summary import Summary, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
+from flodl_run.launch.notices import say_what_differs
 from flodl_run.launch.zygote import fork_ranks, ready_spare
 from flodl_run.observe.observer import Observer, Observers
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.observe.timeline import TimelineFile
 from flodl_run.report.dashboard import Dashboard
-from flodl_run.report.progress import LINE_EVERY_S, TerminalProgress
+from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
 from flodl_run.report.rundir import EventFile, link_latest, written
 from flodl_run.report.say import say, say_labelled
@@ -154,7 +155,7 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
     ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
     live = serve_dashboard(config.dashboard)  # before anything starts: a port in use is a config error
     _say_plan(config.cluster.topology, plan, console)
-    _say_what_differs(config, plan, console)
+    say_what_differs(config, plan, console)
     tracker = make_tracker(config.tracking, _uploads(config))
     mode, outer = ("solo", "none") if plan.in_process else (None, None)
     tracker.start(config, run_dir, mode=mode, outer=outer)
@@ -274,55 +275,6 @@ def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
     notice = one_device_notice(topology, plan)
     if notice:
         say_labelled(console, "note", notice, "cyan")
-
-
-def _say_what_differs(config: ExperimentConfig, plan: Plan, console: Console) -> None:
-    """What would otherwise go unsaid: where a resume starts, and why an in-process run writes
-    no timeline."""
-    if config.resume_from:
-        from flodl_run.contracts.checkpoint import read_meta
-
-        meta = read_meta(config.resume_from)  # _check_run read it already: it is readable
-        part = " (part of it trained)" if meta.coverage.uncovered else ""
-        first, last = meta.epoch + 1, config.num_epochs
-        epochs = f"epoch {last}" if first == last else f"epochs {first}-{last}"
-        say(console, f"resumed from {config.resume_from} at epoch {meta.epoch}{part}: training {epochs}")
-    warning = cpu_sized_warning(config.recipe, config.data.transform, config.device, plan)
-    if warning:
-        say_labelled(console, "warning", warning, "yellow")
-    if config.timeline and plan.in_process:
-        say_labelled(console, "note", "timeline=true writes no trace for an in-process run: the "
-                     "timeline records the coordinator and the ranks (cluster=cpu_pair has both)", "cyan")
-
-
-GPU_SIZED_PARAMS = 10_000_000
-"""Parameters above which a model is GPU-sized: byte_lm's 25.5 M trains for tens of minutes an
-epoch on CPU ranks, digits_mlp's 0.03 M in a second."""
-
-
-def cpu_sized_warning(recipe_config: RecipeConfig, transform: Optional[str], device: str,
-                      plan: Plan) -> Optional[str]:
-    """A warning when a GPU-sized model is about to train on this host's CPUs (ranks or the
-    in-process run on `device`), counted on the meta device (no memory); None otherwise."""
-    local = plan.hosts is None and plan.slurm is None
-    on_cpu = not plan.gpus if not plan.in_process else (device == "cpu" or not visible_gpus())
-    if not (local and on_cpu):
-        return None
-    import torch
-
-    from flodl_run.contracts.recipe import load_recipe
-
-    try:
-        recipe = load_recipe(recipe_config.module, recipe_config.params, transform, recipe_config.loop)
-        with torch.device("meta"):
-            count = sum(p.numel() for p in recipe.call("build_model", torch.device("meta")).parameters())
-    except Exception:  # a recipe that cannot build on the meta device: nothing to say
-        return None
-    if count < GPU_SIZED_PARAMS:
-        return None
-    return (f"{recipe_config.module} builds a {count / 1e6:.1f} M-parameter model and trains it "
-            f"on CPU: expect long epochs (a line every {LINE_EVERY_S:.0f} s shows the epoch's ETA); "
-            "a GPU or smaller recipe.params train faster")
 
 
 def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
