@@ -49,7 +49,8 @@ def test_values_hydra_refuses_are_reported_in_our_words(tmp_path):
 def test_option_checks_leave_other_search_paths_and_known_params_alone():
     """Pins: the option check refusing a cluster YAML of the user's own search path
     (docs/multi-host.md's `hydra.searchpath=[...] cluster=my_hosts`), a recipe's own param set
-    without `+`, an interpolated value, or a sweep's good values."""
+    without `+`, an interpolated value, or a sweep's good values; and `+` on a param the recipe
+    already sets coming from Hydra as `Could not append to config`."""
     register_schemas()
     conf = REPO / "conf"
     assert check(["hydra.searchpath=[file:///x.invalid]", "cluster=my_hosts"], conf, "config") == []
@@ -58,6 +59,9 @@ def test_option_checks_leave_other_search_paths_and_known_params_alone():
                   "elche=nccl_sync,cpu_sync"], conf, "config") == []
     [problem] = check(["seed=1,x"], conf, "config")
     assert str(problem) == "seed: must be an integer, got 'x'"
+    [problem] = check(["+recipe.params.hidden=8", "++recipe.params.lr=0.1"], conf, "config")
+    assert str(problem) == ("recipe.params.hidden: is already a param of recipe digits_mlp: set it "
+                            "without `+` (recipe.params.hidden=8), got 8")
 
 
 def test_python_configs_take_the_yamls_strings_for_every_enum_field():

@@ -102,9 +102,9 @@ def _problems(override: Any, app: _App, recipe: Optional[str]) -> List[Problem]:
     parts = key.split(".")
     if not _has_key(app.tree, parts):
         return [_unknown(key, text, app.tree, list(app.choices))]
-    if parts[:2] == ["recipe", "params"] and len(parts) == 3 and not (
-            override.is_add() or override.is_force_add()):
-        problem = _param_problem(key, values[0] if len(values) == 1 else text, app, recipe)
+    if parts[:2] == ["recipe", "params"] and len(parts) == 3 and not override.is_force_add():
+        value = values[0] if len(values) == 1 else text
+        problem = _param_problem(key, value, app, recipe, adds=override.is_add())
         return [problem] if problem is not None else []
     return [p for v in values if (p := _type_problem(key, v, app.tree)) is not None]
 
@@ -152,14 +152,22 @@ def _recipe_choice(parsed: Sequence[Any], app: _App) -> Optional[str]:
     return choice
 
 
-def _param_problem(key: str, value: Any, app: _App, recipe: Optional[str]) -> Optional[Problem]:
-    """`recipe.params.x=v` without `+` for a param the recipe's YAML does not set: Hydra would
-    refuse it as `not in struct`; say so in our words, with the `+` that adds it."""
+def _param_problem(key: str, value: Any, app: _App, recipe: Optional[str],
+                   adds: bool) -> Optional[Problem]:
+    """`recipe.params.x=v` without `+` for a param the recipe's YAML does not set (Hydra: `not
+    in struct`), or `+recipe.params.x=v` for one it sets (Hydra: `could not append`): say so in
+    our words, with the form that works."""
     yaml = app.config_dir / "recipe" / f"{recipe}.yaml"
     if recipe is None or not yaml.is_file():
         return None
-    params = [str(k) for k in (OmegaConf.load(yaml).get("params") or {})]
+    option = OmegaConf.load(yaml)
+    if any(d not in ("base_recipe", "_self_") for d in option.get("defaults", [])):
+        return None  # it inherits params from another option: Hydra knows them, we do not
+    params = [str(k) for k in (option.get("params") or {})]
     name = key.split(".")[2]
+    if adds:
+        return Problem(key, value, f"is already a param of recipe {recipe}: set it without `+` "
+                                   f"({key}={value})") if name in params else None
     if name in params:
         return None
     near = difflib.get_close_matches(name, params, n=1, cutoff=0.75)
