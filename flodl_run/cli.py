@@ -60,6 +60,8 @@ def main() -> None:
         run_hydra_app("config", run_job)
     except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there
         fail_config(str(exc), Console(stderr=True))
+    except KeyboardInterrupt:  # a Ctrl-C after the run wrote its records: still our exit code
+        sys.exit(EXIT_INTERRUPTED)
     finally:
         # Hydra's on_multirun_end is skipped when a job failed or Ctrl-C stopped the sweep:
         # the jobs that ran still get their comparison and the parent run its status.

@@ -186,6 +186,10 @@ def test_smallest_bench_end_to_end(tmp_path):
         assert set(json.loads(Path(peer["run_dir"], "summary.json").read_text())) == SUMMARY_KEYS
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "| nccl_cadence | completed |" in (tmp_path / "bench.md").read_text()
+    log = (tmp_path / "cli.log").read_text()  # was empty: the bench printed without logging
+    assert "bench: 5 runs x 1 | rig cluster=cpu" in log and "[5/5] synthetic_mlp torch_localsgd ..." in log
+    assert " torch_localsgd " in log and f"wrote {tmp_path / 'bench.json'}" in log
+    assert done.stdout.count("bench: 5 runs") == 1  # the terminal shows each line once
 
 
 def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):

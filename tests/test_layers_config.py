@@ -19,6 +19,8 @@ WHOLE_CONFIG = {
     "flodl_run.train": "the library entry point: one whole run",
     "flodl_run.launch.launcher.launch": "the CLI's run: plans, trains and records one whole run",
     "flodl_run.launch.launcher.run": "plans, trains and records one whole run",
+    "flodl_run.launch.launcher._run": "run's body, shared with launch: one whole run",
+    "flodl_run.launch.notices.say_what_differs": "what the whole run leaves unsaid: resume, timeline, size",
     "flodl_run.launch.launcher.plan_topology":
         "a hosts or slurm plan checks the config's world-size rules once the world size is known",
     "flodl_run.launch.launcher.one_device_warning": "plans the run as launcher.run would (review)",
@@ -47,6 +49,7 @@ WHOLE_CONFIG = {
     "flodl_run.report.tracking.MlflowTracker.start": "the tracked run records every config key as a param",
     "flodl_run.report.tracking.MlflowTracker._start_tags": "part of start: the run's tags",
     "flodl_run.report.tracking._params": "every config key, flattened, as the run's params",
+    "flodl_run.report.tracking._run_name": "a default name follows the run's mode, outer and recipe",
     "flodl_run.bench.peers.PeerRank.__init__": "the bench's peer rank trains one replica of the run",
     "flodl_run.bench.peers.run_solo": "the bench's peer rank trains one replica of the run",
     "flodl_run.bench.peers.run_rank": "the bench's peer rank trains one replica of the run",

@@ -91,8 +91,13 @@ def test_one_device_run_says_so_and_tags_match_summary(first_run):
             "e.g. cluster=cpu_pair") in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     client = mlflow.MlflowClient(f"sqlite:///{home / 'outputs' / 'mlflow.db'}")
-    tags = client.get_run(summary["mlflow_run_id"]).data.tags
+    run = client.get_run(summary["mlflow_run_id"])
+    tags = run.data.tags
     assert (tags["mode"], tags["outer"]) == (summary["mode"], summary["outer"]) == ("solo", "none")
+    assert run.info.run_name == "solo-digits_mlp"  # what trained, not `cpu_async+diloco-...`
+    assert [e["samples"] for e in summary["epochs"]] == [1437]  # was 0 in-process
+    done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
+    assert re.search(r"\| [\d.]+s wall, [\d.]+s training \| [\d,]+ samples/s in training", done), done
 
 
 @pytest.mark.e2e
@@ -120,14 +125,17 @@ def test_run_dir_has_readable_logs_events_latest_link_and_final_line(first_run):
 
 @pytest.mark.e2e
 def test_in_process_run_writes_a_bundle_that_resumes(first_run):
-    """Pins: an in-process run ending with `"checkpoint": null`, and a resume that retrains
-    epochs the bundle already holds."""
+    """Pins: an in-process run ending with `"checkpoint": null`, a resume that retrains
+    epochs the bundle already holds or does not say where it starts, and an in-process
+    `timeline=true` writing no trace without saying why."""
     home, _, run_dir = first_run
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoint"] == str(run_dir / "checkpoint")
     proc = cli(home, f"resume_from={run_dir}/checkpoint", "num_epochs=2", "tracking=off",
-               f"hydra.run.dir={home / 'resumed'}")
+               "timeline=true", f"hydra.run.dir={home / 'resumed'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"resumed from {run_dir}/checkpoint at epoch 1: training epoch 2\n" in proc.stdout
+    assert "note: timeline=true writes no trace for an in-process run" in proc.stdout
     resumed = json.loads((home / "resumed" / "summary.json").read_text())
     assert [e["epoch"] for e in resumed["epochs"]] == [1]
 
@@ -214,13 +222,14 @@ def test_help_lists_groups_options_and_when_to_choose_them(tmp_path, module, gro
 
 def test_train_from_python_writes_the_clis_run_dir(tmp_path, mlflow_db, monkeypatch, capsys):
     """Pins: `flodl_run.train()` leaving no run dir, summary.json or MLflow run, not returning
-    where they are, or printing when progress was not asked for."""
+    where they are, or printing when progress was not asked for; and refusing the plain
+    strings the YAML takes for an enum field (`topology="solo"`, `kind="mlflow"`)."""
     import flodl_run
-    from flodl_run.config.schema import TrackingConfig, TrackingKind
+    from flodl_run.config.schema import ClusterConfig, TrackingConfig
 
     monkeypatch.chdir(tmp_path)
-    config = ExperimentConfig(num_epochs=1, tracking=TrackingConfig(
-        kind=TrackingKind.mlflow, uri=f"sqlite:///{mlflow_db}"))
+    config = ExperimentConfig(num_epochs=1, cluster=ClusterConfig(topology="solo"),
+                              tracking=TrackingConfig(kind="mlflow", uri=f"sqlite:///{mlflow_db}"))
     result = flodl_run.train(config)
     assert capsys.readouterr().out == ""
     assert result.run_dir.parent.parent == tmp_path / "outputs"

@@ -42,6 +42,10 @@ def test_two_job_sweep_gives_one_parent_two_children_and_the_comparison(tmp_path
     assert all(float(r["final_loss"]) > 0 and float(r["samples_per_s"]) > 0 for r in table)
     assert (sweep_dir / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     assert "| elche=nccl_sync |" in (sweep_dir / "comparison.md").read_text()
+    # the sweep names what it wrote, and each run says it trained in-process
+    assert proc.stdout.count(f"sweep: wrote {sweep_dir}/: comparison.md, comparison.csv, comparison.png"
+                             f" | mlflow parent run {parent.info.run_id} in sqlite:///{db}") == 1
+    assert sorted(c.info.run_name for c in children) == ["solo-digits_mlp", "solo-digits_mlp"]
 
 
 def _job(tmp_path: Path, num: int, overrides, summary) -> JobOutcome:

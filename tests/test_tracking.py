@@ -236,13 +236,18 @@ def _run_of(db: Path, run_dir: Path):
 
 def test_recipe_raising_in_train_step_ends_the_run_failed(tmp_path, monkeypatch, mlflow_db):
     """Pins FAILED: an exception from train_step (in-process run) still closes the MLflow run
-    as FAILED with the error as the last event, writes summary.json, and re-raises."""
+    as FAILED with the error as the last event, writes summary.json, and is reported as a rank
+    reports it (the `failed:` line, then the recipe's frames), not raised to Hydra."""
     launch, config, run_dir, console, db = _launch_in_process(
         tmp_path, monkeypatch, mlflow_db, "failing_recipe", "RuntimeError")
-    with pytest.raises(RuntimeError, match="broke at step 40"):
-        launch(config, run_dir, console)
+    assert launch(config, run_dir, console) == "failed"
+    shown = console.file.getvalue()
+    assert "failed: RuntimeError: recipe broke at step 40\nTraceback" in shown and "wrote: " in shown
     client, run, summary = _run_of(db, run_dir)
     assert summary["status"] == "failed" and run.info.status == "FAILED"
+    # marked a training experiment: MLflow 3's UI then opens it on its runs, not a GenAI overview
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
     assert run.data.tags["last_event"].startswith("failed: RuntimeError: recipe broke")
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0]
 

@@ -223,6 +223,13 @@ COLUMNS = (("entry", "name"), ("status", "status"), ("final loss", "final_loss")
            ("loss drop / s", "loss_drop_per_s"), ("syncs", "syncs"),
            ("avg sync ms", "avg_sync_ms"), ("idle per rank", "idle_fraction"),
            ("x timeline off", "ratio_to_timeline_off"), ("timeline cost", "timeline_record_share"))
+"""bench.md's columns: every figure of an entry."""
+TERMINAL_COLUMNS = (("entry", "name"), ("status", "status"), ("final\neval", "final_eval"),
+                    ("samples/s", "samples_per_s"), ("x\nideal", "ratio_to_ideal"),
+                    ("x torch\nDDP", "ratio_to_torch_ddp"), ("time to\ntarget s", "time_to_target_s"),
+                    ("syncs", "syncs"))
+"""The terminal's: what ranks the entries, in a width a terminal has (the rest: bench.md)."""
+MARKERS = "osD^v<>pXh"
 
 
 def cell(key: str, value: Any) -> str:
@@ -295,14 +302,30 @@ def tables(doc: Dict[str, Any]) -> List[Table]:
     out = []
     for recipe in doc["recipes"]:
         table = Table(title=_recipe_line(recipe).replace("`", ""), title_justify="left",
-                      show_edge=False)
-        for header, key in COLUMNS:
-            table.add_column(header, justify="left" if key in ("name", "status") else "right")
-        for e in doc["entries"]:
-            if e["recipe"] == recipe["name"]:
-                table.add_row(*(cell(k, e[k]) for _, k in COLUMNS))
+                      show_edge=False, caption="every figure: bench.md", caption_justify="left")
+        entries = [e for e in doc["entries"] if e["recipe"] == recipe["name"]]
+        rows = [[cell(k, e[k]) for _, k in TERMINAL_COLUMNS] for e in entries]
+        for i, (header, key) in enumerate(TERMINAL_COLUMNS):  # two-line headers: values never cut
+            widest = max([len(r[i]) for r in rows] + [len(line) for line in header.split("\n")])
+            table.add_column(header, justify="left" if key in ("name", "status") else "right",
+                             no_wrap=True, min_width=widest)
+        for row in rows:
+            table.add_row(*row)
         out.append(table)
     return out
+
+
+def entry_styles(entries: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """One look per entry name, the same in every panel: its own colour (20 of them) and marker
+    (10), dashed for the peers and solid for flodl_run's entries. matplotlib's own cycle has 10
+    colours, so the 11th entry looked like the first (solo@1.0 and torch_localsgd)."""
+    from matplotlib import colormaps
+
+    colors = colormaps["tab20"].colors
+    kinds = {e["name"]: e["kind"] for e in entries}
+    return {name: {"color": colors[i % len(colors)], "marker": MARKERS[i % len(MARKERS)],
+                   "linestyle": "-" if kind == "flodl_run" else "--"}
+            for i, (name, kind) in enumerate(kinds.items())}
 
 
 def plot(doc: Dict[str, Any], path: Path) -> Optional[Path]:
@@ -315,14 +338,15 @@ def plot(doc: Dict[str, Any], path: Path) -> Optional[Path]:
     recipes = doc["recipes"]
     fig = Figure(figsize=(13, 4.5 * len(recipes)), layout="constrained")
     axes = fig.subplots(len(recipes), 2, squeeze=False)
+    styles = entry_styles(doc["entries"])
     for (eval_ax, loss_ax), recipe in zip(axes, recipes):
         for e in (x for x in doc["entries"] if x["recipe"] == recipe["name"] and x["epochs"]):
-            style = {"linestyle": "--"} if e["kind"] != "flodl_run" else {}
+            style = styles[e["name"]]
             points = [(p["train_s"], p["eval"]) for p in e["epochs"] if p["eval"] is not None]
             if points:
-                eval_ax.plot(*zip(*points), marker="o", markersize=3, label=e["name"], **style)
+                eval_ax.plot(*zip(*points), markersize=4, label=e["name"], **style)
             loss_ax.plot([p["train_s"] for p in e["epochs"]], [p["avg_loss"] for p in e["epochs"]],
-                         marker="o", markersize=3, label=e["name"], **style)
+                         markersize=4, label=e["name"], **style)
         if recipe["target_eval"] is not None:
             eval_ax.axhline(recipe["target_eval"], color="grey", linestyle=":", label="target")
         for ax, name in ((eval_ax, "eval"), (loss_ax, "training loss (epoch mean)")):

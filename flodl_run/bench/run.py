@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from rich.console import Console
+from rich.markup import escape
 
 from flodl_run.bench.report import (
     RecipeBench,
@@ -44,6 +45,8 @@ from flodl_run.config.schema import (
     TrackingConfig,
 )
 from flodl_run.config.validate import Problem, resolve, resolve_tracking
+from flodl_run.hardware.devices import GpuInfo, visible_gpus
+from flodl_run.report.say import say, say_markup, say_table
 
 PROG = "flodl_run.bench"
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
@@ -272,15 +275,20 @@ def localsgd_period(cadence: Optional[Dict[str, Any]], batch_size: int) -> int:
     return max(1, round(batches_per_rank / cadence["syncs"]))
 
 
-def resolve_rig(cfg: BenchRunConfig, choice: str, overrides: Sequence[str]) -> Rig:
+def resolve_rig(cfg: BenchRunConfig, choice: str, overrides: Sequence[str],
+                gpus: Optional[List[GpuInfo]] = None) -> Rig:
+    """The rig `cluster=<choice>` resolves to on this host (`gpus`: the visible ones, probed
+    when None). An in-process rig (`solo`, or `auto` with one GPU) trains on the GPU when one
+    is visible, as the runner's own in-process run does: so do its solo loops."""
     from flodl_run.launch.launcher import plan_topology
 
     config = resolve(ExperimentConfig(cluster=cfg.cluster))
-    topology = plan_topology(config) if config.cluster.topology is not Topology.hosts else None
+    topology = plan_topology(config, gpus) if config.cluster.topology is not Topology.hosts else None
     world_size = topology.world_size if topology else len(cfg.cluster.emulate_slowdown or []) or 2
     uuids = tuple(g.uuid for g in topology.gpus) if topology and topology.gpus else ()
     if topology and topology.in_process:
-        uuids = ()
+        visible = topology.gpus or (visible_gpus() if gpus is None else gpus)
+        uuids = tuple(g.uuid for g in visible[:1])
     return Rig(choice, tuple(overrides), config.cluster, world_size, uuids)
 
 
@@ -308,7 +316,7 @@ def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tupl
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            console.print(f"[red]{job.name}: past bench.timeout_s={timeout_s:g}, stopping it[/]")
+            say_markup(console, f"[red]{job.name}: past bench.timeout_s={timeout_s:g}, stopping it[/]")
             _stop(proc)
         except KeyboardInterrupt:  # the child got the SIGINT too: let it save and stop its ranks
             interrupted = True
@@ -342,8 +350,8 @@ def _read_summary(path: Path) -> Dict[str, Any]:
 def _outcome_line(o: RunOutcome) -> str:
     s = o.summary
     if s.get("status") != "completed":
-        return (f"[red]{s.get('status', 'failed')}[/] {s.get('message') or ''} "
-                f"(see {o.run_dir}/output.log)")
+        return (f"[red]{s.get('status', 'failed')}[/] {escape(s.get('message') or '')} "
+                f"(see {escape(o.run_dir)}/output.log)")  # a rank's error may hold [...]
     final = s.get("final_eval")
     return (f"eval {final:.4f} | " if final is not None else "") + \
         f"{s.get('samples_per_s', 0):,.0f} samples/s | wall {o.wall_s:.1f}s | load " \
@@ -359,21 +367,20 @@ def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float, repeats: int
     for rep in range(repeats):
         for i, planned in enumerate(jobs, 1):
             job = planned
-            console.print(f"[bold]\\[{rep * len(jobs) + i}/{total}][/] {job.recipe} {job.name} ...",
-                          highlight=False)
+            say_markup(console, f"[bold]\\[{rep * len(jobs) + i}/{total}][/] {job.recipe} {job.name} ...")
             run_dir = bench_dir / job.recipe / job.name
             run_dir = run_dir / f"rep{rep}" if repeats > 1 else run_dir
             if job.kind == "torch_localsgd" and job.period is None:
                 cadence = next((runs[j][-1].summary for j in jobs if j.recipe == job.recipe
                                 and j.name == "nccl_cadence" and len(runs[j]) > rep), None)
                 job = replace(job, period=localsgd_period(cadence, batch_size))
-                console.print(f"      period {job.period} local steps", highlight=False)
+                say(console, f"      period {job.period} local steps")
             if job.is_peer:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "run.yaml").write_text(experiment_to_yaml(materialize_job(job, run_dir)))
             outcome, interrupted = run_job(job, run_dir, timeout_s, console)
             runs[planned].append(outcome)
-            console.print(f"      {_outcome_line(outcome)}", highlight=False, soft_wrap=True)
+            say_markup(console, f"      {_outcome_line(outcome)}")
             if interrupted:
                 break
         if interrupted:
@@ -458,8 +465,7 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
     b = cfg.bench
     command = " ".join(["python -m flodl_run.bench", *(shlex.quote(t) for t in task)])
     load_start = os.getloadavg()[0]
-    out.print(f"bench: {len(jobs)} runs x {b.repeats} | rig {rig.describe()} | "
-              f"load {load_start:.2f}", highlight=False)
+    say(out, f"bench: {len(jobs)} runs x {b.repeats} | rig {rig.describe()} | load {load_start:.2f}")
     outputs = str(Path.cwd() / "outputs")
     tracking = resolve_tracking(cfg.tracking, outputs_dir=outputs)
     tracker = make_bench_tracker(tracking)
@@ -486,8 +492,8 @@ def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Pa
     doc = bench_document(recipes, outcomes, meta)
     files = _write(doc, bench_dir)
     for table in tables(doc):
-        out.print(table)
-    out.print(f"wrote {', '.join(str(f) for f in files)}", markup=False, highlight=False, soft_wrap=True)
+        say_table(out, table)
+    say(out, f"wrote {', '.join(str(f) for f in files)}")
     failed = any(e["status"] != "completed" for e in doc["entries"])
     tracker.log_entries(doc["entries"], [o.summary for o in outcomes])
     tracker.finish(files, "KILLED" if interrupted else "FAILED" if failed else "FINISHED")

@@ -79,8 +79,9 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
 
 def check_overrides(config_name: str) -> None:
     """Exit 2 before Hydra composes when an override names a key or group this command does not
-    have, whatever its prefix (`+` and `++` included), suggesting the nearest real names. Call
-    after the schemas are registered."""
+    have, whatever its prefix (`+` and `++` included), suggesting the nearest real names, or
+    gives a value Hydra would refuse (see `config.overrides`). Call after the schemas are
+    registered."""
     from hydra._internal.utils import get_args_parser
 
     from flodl_run.config import overrides
@@ -89,6 +90,7 @@ def check_overrides(config_name: str) -> None:
         args = get_args_parser().parse_args(sys.argv[1:])
     except SystemExit:  # a malformed flag: Hydra's own parser says so when the app runs
         return
-    problems = overrides.check(args.overrides, conf_dir(), config_name)
+    problems = overrides.check(args.overrides, conf_dir(), config_name,
+                               extra_search_path=bool(args.config_dir))
     if problems:
         fail_config(str(ConfigError(problems)), Console(stderr=True))

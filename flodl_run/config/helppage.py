@@ -8,6 +8,7 @@ the group folders, so the schema nodes Hydra stores (`base_*`) never show.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -28,13 +29,17 @@ INTRO = {
 
 
 def choose_when(path: Path) -> str:
-    """The first comment line of an option's YAML, without the `#` (empty when it has none)."""
+    """The first sentence of an option's leading comment, without the `#`s, over as many lines
+    as it takes (empty when it has none); a leading `Default.` stays in front of it."""
+    lines = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line.strip():
-            return ""
-    return ""
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    prefix = "Default. " if text.startswith("Default. ") else ""
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text[len(prefix):])  # not at `e.g.`
+    return prefix + (text[len(prefix):][:end.start() + 1] if end else text[len(prefix):])
 
 
 def group_lines(config_dir: Path, group: str, chosen: str) -> List[str]:

@@ -4,14 +4,18 @@ Hydra answers a mistyped key with "use +key=value to append", and `+key`/`++key`
 structured config is then accepted and silently dropped when the config becomes a dataclass.
 Here every override key, whatever its prefix, must name a field of the app's schema (or sit
 under a free-form dict such as `recipe.params`), and every group choice a group the app uses;
-each problem suggests the nearest real names. Hydra's own keys (`hydra.*`) are left to Hydra.
+each problem suggests the nearest real names. A value its key's type refuses, a group option
+no YAML defines, a recipe param set without `+` that the recipe does not have, and a run folder
+under a file are refused here too, in the validator's words (Hydra's own would name no rule).
+Hydra's other keys (`hydra.*`) are left to Hydra.
 """
 
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -20,15 +24,20 @@ from flodl_run.config.validate import Problem
 
 def app_groups(config_dir: Path, config_name: str) -> List[str]:
     """The config groups the root YAML `config_name` selects in its defaults list, in order."""
+    return list(_default_choices(config_dir, config_name))
+
+
+def _default_choices(config_dir: Path, config_name: str) -> Dict[str, str]:
+    """Each group of the root YAML's defaults list with the option it selects."""
     root = OmegaConf.load(config_dir / f"{config_name}.yaml")
-    groups = []
+    choices = {}
     for entry in root.get("defaults", []):
         if isinstance(entry, DictConfig):
-            for key in entry.keys():
+            for key, option in entry.items():
                 group = str(key).replace("override ", "").strip()
                 if not group.startswith("hydra"):
-                    groups.append(group)
-    return groups
+                    choices[group] = str(option)
+    return choices
 
 
 def root_schema(config_dir: Path, config_name: str) -> Optional[Any]:
@@ -44,36 +53,161 @@ def root_schema(config_dir: Path, config_name: str) -> Optional[Any]:
         return None
 
 
-def check(overrides: Sequence[str], config_dir: Path, config_name: str) -> List[Problem]:
+@dataclass(frozen=True)
+class _App:
+    """What the overrides are checked against: the command's schema tree, its groups with the
+    options each selects by default, and where its YAML options live."""
+
+    tree: DictConfig
+    choices: Dict[str, str]
+    config_dir: Path
+    own_options_only: bool
+    """No search path beyond `conf/`: a group option must be one of its YAML files."""
+
+
+def check(overrides: Sequence[str], config_dir: Path, config_name: str,
+          extra_search_path: bool = False) -> List[Problem]:
     """The problems of `overrides` for the command whose root YAML is `config_name` (schemas
-    registered first)."""
+    registered first). `extra_search_path`: options may come from a --config-dir as well."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     schema = root_schema(config_dir, config_name)
     if schema is None:
         return []
-    return override_problems(overrides, schema, app_groups(config_dir, config_name))
-
-
-def override_problems(overrides: Sequence[str], schema: Any, groups: Sequence[str]) -> List[Problem]:
-    """Problems of keys the schema does not have and groups the app does not use.
-
-    `schema` is the app's root dataclass (or its stored node); overrides Hydra cannot parse are
-    left to Hydra, which reports them itself."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception:  # a syntax error: Hydra's message names it better than we could
         return []
-    tree = OmegaConf.structured(schema)
+    searched = extra_search_path or any(o.key_or_group == "hydra.searchpath" for o in parsed)
+    app = _App(OmegaConf.structured(schema), _default_choices(config_dir, config_name),
+               config_dir, not searched)
     problems = []
     for override in parsed:
-        key = override.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in groups:
+        if override.is_delete():
             continue
-        if not _has_key(tree, key.split(".")):
-            value = override.input_line.partition("=")[2] if override.input_line else None
-            problems.append(_unknown(key, value, tree, groups))
+        problems += _problems(override, app, _recipe_choice(parsed, app))
     return problems
+
+
+def _problems(override: Any, app: _App, recipe: Optional[str]) -> List[Problem]:
+    key = override.key_or_group
+    text = override.input_line.partition("=")[2] if override.input_line else None
+    values = _values(override)
+    if key in ("hydra.run.dir", "hydra.sweep.dir"):
+        return [p for v in values if (p := _folder_problem(key, v)) is not None]
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+        return []
+    if key in app.choices:
+        return [p for v in values if (p := _option_problem(key, v, app)) is not None]
+    parts = key.split(".")
+    if not _has_key(app.tree, parts):
+        return [_unknown(key, text, app.tree, list(app.choices))]
+    if parts[:2] == ["recipe", "params"] and len(parts) == 3 and not override.is_force_add():
+        value = values[0] if len(values) == 1 else text
+        problem = _param_problem(key, value, app, recipe, adds=override.is_add())
+        return [problem] if problem is not None else []
+    return [p for v in values if (p := _type_problem(key, v, app.tree)) is not None]
+
+
+def _values(override: Any) -> List[Any]:
+    """The value of an override, or each value of a sweep (none for a sweep of intervals)."""
+    if not override.is_sweep_override():
+        return [override.value()]
+    try:
+        return list(override.sweep_iterator())
+    except Exception:  # interval(...) and tagged sweeps have no list of values
+        return []
+
+
+def _folder_problem(key: str, value: Any) -> Optional[Problem]:
+    """A run folder Hydra cannot make: some part of the path is a file."""
+    if not isinstance(value, str) or "${" in value:
+        return None
+    for path in [Path(value), *Path(value).parents]:
+        if path.exists():
+            return None if path.is_dir() else Problem(key, value, f"must be a folder path ({path} is a file)")
+    return None
+
+
+def _options(app: _App, group: str) -> List[str]:
+    return sorted(p.stem for p in (app.config_dir / group).glob("*.yaml"))
+
+
+def _option_problem(group: str, option: Any, app: _App) -> Optional[Problem]:
+    """A group choice that names no YAML of the group (the schema `base_*` is not an option)."""
+    options = _options(app, group)
+    if not app.own_options_only or str(option) in options:
+        return None
+    near = difflib.get_close_matches(str(option), options, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return Problem(group, str(option), f"must be one of {', '.join(options)}{hint}")
+
+
+def _recipe_choice(parsed: Sequence[Any], app: _App) -> Optional[str]:
+    """The recipe option the overrides select (None for a sweep over recipes)."""
+    choice = app.choices.get("recipe")
+    for override in parsed:
+        if override.key_or_group == "recipe" and not override.is_delete():
+            choice = None if override.is_sweep_override() else str(override.value())
+    return choice
+
+
+def _param_problem(key: str, value: Any, app: _App, recipe: Optional[str],
+                   adds: bool) -> Optional[Problem]:
+    """`recipe.params.x=v` without `+` for a param the recipe's YAML does not set (Hydra: `not
+    in struct`), or `+recipe.params.x=v` for one it sets (Hydra: `could not append`): say so in
+    our words, with the form that works."""
+    yaml = app.config_dir / "recipe" / f"{recipe}.yaml"
+    if recipe is None or not yaml.is_file():
+        return None
+    option = OmegaConf.load(yaml)
+    if any(d not in ("base_recipe", "_self_") for d in option.get("defaults", [])):
+        return None  # it inherits params from another option: Hydra knows them, we do not
+    params = [str(k) for k in (option.get("params") or {})]
+    name = key.split(".")[2]
+    if adds:
+        return Problem(key, value, f"is already a param of recipe {recipe}: set it without `+` "
+                                   f"({key}={value})") if name in params else None
+    if name in params:
+        return None
+    near = difflib.get_close_matches(name, params, n=1, cutoff=0.75)
+    hint = f"did you mean recipe.params.{near[0]}? " if near else ""
+    listed = f"its params: {', '.join(params)}; " if params else ""
+    return Problem(key, value, f"is not a param of recipe {recipe} ({hint}{listed}"
+                               f"+{key}={value} adds one)")
+
+
+def _type_problem(key: str, value: Any, tree: DictConfig) -> Optional[Problem]:
+    """A value the key's type refuses (`num_epochs=ten`), in the validator's words."""
+    from omegaconf.errors import ValidationError
+
+    if isinstance(value, str) and "${" in value:
+        return None  # an interpolation is typed when it is resolved
+    try:
+        OmegaConf.update(tree.copy(), key, value, merge=True)
+    except ValidationError as exc:
+        rule = "must not be null" if value is None else str(exc).splitlines()[0]
+        return Problem(key, value, _type_rule(_node(tree, key.split(".")), rule))
+    return None
+
+
+def _type_rule(node: Any, fallback: str) -> str:
+    from omegaconf import BooleanNode, EnumNode, FloatNode, IntegerNode
+
+    if fallback == "must not be null":
+        return fallback
+    if isinstance(node, EnumNode):
+        return f"must be one of {', '.join(m.name for m in node.enum_type)}"
+    rules = {IntegerNode: "must be an integer", FloatNode: "must be a number",
+             BooleanNode: "must be true or false"}
+    return next((rule for kind, rule in rules.items() if isinstance(node, kind)), fallback)
+
+
+def _node(tree: DictConfig, parts: List[str]) -> Any:
+    node: Any = tree
+    for part in parts:
+        node = node._get_node(part) if isinstance(node, DictConfig) else None
+    return node
 
 
 def _has_key(node: Any, parts: List[str]) -> bool:

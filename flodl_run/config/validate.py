@@ -447,7 +447,7 @@ def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
     save_path = cfg.save_path
     if save_path is None and run_dir is not None:
         save_path = str(Path(run_dir) / "checkpoint")
-    run_name = cfg.run_name or f"{e.mode.value}-{cfg.recipe.module.rsplit('.', 1)[-1]}"
+    run_name = cfg.run_name or default_run_name(cfg, e.mode.value, cfg.outer.kind.value)
     cluster = cfg.cluster
     if cluster.topology is Topology.cpu and cluster.threads_per_rank is None and cluster.num_ranks:
         cores = os.cpu_count() or 1
@@ -456,6 +456,13 @@ def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
         cfg, elche=elche, progressive_dispatch=progressive, save_path=save_path,
         run_name=run_name, cluster=cluster, tracking=resolve_tracking(cfg.tracking, outputs_dir),
     )
+
+
+def default_run_name(cfg: ExperimentConfig, mode: str, outer: str) -> str:
+    """`<mode>[+<outer>]-<recipe>`: `nccl_cadence+diloco-digits_mlp`, `solo-digits_mlp` (an
+    in-process run: its mode is `solo`, whatever `elche` says)."""
+    trained = mode if outer == OuterKind.none.value else f"{mode}+{outer}"
+    return f"{trained}-{cfg.recipe.module.rsplit('.', 1)[-1]}"
 
 
 def resolve_tracking(tracking: TrackingConfig, outputs_dir: Optional[str] = None) -> TrackingConfig:

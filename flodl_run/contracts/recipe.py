@@ -13,6 +13,7 @@ turns what a callback raises into CallbackFailed; it never imports the repo's `r
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -72,9 +73,12 @@ def raised_by_recipe(exc: BaseException) -> bool:
 def user_traceback(exc: BaseException, error: Optional[str] = None) -> str:
     """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
     is ours (none outside) or FLODL_RUN_TRACEBACK is set; it ends with `error` when given (the
-    error line as reported), else with the exception as Python prints it."""
+    error line as reported), else with the exception as Python prints it. None for a
+    train_step that returned no loss (the message says where)."""
     frames = traceback.extract_tb(exc.__traceback__)
     theirs = [f for f in frames if not _is_ours(f)]
+    if isinstance(exc, NotALoss) and not os.environ.get("FLODL_RUN_TRACEBACK"):
+        return ""  # its message names the function and the line; every frame would be ours
     if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
         theirs = frames
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),
@@ -204,4 +208,43 @@ def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
         transform_fn = getattr(mod, transform, None)
         if not callable(transform_fn):
             raise RecipeError("data.transform", transform, f"must name a function of {module}")
+    for name in PER_BATCH:  # called per batch as fn(model, batch): bind their params once
+        fns[name] = _with_params(fns[name], dict(params or {}))
+    if fns["train_step"] is not None:
+        fns["train_step"] = _returning_a_loss(fns["train_step"])
     return Recipe(**fns, transform=transform_fn, params=dict(params or {}), name=module)
+
+
+PER_BATCH = ("train_step", "eval_step")
+"""Recipe functions the runtime calls directly, `fn(model, batch)`, once per batch."""
+
+
+class NotALoss(TypeError):
+    """train_step returned something the runtime cannot call backward() on."""
+
+
+def _returning_a_loss(step: Callable[..., Any]) -> Callable[..., Any]:
+    """`train_step` checked for what it returns: a float (`loss.item()`) or None would fail
+    inside the runtime as `'float' object has no attribute 'backward'`, naming none of it."""
+    code = getattr(inspect.unwrap(getattr(step, "func", step)), "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+
+    @functools.wraps(step)
+    def train_step(model: Any, batch: Any) -> Any:
+        loss = step(model, batch)
+        if not hasattr(loss, "backward"):
+            raise NotALoss(f"train_step{where} must return the loss as a scalar tensor (one that "
+                           f"backward() works on), got {type(loss).__name__} {loss!r:.40}; "
+                           "return the tensor, not loss.item()")
+        return loss
+    return train_step
+
+
+def _with_params(fn: Optional[Callable[..., Any]], params: Dict[str, Any]) -> Optional[Callable[..., Any]]:
+    """`fn` with the `recipe.params` it declares bound by keyword (`fn` itself when none); a
+    param named like one of the two arguments the runtime passes is not bound."""
+    if fn is None:
+        return None
+    passed = list(inspect.signature(fn).parameters)[:2]
+    accepted = {k: v for k, v in _accepted(fn, params).items() if k not in passed}
+    return functools.partial(fn, **accepted) if accepted else fn

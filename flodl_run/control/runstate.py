@@ -49,11 +49,17 @@ class StopRequest:
         self.reason = ""
         self.deadline = float("inf")
         self.saving = False
+        self.again = False
+        """A second request came: stop at once (the grace was cut short, not run out)."""
 
     def request(self, reason: str) -> None:
-        """A second request, or no boundary within STOP_GRACE_S, stops at once without saving."""
+        """A second request, or no boundary within STOP_GRACE_S, stops at once without saving.
+        The reason names every signal that came (`interrupted by SIGTERM; then SIGINT`)."""
         now = time.monotonic()
         self.deadline = now if self._event.is_set() else now + STOP_GRACE_S
+        self.again = self._event.is_set()
+        if self.reason and reason != self.reason:
+            reason = f"{self.reason}; then {reason.rsplit(' ', 1)[-1]}"
         self.reason = reason
         self._event.set()
 
@@ -63,8 +69,8 @@ class StopRequest:
     def check(self) -> None:
         """Raise RunAborted(interrupted) once the grace is over and no save is under way."""
         if self._event.is_set() and not self.saving and time.monotonic() > self.deadline:
-            raise RunAborted("interrupted", f"{self.reason or 'stopped'} (no reduce boundary "
-                                            f"within {STOP_GRACE_S:.0f}s: not saved)")
+            why = "stopped at once" if self.again else f"no reduce boundary within {STOP_GRACE_S:.0f}s"
+            raise RunAborted("interrupted", f"{self.reason or 'stopped'} ({why}: not saved)")
 
     @contextmanager
     def while_saving(self) -> Iterator[None]:

@@ -249,7 +249,7 @@ class ElChe:
             return  # nobody has data: keep the pin
         if chosen != current:
             self.anchor_rank = chosen
-            cycle.note("anchor_rank", f"{current} -> {chosen}")
+            cycle.note("anchor_rank", _anchor_change(current, chosen))
 
     def _verdict(self, report: ReduceReport, cycle: _Cycle) -> Verdict:
         """The guard's verdict, replaced by a meta-controller nudge when one fires. Sync modes
@@ -354,7 +354,7 @@ class ElChe:
         cycle.note("rank_forgotten", f"rank {rank}")
         if self.anchor_rank == rank:
             self.anchor_rank = self._successor()
-            cycle.note("anchor_rank", f"{rank} -> {self.anchor_rank}")
+            cycle.note("anchor_rank", _anchor_change(rank, self.anchor_rank))
         self._recount(cycle)
         self._last = self._plan(cycle, self._last.divergence)
         return self._last
@@ -438,3 +438,10 @@ def _normalized(ratios: Optional[Sequence[float]], world_size: int) -> Optional[
             f"elche.partition_ratios has {len(ratios)} shares for world size {world_size}")
     total = sum(ratios)
     return [r / total for r in ratios]
+
+
+def _anchor_change(before: Optional[int], after: Optional[int]) -> str:
+    """`rank 0 -> rank 1`; the first election reads `rank 1 (first)`, never `None -> 1`."""
+    if before is None:
+        return f"rank {after} (first)"
+    return f"rank {before} -> {'none' if after is None else f'rank {after}'}"

@@ -23,6 +23,7 @@ from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentCo
 from flodl_run.config.validate import Problem, validate
 from flodl_run.contracts.summary import Summary, write_outcome, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
+from flodl_run.launch.notices import say_what_differs
 from flodl_run.launch.zygote import fork_ranks, ready_spare
 from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
@@ -32,7 +33,7 @@ from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
 from flodl_run.report.rundir import EventFile, link_latest, written
 from flodl_run.report.say import say, say_labelled
-from flodl_run.report.tracking import make_tracker
+from flodl_run.report.tracking import make_tracker, unreachable_server
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -128,8 +129,10 @@ class RunResult:
 
 
 def launch(config: ExperimentConfig, run_dir: Path, console: Console) -> str:
-    """Run the job; returns the summary status (completed, interrupted, failed, ...)."""
-    return run(config, run_dir, console).summary.status
+    """Run the job; returns the summary status (completed, interrupted, failed, ...). What the
+    recipe raised in this process was printed as a rank prints it (the `failed:` line, the
+    recipe's frames): the run is `failed`, nothing is raised."""
+    return _run(config, run_dir, console)[0].summary.status
 
 
 def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optional["Recipe"] = None,
@@ -139,6 +142,15 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
     `recipe` replaces loading `config.recipe.module` (in-process runs only); `observer` sees
     every hook besides the launcher's own. Raises ConfigError for what only the hardware can
     tell, and re-raises what the recipe raised once the run's records are closed."""
+    result, error = _run(config, run_dir, console, recipe, observer, show_progress)
+    if error is not None:
+        raise error
+    return result
+
+
+def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optional["Recipe"] = None,
+         observer: Optional[Observer] = None, show_progress: bool = True) -> tuple:
+    """`run`'s body: (the result, what the recipe raised in this process or None)."""
     plan = plan_topology(config)
     _check_run(config, plan, recipe)
     _open_files_up_to_the_hard_limit()
@@ -146,6 +158,7 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
         ready_spare(_zygote_log(config.cluster, plan, run_dir))  # it imports while we set up
         live = serve_dashboard(config.dashboard)  # before anything starts: a port in use: config error
         _say_plan(config.cluster.topology, plan, console)
+        say_what_differs(config, plan, console)
         tracker = make_tracker(config.tracking, _uploads(config))
         mode, outer = ("solo", "none") if plan.in_process else (None, None)
         tracker.start(config, run_dir, mode=mode, outer=outer)
@@ -164,14 +177,11 @@ def run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Optio
             if progress is not None:
                 progress.close()
         summary.mlflow_run_id = tracker.run_id
-        latest = _close_records(summary, run_dir, outputs, tracker, observers.errors)
-        if error is not None:
-            say_unwritten(console, observers.errors)
-            raise error
-        _report(summary, console, written(run_dir, summary, latest, config.tracking.uri))
+        latest = _close_records(summary, run_dir, outputs, tracker, observers.errors, console)
+        _report(summary, console, written(run_dir, summary, latest, config.tracking.uri), error)
         say_unwritten(console, observers.errors)
         return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
-                         tracker.run_id, model)
+                         tracker.run_id, model), error
 
 
 def _open_files_up_to_the_hard_limit() -> None:
@@ -211,17 +221,23 @@ def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLo
 
 
 def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: Observer,
-                   errors: OutputErrors) -> Optional[Path]:
+                   errors: OutputErrors, console: Console) -> Optional[Path]:
     """summary.json (its outcome first, then the whole record), each output's end (the `end`
     line of events.jsonl, ...), the tracked run, and the `outputs/latest` link. What does not
     fit on the disk is noted in `errors` and the rest still goes: an output error never fails a
     run by itself. Returns the latest link, or None."""
     path = run_dir / "summary.json"
-    if errors.attempt("summary.json", write_outcome, path, summary):
-        errors.attempt("summary.json in full (its outcome is there)", write_summary, path, summary)
-    for output in (*outputs, tracker):
-        errors.attempt(f"the end of {output.output or type(output).__name__}", output.finish,
+    with _signals_held():  # a Ctrl-C now would lose the summary and the end event
+        if errors.attempt("summary.json", write_outcome, path, summary):
+            errors.attempt("summary.json in full (its outcome is there)", write_summary, path, summary)
+        for output in outputs:
+            errors.attempt(f"the end of {output.output or type(output).__name__}", output.finish,
+                           summary, run_dir)
+    try:
+        errors.attempt(f"the end of {tracker.output or type(tracker).__name__}", tracker.finish,
                        summary, run_dir)
+    except KeyboardInterrupt:  # Ctrl-C during the upload skips what is left of it
+        say_labelled(console, "warning", "tracking: interrupted, the MLflow run is not complete", "yellow")
     latest: List[Optional[Path]] = [None]
 
     def link() -> None:
@@ -236,6 +252,21 @@ def say_unwritten(console: Console, errors: OutputErrors) -> None:
     if errors.failed:
         say_labelled(console, "not written", "; ".join(f"{what} ({why})" for what, why
                                                        in errors.failed.items()), "yellow")
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM do nothing while the block runs (in the main thread): the run is
+    ending anyway, and its own records are written in well under a second."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_dashboard(dashboard: DashboardConfig) -> Optional["LiveServer"]:
@@ -313,13 +344,17 @@ def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
 
 
 def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
-    """What only the plan can tell: a Recipe object cannot reach rank processes, and a bundle
-    saved by another world size cannot be resumed (before a probe only a fixed cluster could
-    be checked; here `cluster=auto` is too)."""
+    """What only the plan can tell: a Recipe object cannot reach rank processes, a tracking
+    server must answer before anything starts, and a bundle saved by another world size cannot
+    be resumed (before a probe only a fixed cluster could be checked; here `cluster=auto` is
+    too)."""
     if recipe is not None and not plan.in_process:
         raise ConfigError([Problem("cluster.topology", config.cluster.topology.value,
                                    "must train in-process (one device) when the recipe is a Recipe "
                                    "object; ranks import recipe.module instead")])
+    unreachable = unreachable_server(config.tracking)
+    if unreachable:  # found now, in seconds, rather than after minutes of MLflow's retries
+        raise ConfigError([Problem("tracking.uri", config.tracking.uri, unreachable)])
     if not config.resume_from:
         return
     from flodl_run.contracts.checkpoint import BundleError, check_resume, read_meta
@@ -410,8 +445,12 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     return trainer.summary, trainer.replica.model
 
 
-def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
-    """The outcome line, then one line naming everything the run wrote."""
+def _report(summary: Summary, console: Console, artifacts: List[str],
+            error: Optional[BaseException] = None) -> None:
+    """The outcome line (with the recipe's frames of what it raised in this process, as a rank
+    prints them), then one line naming everything the run wrote."""
+    from flodl_run.contracts.recipe import user_traceback
+
     if summary.status == "completed":
         final = "-" if summary.final_eval is None else f"{summary.final_eval:.4f}"
         syncs = ""
@@ -423,8 +462,12 @@ def _report(summary: Summary, console: Console, artifacts: List[str]) -> None:
             lost = f" | rank{'s' if len(summary.dead_ranks) > 1 else ''} {ranks} lost (events.jsonl says why)"
         if summary.message:  # ranks that failed (a recipe error) while the survivors carried on
             lost += f" | {summary.message}"
-        say(console, f"done: final eval {final} | {summary.wall_s:.1f}s | "
-                     f"{summary.samples_per_s:,.0f} samples/s{syncs}{lost}")
+        train_s = sum(e.epoch_ms for e in summary.epochs) / 1000.0  # what samples/s divides by
+        say(console, f"done: final eval {final} | {summary.wall_s:.1f}s wall, {train_s:.1f}s "
+                     f"training | {summary.samples_per_s:,.0f} samples/s in training{syncs}{lost}")
     else:
         say_labelled(console, summary.status, summary.message or summary.status, "bold red")
+    trace = user_traceback(error).rstrip("\n") if error is not None else ""
+    if trace:
+        say(console, trace)
     say(console, "wrote: " + " | ".join(artifacts))

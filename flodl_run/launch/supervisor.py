@@ -26,10 +26,12 @@ from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Recip
 from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import frame_limit, new_secret
 from flodl_run.control.coordinator import Coordinator
+from flodl_run.control.runstate import STOP_GRACE_S as SAVE_GRACE_S
 from flodl_run.launch.rankproc import RankProcess, forward, host_store
 from flodl_run.launch.zygote import Zygote, fork_ranks
 from flodl_run.observe.observer import Observer
 from flodl_run.observe.timeline import Timeline
+from flodl_run.report.say import say
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
@@ -95,9 +97,11 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
     return procs
 
 
-def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
+def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
+               hurry: Callable[[], bool] = lambda: False) -> None:
     """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL; then the same for what
-    they started on this host (their process groups): no orphan remains."""
+    they started on this host (their process groups): no orphan remains. `hurry()` true (a
+    Ctrl-C came meanwhile) moves on to the next signal at once."""
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.process.poll() is None]
         if not alive:
@@ -107,6 +111,8 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S) -> None:
                 _signal_group(p.process, sig)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.process.poll() is None for p in alive):
+            if sig is not signal.SIGKILL and hurry():  # after SIGKILL: wait to reap them
+                break
             time.sleep(0.05)
     end_leftovers([p.process.pid for p in procs if p.host is None and not _is_srun_task(p)], grace_s)
     for p in procs:
@@ -163,24 +169,36 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankProcess]) -> None:
-    """Until the coordinator ends: report a rank that exited early, turn Ctrl-C into a stop."""
+def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankProcess],
+           console: Console) -> None:
+    """Until the coordinator ends: report a rank that exited early, turn each SIGINT/SIGTERM
+    noted meanwhile into a stop request, and say what happens next (the screen would not
+    change for up to SAVE_GRACE_S)."""
     reported = set()
     zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
-        try:
-            time.sleep(0.2)  # not thread.join(): a Ctrl-C inside join() can break is_alive()
-            zygotes = [z for z in zygotes if not _said_lost(z)]
-            for p in procs:
-                code = p.process.poll()
-                if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
-                    reported.add(p.rank)  # exiting before it was told to stop is a death
-                    if ended_itself(code) and not _is_srun_task(p):  # srun's code may be its own
-                        coordinator.report_recipe_exit(p.rank, _self_exit(p, code))
-                    else:
-                        coordinator.report_death(p.rank, _exit_reason(p, code, procs))
-        except KeyboardInterrupt:
-            coordinator.request_stop(f"interrupted by {_signal_names.pop(0) if _signal_names else 'SIGINT'}")
+        time.sleep(0.2)  # signals are noted, never raised: nothing here can be cut short
+        zygotes = [z for z in zygotes if not _said_lost(z)]
+        _report_exits(coordinator, procs, reported)
+        while _signal_names:
+            name, again = _signal_names.pop(0), coordinator.stop.is_set()
+            coordinator.request_stop(f"interrupted by {name}")
+            say(console, f"stopping ({name}): " + ("at once (a save under way still finishes)" if again else
+                f"saving at the next reduce boundary, within {SAVE_GRACE_S:.0f} s; Ctrl-C again "
+                "stops at once without saving"))
+
+
+def _report_exits(coordinator: Coordinator, procs: List[RankProcess], reported: set) -> None:
+    """A rank that exited before it was told to stop: a recipe's own exit (sys.exit, os._exit)
+    fails it as a recipe error, anything else is a death."""
+    for p in procs:
+        code = p.process.poll()
+        if code is not None and p.rank not in reported and not coordinator.stopped(p.rank):
+            reported.add(p.rank)
+            if ended_itself(code) and not _is_srun_task(p):  # srun's code may be its own
+                coordinator.report_recipe_exit(p.rank, _self_exit(p, code))
+            else:
+                coordinator.report_death(p.rank, _exit_reason(p, code, procs))
 
 
 def _said_lost(zygote: Zygote) -> bool:
@@ -272,7 +290,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
                               name="coordinator", daemon=True)
     _signal_names.clear()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous, previous_int = signal.signal(signal.SIGTERM, _raise_interrupt), None
     procs: List[RankProcess] = []
     try:
         thread.start()
@@ -293,10 +311,14 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         else:
             _announce_controller_only(plan.world_size, coordinator.address, secret, run_dir, console)
         coordinator.on_rank_dead = _killer(procs)
-        _watch(coordinator, thread, procs)
+        previous_int = signal.signal(signal.SIGINT, _note_signal)  # from here on, signals are noted
+        signal.signal(signal.SIGTERM, _note_signal)
+        _watch(coordinator, thread, procs, console)
     finally:
+        stop_ranks(procs, hurry=_took_signal)
         signal.signal(signal.SIGTERM, previous)
-        stop_ranks(procs)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
         remove_run(shm_prefix)  # also what a killed rank left behind
     summary = summary_box[0] if summary_box else coordinator.summary
     _name_the_cause(summary, procs)
@@ -339,7 +361,19 @@ def _control_address(cluster: ClusterConfig, plan) -> tuple[str, int]:
 
 
 _signal_names: List[str] = []
-"""Signals other than SIGINT that were turned into a KeyboardInterrupt, oldest first."""
+"""Signals not yet acted on, oldest first: noted ones (SIGINT, SIGTERM) while ranks run, and
+a SIGTERM turned into a KeyboardInterrupt while they start."""
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    """While ranks run, SIGINT and SIGTERM are noted for `_watch` and `stop_ranks`, never raised:
+    one raised inside the launcher's own stop lost the summary."""
+    _signal_names.append(signal.Signals(signum).name)
+
+
+def _took_signal() -> bool:
+    """Whether a signal was noted since the last call (each one is taken once)."""
+    return bool(_signal_names) and bool(_signal_names.pop(0))
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

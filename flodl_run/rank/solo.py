@@ -186,6 +186,7 @@ class SoloTrainer:
             epoch_ms=compute_s * 1000.0,
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
             per_rank_batch_share=[1.0],
+            samples=len(indices),
             scalars=roll_up(drain(), self.config.scalar_reductions),
             **self.train_source.stats.take_epoch(),
         )

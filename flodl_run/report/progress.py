@@ -2,13 +2,14 @@
 
 An Observer; everything here is presentation. The bar shows epoch, batches, loss, the last
 epoch's samples/s per rank, elapsed time and ETA; every epoch (and sub-epoch report) also
-prints one plain line, which is all a non-terminal (CI log) gets.
+prints one plain line. A non-terminal (CI log, `nohup`) also gets a line within a long epoch,
+every LINE_EVERY_S: batches done, batches/s and the epoch's ETA.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from rich.console import Console
 from rich.progress import (
@@ -25,6 +26,10 @@ from flodl_run.observe.observer import Observer
 from flodl_run.report.say import say, say_labelled
 
 
+LINE_EVERY_S = 30.0
+"""Without a TTY, at most one within-epoch line this often: a slow epoch shows it is moving."""
+
+
 def _fmt(value: Optional[float], spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -32,19 +37,22 @@ def _fmt(value: Optional[float], spec: str = ".4f") -> str:
 class TerminalProgress(Observer):
     """Epochs, batches, loss, throughput and ETA; degrades to one line per epoch without a TTY."""
 
-    def __init__(self, console: Optional[Console] = None):
+    def __init__(self, console: Optional[Console] = None, clock: Callable[[], float] = time.perf_counter):
         self.console = console or Console()
         self.live = self.console.is_terminal
+        self.clock = clock
         self._progress: Optional[Progress] = None
         self._task = None
         self._total_epochs = 0
         self._batches_per_epoch = 0
         self._started = 0.0
+        self._epoch_began = 0.0
+        self._last_line = 0.0
 
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
         self._total_epochs = total_epochs
         self._batches_per_epoch = batches_per_epoch
-        self._started = time.perf_counter()
+        self._started = self._epoch_began = self._last_line = self.clock()
         if not self.live:
             return
         self._progress = Progress(
@@ -63,10 +71,23 @@ class TerminalProgress(Observer):
             done = epoch * self._batches_per_epoch + batches_done
             self._progress.update(self._task, completed=done, loss=f"{loss:.4f}",
                                   description=f"epoch {epoch + 1}/{self._total_epochs}")
+        elif self.clock() - self._last_line >= LINE_EVERY_S:
+            self._within_epoch_line(epoch, batches_done, loss)
+
+    def _within_epoch_line(self, epoch: int, batches_done: int, loss: float) -> None:
+        now = self.clock()
+        self._last_line = now
+        rate = batches_done / (now - self._epoch_began) if now > self._epoch_began else 0.0
+        left = max(self._batches_per_epoch - batches_done, 0)
+        eta = f"{left / rate:,.0f}s" if rate > 0 else "-"
+        say(self.console, f"epoch {epoch + 1}/{self._total_epochs}  batch {batches_done}/"
+                          f"{self._batches_per_epoch}  loss {loss:.4f}  {rate:,.2f} batches/s  "
+                          f"epoch ETA {eta}")
 
     def on_epoch(self, record: EpochRecord) -> None:
         done = record.epoch + 1
-        elapsed = time.perf_counter() - self._started
+        self._epoch_began = self._last_line = self.clock()
+        elapsed = self._epoch_began - self._started
         eta = elapsed / done * (self._total_epochs - done)
         rates = " ".join(f"{r:,.0f}" for r in record.per_rank_throughput)
         shares = " ".join(f"{s:.2f}" for s in record.per_rank_batch_share)

@@ -32,3 +32,21 @@ def say_labelled(console: Console, label: str, message: str, style: str) -> None
     """`label: message` with the label styled, printed and logged like `say`."""
     console.print(labelled(label, message, style), highlight=False, soft_wrap=True)
     log.info("%s: %s", label, message)
+
+
+def say_markup(console: Console, markup: str) -> None:
+    """A line of our own markup (no foreign text in it), printed and logged as plain text."""
+    from rich.text import Text
+
+    console.print(markup, highlight=False, soft_wrap=True)
+    log.info(Text.from_markup(markup).plain)
+
+
+def say_table(console: Console, table: object) -> None:
+    """A rich table, printed and logged as the text it renders to."""
+    import io
+
+    console.print(table)
+    text = Console(file=io.StringIO(), width=max(console.width, 120), color_system=None)
+    text.print(table)
+    log.info("\n%s", text.file.getvalue().rstrip())

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from rich.console import Console
+
 from flodl_run.report.compare import JobOutcome, plot, to_csv, to_markdown
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,14 @@ class Sweep:
                 client.log_artifact(run_id, str(path))
             client.set_tag(run_id, "num_jobs", str(len(jobs)))
             client.set_terminated(run_id, status)
+        # printed, not logged: after the jobs, Hydra's own log handler would print it again
+        Console().print(self.written(files), markup=False, highlight=False, soft_wrap=True)
+
+    def written(self, files: List[Path]) -> str:
+        """The sweep's last line: its comparison files and its MLflow parent run(s)."""
+        parents = [f"mlflow parent run {run_id} in {client.tracking_uri}"
+                   for client, run_id in self.parents.values()]
+        return " | ".join([f"sweep: wrote {self.dir}/: {', '.join(p.name for p in files)}", *parents])
 
 
 def _parent_status(statuses: List[str]) -> str:
@@ -98,7 +108,26 @@ def end_active() -> None:
         log.warning("sweep %s: comparison not written (%s: %s)", sweep.dir, type(exc).__name__, exc)
 
 
-class SweepCallback:
+def job_entry(config: Any) -> Tuple[int, List[str], Path]:
+    """A sweep's job as Hydra's on_job_start describes it: (number, overrides, run dir)."""
+    return (int(config.hydra.job.num), [str(o) for o in config.hydra.overrides.task],
+            Path(str(config.hydra.runtime.output_dir)))
+
+
+class UnusedHooks:
+    """Hydra's callback hooks a sweep callback does not use (Hydra calls each by name)."""
+
+    def on_run_start(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_run_end(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_job_end(self, config: Any, **_: Any) -> None:
+        pass
+
+
+class SweepCallback(UnusedHooks):
     """Hydra callback (`hydra.callbacks.sweep` in conf/config.yaml). Hydra calls the on_* methods
     by name; in single runs (no multirun) it does nothing."""
 
@@ -113,18 +142,7 @@ class SweepCallback:
 
     def on_job_start(self, config: Any, **_: Any) -> None:
         if _active is not None:
-            _active.jobs.append((int(config.hydra.job.num),
-                                 [str(o) for o in config.hydra.overrides.task],
-                                 Path(str(config.hydra.runtime.output_dir))))
+            _active.jobs.append(job_entry(config))
 
     def on_multirun_end(self, config: Any, **_: Any) -> None:
         end_active()
-
-    def on_run_start(self, config: Any, **_: Any) -> None:
-        pass
-
-    def on_run_end(self, config: Any, **_: Any) -> None:
-        pass
-
-    def on_job_end(self, config: Any, **_: Any) -> None:
-        pass

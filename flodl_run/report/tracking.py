@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from flodl_run.config.compose import dotted_items
-from flodl_run.config.schema import ExperimentConfig, TrackingConfig, TrackingKind
+from flodl_run.config.schema import ExperimentConfig, OuterKind, TrackingConfig, TrackingKind
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
 from flodl_run.elche.phase import Phase
 from flodl_run.hardware.hostinfo import HostInfo, metric_safe, this_host
@@ -38,6 +38,8 @@ STOP_EVENT_KINDS = ("rank_lost", "rank_forgotten", "shutdown", "shutdown_with_sa
 PHASE_NUMBER = {p.name.lower(): float(p.value) for p in Phase}
 VERDICT_NUMBER = {"stable": 0.0, "suppressgrowth": 1.0, "nudgedown": 2.0}
 OWN_EPOCH_KEYS = ("loss", "eval", "epoch_ms")
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+"""The experiment tag MLflow 3's UI reads to choose its layout: runs first, not a GenAI overview."""
 
 
 def _git(path: Path, *args: str) -> Optional[str]:
@@ -70,6 +72,16 @@ def recipe_git(module: str) -> Dict[str, str]:
     if dirty is not None:
         tags["git_dirty"] = str(bool(dirty)).lower()
     return tags
+
+
+def _run_name(config: ExperimentConfig, mode: Optional[str], outer: Optional[str]) -> Optional[str]:
+    """The run's name; a default name says what actually trained (`solo-...` in-process)."""
+    from flodl_run.config.validate import default_run_name
+
+    if mode is None or config.run_name != default_run_name(config, config.elche.mode.value,
+                                                           config.outer.kind.value):
+        return config.run_name
+    return default_run_name(config, mode, outer or OuterKind.none.value)
 
 
 def _params(config: ExperimentConfig) -> Dict[str, str]:
@@ -170,15 +182,20 @@ class MlflowTracker(NullTracker):
     # ---- start ------------------------------------------------------------------------------
 
     def _experiment_id(self) -> str:
+        """The experiment's id, created when new; either way it is marked a model-training one
+        (unless it says otherwise), so MLflow 3's UI opens it on its runs, not on GenAI traces."""
         name = self.tracking.experiment
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if EXPERIMENT_KIND[0] not in found.tags:
+                self.client.set_experiment_tag(found.experiment_id, *EXPERIMENT_KIND)
             return found.experiment_id
         uri = self.tracking.uri or ""
         location = None
         if uri.startswith("sqlite:///"):  # artifacts beside the local store
             location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
-        return self.client.create_experiment(name, artifact_location=location)
+        return self.client.create_experiment(name, artifact_location=location,
+                                             tags=dict([EXPERIMENT_KIND]))
 
     def _start_tags(self, config: ExperimentConfig, run_dir: Path, mode: Optional[str],
                     outer: Optional[str]) -> Dict[str, str]:
@@ -205,7 +222,7 @@ class MlflowTracker(NullTracker):
         resumed = _resumed_run_id(config.resume_from)
         if resumed:
             tags["resumed_from_run_id"] = resumed  # a resume is a new run linked to the old one
-        run = self.client.create_run(experiment_id, run_name=config.run_name, tags=tags)
+        run = self.client.create_run(experiment_id, run_name=_run_name(config, mode, outer), tags=tags)
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in _params(config).items()]
         for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
@@ -323,3 +340,31 @@ def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = ()) -> Nul
     if tracking.kind is TrackingKind.off:
         return NullTracker()
     return MlflowTracker(tracking, artifacts)
+
+
+SERVER_PROBE_S = 3.0
+"""How long the start waits for a tracking server's answer: MLflow's own client retries a
+refused connection for minutes before it fails."""
+
+
+def unreachable_server(tracking: TrackingConfig) -> Optional[str]:
+    """Why the tracking server at an http(s) `tracking.uri` cannot be reached, or None (also for
+    local stores and `tracking=off`). Any HTTP answer counts as reached, an error status too."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    uri = tracking.uri or ""
+    if tracking.kind is TrackingKind.off or not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=SERVER_PROBE_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        where = urlsplit(uri)
+        return (f"must reach an MLflow tracking server ({where.netloc}: {reason}): start one "
+                f"(mlflow server --host {where.hostname} --port {where.port or 5000}), or log "
+                f"to the local store with tracking=mlflow, or not at all with tracking=off")
+    return None
