@@ -45,7 +45,8 @@ def test_a_disk_with_room_for_the_outcome_only_keeps_it_and_the_end_line(tmp_pat
     written, and what did not fit is named for the terminal."""
     errors = OutputErrors()
     with _room_for(2048):
-        latest = _close_records(_long_summary(), tmp_path, [EventFile(tmp_path)], NullTracker(), errors)
+        latest = _close_records(_long_summary(), tmp_path, [EventFile(tmp_path)], NullTracker(), errors,
+                                Console(file=io.StringIO()))
     assert latest is None
     outcome = json.loads((tmp_path / "summary.json").read_text())
     assert outcome["status"] == "completed" and outcome["checkpoint"] == "/runs/r/checkpoint"
@@ -60,7 +61,8 @@ def test_when_nothing_fits_the_terminal_says_what_was_not_written(tmp_path):
     and the last line names summary.json and the end of events.jsonl."""
     errors = OutputErrors()
     with _room_for(16):
-        _close_records(_long_summary(), tmp_path, [EventFile(tmp_path)], NullTracker(), errors)
+        _close_records(_long_summary(), tmp_path, [EventFile(tmp_path)], NullTracker(), errors,
+                       Console(file=io.StringIO()))
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "summary.json.tmp").exists()
     assert list(errors.failed) == ["summary.json", "the end of events.jsonl"]
     console = Console(file=io.StringIO(), width=200)

@@ -56,7 +56,7 @@ def test_without_noise_deadline_windows_are_count_windows() -> None:
 
 
 def test_on_a_noisy_rig_deadline_windows_beat_count_windows() -> None:
-    """Pins the point of deadlines (issue 30): 16 ranks at noise 0.05 stop waiting for the
+    """Pins the point of deadlines: 16 ranks at noise 0.05 stop waiting for the
     unluckiest draw, so idle falls and samples/s rises; no window trains past its bounds."""
     sim = SimConfig(groups=GEN3, sync_ms=40.0, sync_ms_per_rank=0.5, noise=0.05, windows=60)
     count = simulate(sim, ElCheConfig()).summary

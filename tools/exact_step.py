@@ -7,7 +7,7 @@ Variants, interleaved round by round so drift hits all alike (median of the roun
   finiteness check and its read, the timing);
 - exact ddp1: the same through torch's DDP reducer and our weighted hook on a one-rank group;
 - exact micro2: ddp1 with each step's share cut into two micro-batches (no_sync on the first).
-Run on the GPU machine (bash tools/device_run.sh python tools/exact_step.py [mlp|byte_lm] ...);
+Run on the GPU machine (bash tools/device_run.sh python3 tools/exact_step.py [mlp|byte_lm] ...);
 on the CPU it runs too (smaller sizes are up to the caller: --batch, --hidden).
 """
 

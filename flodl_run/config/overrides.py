@@ -183,6 +183,8 @@ def _type_problem(key: str, value: Any, tree: DictConfig) -> Optional[Problem]:
 
     if isinstance(value, str) and "${" in value:
         return None  # an interpolation is typed when it is resolved
+    if any(part.isdigit() for part in key.split(".")):
+        return None  # a list entry (cluster.workers.0.host): the template's own, typed at compose
     try:
         OmegaConf.update(tree.copy(), key, value, merge=True)
     except ValidationError as exc:
