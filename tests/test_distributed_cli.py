@@ -53,7 +53,7 @@ halves are pinned in test_shares.py; a loaded machine may slow one rank more); t
     summary = lockstep_run["summary"]
     assert 1 <= summary["syncs"] < 23
     shares = summary["epochs"][0]["per_rank_batch_share"]
-    assert sum(shares) == pytest.approx(1.0) and 0.4 < shares[0] < 0.6  # equal, or as the load was
+    assert sum(shares) == pytest.approx(1.0) and min(shares) > 0  # as the measured speeds were
     # The run dir reads on its own: each rank's log says who it was and how it ended, cli.log
     # holds the launcher's lines, events.jsonl the run's events.
     run_dir = Path(lockstep_run["run_dir"])
