@@ -130,7 +130,8 @@ class RankWorker:
         if collective:
             listener.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        reduce_ms = timed_reduce_ms(self.flat.buffers) if collective else None
+        # a cohort of one (a run started on one rank) has no group to time
+        reduce_ms = timed_reduce_ms(self.flat.buffers) if collective and not self.group.alone else None
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
                                      socket.gethostname(), str(self.device), name,
                                      len(self.source), node_facts(self.device.type == "cuda"),
