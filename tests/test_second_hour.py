@@ -341,25 +341,16 @@ def test_a_long_epoch_shows_progress_without_a_terminal():
         f"epoch ETA {280 / (120 / LINE_EVERY_S):,.0f}s"]
 
 
-def test_a_gpu_sized_model_on_cpu_ranks_is_warned_about_before_it_starts(tmp_path, monkeypatch):
+def test_a_gpu_sized_model_on_cpu_is_warned_about_by_whoever_builds_it():
     """Pins: byte_lm starting on CPU ranks without a word, then showing `0/24` for over ten
-    minutes. The model is counted on the meta device: 16 M parameters cost no memory here."""
-    from flodl_run.config.schema import ClusterConfig, ExperimentConfig, RecipeConfig, Topology
-    from flodl_run.launch.launcher import plan_topology
-    from flodl_run.launch.notices import cpu_sized_warning
+    minutes. Rank 0 (or the in-process run) warns once it has built the model, never the
+    launcher (that would run the recipe's build_model there: one that starts processes left
+    them behind); a small model gets no warning."""
+    from flodl_run.hardware.devices import cpu_training_warning
 
-    (tmp_path / "wide.py").write_text(
-        "import torch\n"
-        "from recipes.digits_mlp import build_optimizer, train_dataset, train_step  # noqa: F401\n"
-        "def build_model(device, width=4000):\n"
-        "    return torch.nn.Linear(width, width).to(device)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    pair = ClusterConfig(topology=Topology.cpu, num_ranks=2)
-    config = ExperimentConfig(recipe=RecipeConfig(module="wide"), cluster=pair)
-    warning = cpu_sized_warning(config.recipe, None, "auto", plan_topology(config))
-    assert warning.startswith("wide builds a 16.0 M-parameter model and trains it on CPU")
-    small = ExperimentConfig(recipe=RecipeConfig(module="wide", params={"width": 100}), cluster=pair)
-    assert cpu_sized_warning(small.recipe, None, "auto", plan_topology(small)) is None
+    assert cpu_training_warning("wide", 16_004_000).startswith(
+        "wide builds a 16.0 M-parameter model and trains it on CPU")
+    assert cpu_training_warning("wide", 10_100) is None
 
 
 @pytest.mark.e2e

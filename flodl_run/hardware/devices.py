@@ -99,3 +99,19 @@ def pick_gpus(tokens: List[str]) -> List[GpuInfo]:
             raise LookupError(f"no visible GPU {token!r} (visible: {names})")
         picked.append(found[0])
     return picked
+
+
+GPU_SIZED_PARAMS = 10_000_000
+"""Parameters above which a model is GPU-sized: byte_lm's 25.5 M trains for tens of minutes an
+epoch on CPU ranks, digits_mlp's 0.03 M in a second."""
+
+
+def cpu_training_warning(module: str, num_params: int) -> Optional[str]:
+    """The warning a GPU-sized model gets when it is about to train on CPUs; None when small.
+    Said by whoever built the model (rank 0, or the in-process run), never by the launcher:
+    building it there would run the recipe's build_model in the launcher."""
+    if num_params < GPU_SIZED_PARAMS:
+        return None
+    return (f"{module} builds a {num_params / 1e6:.1f} M-parameter model and trains it on CPU: "
+            "expect long epochs (a progress line every 30 s shows the epoch's ETA); a GPU or "
+            "smaller recipe.params train faster")

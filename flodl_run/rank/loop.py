@@ -45,6 +45,7 @@ from flodl_run.contracts.wire import (
     connect_dealer,
 )
 from flodl_run.data.dataplane import DataPlane
+from flodl_run.hardware.devices import cpu_training_warning
 from flodl_run.hardware.hostinfo import node_facts
 from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.observe.timeline import RankTimeline
@@ -74,6 +75,10 @@ class RankWorker:
                                lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
                                max_grad_norm=config.max_grad_norm)
         self.flat = FlatParams(self.replica.model)
+        warning = cpu_training_warning(config.recipe.module, self.flat.numel) \
+            if env.rank == 0 and self.device.type == "cpu" else None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.outer = OuterOptimizer(config.outer)
         self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
                                 self.recipe.transform, rank=env.rank)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Optional
@@ -24,6 +25,7 @@ from flodl_run.contracts.scalars import drain, roll_up
 from flodl_run.contracts.summary import EpochRecord, Summary
 from flodl_run.data.dataplane import DataPlane
 from flodl_run.data.passes import num_batches, permutation
+from flodl_run.hardware.devices import cpu_training_warning
 from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.observe.observer import Observer
 from flodl_run.rank.replica import Replica
@@ -68,6 +70,10 @@ class SoloTrainer:
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
                                      config.cluster.emulate_jitter, 0, config.seed)
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
+        count = sum(p.numel() for p in self.replica.model.parameters())
+        warning = cpu_training_warning(recipe.name, count) if self.device.type == "cpu" else None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
                                       recipe.transform)
         self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
