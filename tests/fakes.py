@@ -475,7 +475,8 @@ class FakeRank(threading.Thread):
             self.deadlines.append(order.deadline_ms)
             n = min(n, max(1, math.ceil(order.deadline_ms / self.ms_per_batch)))
         # an exact window's batches are its steps (shares), not its slices cut into batches
-        trained = order.slices if n == order.num_batches else split_trained(order.slices, n, self.batch_size)[0]
+        trained = (order.slices if n == order.num_batches
+                   else split_trained(order.slices, n, self.batch_size)[0])
         self.steps += n
         self.left += order.num_batches - n
         self.slices.extend(trained)

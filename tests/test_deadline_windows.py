@@ -18,6 +18,7 @@ from flodl_run.config.schema import ElCheConfig, ExperimentConfig, WindowEnd
 from flodl_run.contracts.wire import Train
 from flodl_run.rank.jobs import Job
 from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
+from tests.support import PAIR, _run as run_cli_summary
 from tests.test_membership_faults import _every_sample_once
 
 pytestmark = pytest.mark.coordinator
@@ -85,3 +86,20 @@ def test_a_rank_ends_a_window_on_its_count_or_past_its_deadline(deadline_ms, don
     job = Job(order, [torch.arange(8)] * 4, done=done, began=100.0)
     assert job.is_over(100.0 + elapsed_s) is over
     assert job.left == 4 - done
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
+def test_a_jittery_pair_with_deadline_windows_trains_every_sample_once(tmp_path, mode):
+    """Pins deadline windows in real ranks, one collective and one central mode: a CPU pair
+    whose steps jitter (so a deadline may cut a window) completes, each epoch trains the 1437
+    digits exactly once in sum (batches a deadline left were trained by someone later, none
+    twice), and the consensus evaluates."""
+    proc, summary = run_cli_summary(tmp_path, *PAIR, f"elche={mode}", "elche.window_end=deadline",
+                         "elche.anchor=2", "elche.max_anchor=4", "cluster.emulate_jitter=0.05",
+                         "num_epochs=2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary["status"] == "completed", summary["message"]
+    assert [e["samples"] for e in summary["epochs"]] == [1437, 1437]
+    assert summary["syncs"] > 2  # past Probe: ElChe's plan had a deadline
+    assert summary["final_eval"] > 0.5
