@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 class Windows:
     """Hands out data and collects windows until the reduce gate opens (sync and cadence).
 
-    Owns: the epoch's pools (where a dead rank's work goes back, `give_back`), the window
-    number Train orders carry, and nccl_sync's orders sent ahead of the reduce they follow
+    Owns: the epoch's pools (where a dead rank's work goes back, `give_back`, and what a
+    deadline window left untrained, `take_back`), the window number and deadline Train orders
+    carry, and nccl_sync's orders sent ahead of the reduce they follow
     (`orders_ahead`; `cancel_ahead` voids them on a regroup and gives their batches back).
     Given: the world size, mode and config; the membership (who is alive, whether a regroup
     is due); the reduces (`reduce`, `sync_now`, the round and step counters, whether a
