@@ -26,11 +26,11 @@ pytestmark = pytest.mark.coordinator
 DEADLINE_MODES = ["nccl_cadence", "cpu_cadence", "cpu_async"]
 
 
-def _run(mode: str, speeds, faults=(), epochs: int = 2, slow=(1, 3, 12.0)):
+def _run(mode: str, speeds, faults=(), epochs: int = 2, slow=(1, 3, 12.0), **config):
     """`speeds` fakes (ms per batch) with deadline windows; rank `slow[0]` runs at `slow[2]`
     ms per batch from its `slow[1]`-th order on, so deadlines cut its windows short."""
     elche = replace(ElCheConfig.preset(mode), window_end=WindowEnd.deadline, anchor=4)
-    run = ExperimentConfig(elche=elche, num_epochs=epochs, batch_size=8)
+    run = ExperimentConfig(elche=elche, num_epochs=epochs, batch_size=8, **config)
     coord, fakes, group = cohort(run, speeds, faults)
     rank, at, ms = slow
     fakes[rank].speed_at[at] = ms
@@ -53,6 +53,19 @@ def test_deadline_windows_give_untrained_batches_back_and_cover_every_sample_onc
     assert coverage, coverage
     trained = sum(s[2] for f in fakes for s in f.slices)
     assert trained == 2 * NUM_SAMPLES
+
+
+def test_fixed_shares_take_back_a_cut_window_into_the_ranks_own_share():
+    """Pins deadline windows with progressive_dispatch off: what a cut window left goes back
+    to the rank's own share (not another rank's), which the rank then trains in a later
+    window, so both shares and every sample are covered once."""
+    summary, fakes, group = _run("nccl_cadence", [4.0, 4.0], progressive_dispatch=False)
+    assert summary.status == "completed", summary.message
+    assert fakes[1].left > 0
+    assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
+    assert [sum(s[2] for s in f.slices) for f in fakes] == [NUM_SAMPLES] * 2  # half an epoch each
+    coverage = _every_sample_once(group, 2)
+    assert coverage, coverage
 
 
 @pytest.mark.parametrize("mode", DEADLINE_MODES)
