@@ -9,13 +9,16 @@ steady rig ElChe's plan fits the deadline and a deadline window trains its whole
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import List
 
 import pytest
 
 import torch
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, WindowEnd
+from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.contracts.wire import Train
+from flodl_run.observe.observer import Observer
 from flodl_run.rank.jobs import Job
 from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
 from tests.support import PAIR, _run as run_cli_summary
@@ -28,26 +31,38 @@ DEADLINE_MODES = ["nccl_cadence", "cpu_cadence", "cpu_async"]
 
 def _run(mode: str, speeds, faults=(), epochs: int = 2, slow=(1, 3, 12.0), **config):
     """`speeds` fakes (ms per batch) with deadline windows; rank `slow[0]` runs at `slow[2]`
-    ms per batch from its `slow[1]`-th order on, so deadlines cut its windows short."""
+    ms per batch from its `slow[1]`-th order on, so deadlines cut its windows short. The
+    summary, the fakes, their group (the consensus ledger) and the reduce records."""
     elche = replace(ElCheConfig.preset(mode), window_end=WindowEnd.deadline, anchor=4)
     run = ExperimentConfig(elche=elche, num_epochs=epochs, batch_size=8, **config)
-    coord, fakes, group = cohort(run, speeds, faults)
+    reduces = _Reduces()
+    coord, fakes, group = cohort(run, speeds, faults, observer=reduces)
     rank, at, ms = slow
     fakes[rank].speed_at[at] = ms
     summary, fakes = drive(coord, fakes)
-    return summary, fakes, group
+    return summary, fakes, group, reduces.records
+
+
+class _Reduces(Observer):
+    def __init__(self):
+        self.records: List[ReduceRecord] = []
+
+    def on_reduce(self, record: ReduceRecord) -> None:
+        self.records.append(record)
 
 
 @pytest.mark.parametrize("mode", DEADLINE_MODES)
 def test_deadline_windows_give_untrained_batches_back_and_cover_every_sample_once(mode):
     """Pins the deadline's bookkeeping: orders carry deadline_ms once ElChe timed the anchor,
-    a rank that slowed leaves batches untrained, and those samples are trained later by
-    someone (not lost, not twice): each epoch's record counts the samples actually trained
-    (NUM_SAMPLES, not the planned counts) and the consensus holds every sample once."""
-    summary, fakes, group = _run(mode, [4.0, 4.0])
+    a rank that slowed leaves batches untrained (the reduce records say how many), and those
+    samples are trained later by someone (not lost, not twice): each epoch's record counts the
+    samples actually trained (NUM_SAMPLES, not the planned counts) and the consensus holds
+    every sample once."""
+    summary, fakes, group, records = _run(mode, [4.0, 4.0])
     assert summary.status == "completed", summary.message
     assert all(f.deadlines for f in fakes)
     assert fakes[1].left > 0
+    assert [sum(r.left[k] for r in records) for k in range(2)] == [0, fakes[1].left]
     assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
     coverage = _every_sample_once(group, 2)
     assert coverage, coverage
@@ -59,7 +74,7 @@ def test_fixed_shares_take_back_a_cut_window_into_the_ranks_own_share():
     """Pins deadline windows with progressive_dispatch off: what a cut window left goes back
     to the rank's own share (not another rank's), which the rank then trains in a later
     window, so both shares and every sample are covered once."""
-    summary, fakes, group = _run("nccl_cadence", [4.0, 4.0], progressive_dispatch=False)
+    summary, fakes, group, _ = _run("nccl_cadence", [4.0, 4.0], progressive_dispatch=False)
     assert summary.status == "completed", summary.message
     assert fakes[1].left > 0
     assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
@@ -75,8 +90,8 @@ def test_a_death_after_a_cut_window_redoes_only_what_the_rank_trained(mode):
     goes back to the pool; kept in full, the batches it had already given back were handed
     out twice (counted twice in the consensus). (cpu_async's epoch record counts a dead
     rank's reported windows, redone, twice: so it does with count windows; not pinned here.)"""
-    summary, fakes, group = _run(mode, [4.0, 4.0, 4.0], faults=[Fault(1, "die", 4, point="reduce")],
-                                 slow=(1, 4, 12.0))
+    summary, fakes, group, _ = _run(mode, [4.0, 4.0, 4.0], faults=[Fault(1, "die", 4, point="reduce")],
+                                    slow=(1, 4, 12.0))
     assert summary.status == "completed", summary.message
     assert summary.dead_ranks == [1]
     assert fakes[1].left > 0

@@ -216,7 +216,7 @@ class AsyncLoop:
         stop = self.reduces.tally_nonfinite()
         self.reduces.send_updates(result, {})
         self.reduces.note_alignment()  # off the round trip the ranks wait for
-        self.reduces.observe_reduce(epoch, sync_ms, divergence)
+        self.reduces.observe_reduce(epoch, sync_ms, divergence, self.window)
         self.reduces.clear_late()
         if stop:
             self.reduces.fail_nonfinite(self.closed, self._uncovered(self.closed))
