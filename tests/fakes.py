@@ -493,6 +493,28 @@ class FakeRank(threading.Thread):
                           0.1, reduces_seen=self.reduces_seen, left=order.num_batches - n)
 
 
+class Coverage:
+    """Whether the consensus trained on every sample of `epochs` passes exactly once; false,
+    it shows what was missing or counted twice, and the group's rounds (for a failure)."""
+
+    def __init__(self, group, epochs: int):
+        seen = group.consensus()
+        expected = {(e, i) for e in range(epochs) for i in range(NUM_SAMPLES)}
+        self.missing = sorted(expected - set(seen))
+        self.twice = sorted(key for key, times in seen.items() if times > 1)
+        self.extra = sorted(set(seen) - expected)
+        self.rounds = sorted(group.ledger)
+        self.retried, self.mixed = group.retried, group.mixed
+
+    def __bool__(self) -> bool:
+        return not (self.missing or self.twice or self.extra)
+
+    def __repr__(self) -> str:
+        return (f"missing {len(self.missing)} {self.missing[:8]}, twice {len(self.twice)} "
+                f"{self.twice[:8]}, extra {self.extra[:8]}; ledger (round, rank) {self.rounds}; "
+                f"retried rounds {self.retried}; mixed {self.mixed}")
+
+
 def drive(coord: Coordinator, ranks: list) -> tuple:
     """Start the scripted ranks, run the coordinator to its end, wait for the ranks."""
     for r in ranks:

@@ -20,9 +20,8 @@ from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.contracts.wire import Train
 from flodl_run.observe.observer import Observer
 from flodl_run.rank.jobs import Job
-from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
+from tests.fakes import NUM_SAMPLES, Coverage, Fault, cohort, drive
 from tests.support import PAIR, _run as run_cli_summary
-from tests.test_membership_faults import _every_sample_once
 
 pytestmark = pytest.mark.coordinator
 
@@ -64,7 +63,7 @@ def test_deadline_windows_give_untrained_batches_back_and_cover_every_sample_onc
     assert fakes[1].left > 0
     assert [sum(r.left[k] for r in records) for k in range(2)] == [0, fakes[1].left]
     assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
-    coverage = _every_sample_once(group, 2)
+    coverage = Coverage(group, 2)
     assert coverage, coverage
     trained = sum(s[2] for f in fakes for s in f.slices)
     assert trained == 2 * NUM_SAMPLES
@@ -79,7 +78,7 @@ def test_fixed_shares_take_back_a_cut_window_into_the_ranks_own_share():
     assert fakes[1].left > 0
     assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
     assert [sum(s[2] for s in f.slices) for f in fakes] == [NUM_SAMPLES] * 2  # half an epoch each
-    coverage = _every_sample_once(group, 2)
+    coverage = Coverage(group, 2)
     assert coverage, coverage
 
 
@@ -97,7 +96,7 @@ def test_a_death_after_a_cut_window_redoes_only_what_the_rank_trained(mode):
     assert fakes[1].left > 0
     if mode != "cpu_async":
         assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
-    coverage = _every_sample_once(group, 2)
+    coverage = Coverage(group, 2)
     assert coverage, coverage
 
 
