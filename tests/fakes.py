@@ -19,6 +19,7 @@ The fakes model what the coordinator relies on in real ranks (flodl_run/rank/pro
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -54,6 +55,7 @@ from flodl_run.contracts.wire import (
 )
 from flodl_run.contracts.wire import connect_dealer as _connect
 from flodl_run.control.coordinator import Coordinator
+from flodl_run.control.dispatch import split_trained
 from flodl_run.observe.observer import Observer
 
 NUM_SAMPLES = 640
@@ -227,6 +229,9 @@ class FakeRank(threading.Thread):
         self.beat_s = BEAT_S
         self.listens = group is not None and group.collective  # as real ranks: collective modes
         self.notices: List[AbortGroup] = []  # what its listener socket received
+        self.speed_at: Dict[int, float] = {}  # Train order number -> ms per batch from then on
+        self.deadlines: List[float] = []  # deadline_ms of each deadline order it trained
+        self.left = 0  # batches its deadline orders left untrained
 
     # ---- the launcher's view -----------------------------------------------------------------
 
@@ -451,28 +456,63 @@ class FakeRank(threading.Thread):
 
     def _answer(self, order):
         if isinstance(order, Train):
-            self.training = True
-            self.steps += order.num_batches
-            self.sync_pending = self.mode == "cpu_async"
-            self.slices.extend(order.slices)
-            self.pending.extend(order.slices)
-            samples = sum(s[2] for s in order.slices)
-            n = order.num_batches
-            # a batch of batch_size samples costs ms_per_batch; an exact step's share costs in
-            # proportion to its samples
-            ms = self.ms_per_batch * (samples / (n * self.batch_size) if order.shares else 1.0)
-            for _ in range(n):  # the compute the report claims (not a sync), batch by batch
-                time.sleep(ms / 1000.0)
-                self.batches += 1
-            self.training = False
-            return WindowDone(self.rank, order.window, order.epoch, n, samples,
-                              n * ms, 0.0, 1.0 * n, 0.1,
-                              reduces_seen=self.reduces_seen)
+            return self._window(order)
         if isinstance(order, Evaluate):
             return Evaluated(self.rank, order.epoch, 0.5)
         if isinstance(order, SaveCheckpoint):
             return CheckpointSaved(self.rank, order.stem)
         raise AssertionError(order)
+
+
+    def _window(self, order: Train) -> WindowDone:
+        """Train the order's batches, up to the ones that fit its deadline (the batch that
+        crosses it included), and report what was trained and how many batches were left."""
+        self.training = True
+        self.sync_pending = self.mode == "cpu_async"
+        self.ms_per_batch = self.speed_at.get(self.trains, self.ms_per_batch)
+        n = order.num_batches
+        if order.deadline_ms:
+            self.deadlines.append(order.deadline_ms)
+            n = min(n, max(1, math.ceil(order.deadline_ms / self.ms_per_batch)))
+        # an exact window's batches are its steps (shares), not its slices cut into batches
+        trained = (order.slices if n == order.num_batches
+                   else split_trained(order.slices, n, self.batch_size)[0])
+        self.steps += n
+        self.left += order.num_batches - n
+        self.slices.extend(trained)
+        self.pending.extend(trained)
+        samples = sum(s[2] for s in trained)
+        # a batch of batch_size samples costs ms_per_batch; an exact step's share costs in
+        # proportion to its samples
+        ms = self.ms_per_batch * (samples / (n * self.batch_size) if order.shares else 1.0)
+        for _ in range(n):  # the compute the report claims (not a sync), batch by batch
+            time.sleep(ms / 1000.0)
+            self.batches += 1
+        self.training = False
+        return WindowDone(self.rank, order.window, order.epoch, n, samples, n * ms, 0.0, 1.0 * n,
+                          0.1, reduces_seen=self.reduces_seen, left=order.num_batches - n)
+
+
+class Coverage:
+    """Whether the consensus trained on every sample of `epochs` passes exactly once; false,
+    it shows what was missing or counted twice, and the group's rounds (for a failure)."""
+
+    def __init__(self, group, epochs: int):
+        seen = group.consensus()
+        expected = {(e, i) for e in range(epochs) for i in range(NUM_SAMPLES)}
+        self.missing = sorted(expected - set(seen))
+        self.twice = sorted(key for key, times in seen.items() if times > 1)
+        self.extra = sorted(set(seen) - expected)
+        self.rounds = sorted(group.ledger)
+        self.retried, self.mixed = group.retried, group.mixed
+
+    def __bool__(self) -> bool:
+        return not (self.missing or self.twice or self.extra)
+
+    def __repr__(self) -> str:
+        return (f"missing {len(self.missing)} {self.missing[:8]}, twice {len(self.twice)} "
+                f"{self.twice[:8]}, extra {self.extra[:8]}; ledger (round, rank) {self.rounds}; "
+                f"retried rounds {self.retried}; mixed {self.mixed}")
 
 
 def drive(coord: Coordinator, ranks: list) -> tuple:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_run.bench.run import Rig
+from flodl_run.bench.run import BenchConfig, BenchRunConfig, Rig, plan
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Topology, WorkerConfig
 from flodl_run.launch.probe import HostReport
 from tests.launchserver import LaunchServer
@@ -400,3 +400,12 @@ def _pair_rig() -> Rig:
     cluster = ClusterConfig(topology=Topology.cpu, num_ranks=2, threads_per_rank=1,
                             emulate_slowdown=[1.0, 2.5])
     return Rig("cpu_pair", ("cluster.emulate_slowdown=[1.0,2.5]",), cluster, 2)
+
+
+def cadence_bench_jobs(**variants) -> list:
+    """The bench's plan for nccl_cadence alone on the CPU pair (no solo, peers or DDP runs),
+    with `variants` (e.g. timeline=[Mode.nccl_cadence]) adding its extra entries."""
+    cfg = BenchRunConfig(bench=BenchConfig(modes=[Mode.nccl_cadence], solo=False, runner_solo=False,
+                                           torch_ddp=False, torch_localsgd=False, **variants),
+                         cluster=ClusterConfig(topology=Topology.cpu, num_ranks=2))
+    return plan(cfg, _pair_rig())

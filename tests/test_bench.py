@@ -32,7 +32,7 @@ from flodl_run.bench.run import (
 )
 from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology
 from flodl_run.contracts.summary import Summary
-from tests.support import _pair_rig, _summary
+from tests.support import _pair_rig, _summary, cadence_bench_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ('bench.recipes=[{name:synthetic_mlp,overrides:["recipe.params.num_samples=512",'
@@ -228,3 +228,14 @@ def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):
     assert [m.step for m in client.get_metric_history(solo.info.run_id, "eval")] == [0, 1]
     cadence = next(c for c in children if c.data.tags["entry"] == "nccl_cadence")
     assert cadence.info.status == "FAILED"
+
+
+def test_bench_deadline_adds_the_deadline_variant_next_to_the_count_entry():
+    """Pins `bench.deadline=[mode]`: one more run of the mode with elche.window_end=deadline,
+    named `<mode>+deadline`, after the mode's own (count) entry; the count entry keeps the
+    default window end."""
+    jobs = cadence_bench_jobs(deadline=[Mode.nccl_cadence])
+    assert [j.name for j in jobs] == ["nccl_cadence", "nccl_cadence+deadline"]
+    assert "elche.window_end=deadline" in jobs[1].overrides
+    assert not any(o.startswith("elche.window_end") for o in jobs[0].overrides)
+    assert "elche=nccl_cadence" in jobs[1].overrides and jobs[1].mode == "nccl_cadence"

@@ -20,6 +20,7 @@ from flodl_run.config.schema import (
     SshConfig,
     Topology,
     TrackingKind,
+    WindowEnd,
     WorkerConfig,
 )
 from flodl_run.config.validate import resolve, validate
@@ -162,6 +163,8 @@ WARNINGS = [
     ("batch_diff_collective", dict(elche__max_batch_diff=2), "elche.max_batch_diff"),
     ("relax_up_sync", dict(elche__mode=Mode.cpu_sync, elche__anchor=1, elche__relax_up=True),
      "elche.relax_up"),
+    ("deadline_sync", dict(elche__mode=Mode.cpu_sync, elche__anchor=1,
+                           elche__window_end=WindowEnd.deadline), "elche.window_end"),
     ("outer_none_momentum", dict(outer__momentum=0.9), "outer.lr/outer.momentum"),
     ("max_failure_above_world", dict(max_failure__absolute=3, **cpu(2)), "max_failure.absolute"),
     ("checkpoint_at_epoch_sync", dict(elche__mode=Mode.nccl_sync, checkpoint_at_epoch=1),
@@ -181,7 +184,7 @@ def test_knob_without_effect_is_a_warning_not_an_error(changes, key):
 def test_knobs_in_their_own_mode_do_not_warn():
     """Pins: warning about easgd_alpha/max_overshoot where they do work (cpu_async)."""
     cfg = make(elche__mode=Mode.cpu_async, elche__easgd_alpha=0.5, elche__max_overshoot=4,
-               outer__kind=OuterKind.slowmo, outer__momentum=0.9)
+               elche__window_end=WindowEnd.deadline, outer__kind=OuterKind.slowmo, outer__momentum=0.9)
     assert validate(cfg).warnings == []
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_run.control.dispatch import epoch_span, equal_split, largest_remainder, take, window_samples
+from flodl_run.control.dispatch import (
+    epoch_span,
+    equal_split,
+    largest_remainder,
+    split_trained,
+    take,
+    window_samples,
+)
 
 
 def test_epoch_splits_cut_a_pass_into_contiguous_spans():
@@ -58,3 +65,14 @@ def test_progressive_dispatch_covers_every_sample_once(n, batch, counts):
 def test_largest_remainder_sums_exactly(total, weights):
     """Invariant: apportioned integers always sum to the total."""
     assert sum(largest_remainder(total, weights)) == total
+
+
+def test_split_trained_cuts_after_the_batches_a_deadline_window_ran():
+    """Pins: a deadline window's untrained samples computed as a rank did not cut them (each
+    slice batched on its own, its last batch short): samples trained twice or never."""
+    slices = [(0, 0, 10), (0, 40, 7)]  # batches of 4: 4+4+2, then 4+3
+    assert split_trained(slices, 0, 4) == ([], slices)
+    assert split_trained(slices, 2, 4) == ([(0, 0, 8)], [(0, 8, 2), (0, 40, 7)])
+    assert split_trained(slices, 3, 4) == ([(0, 0, 10)], [(0, 40, 7)])
+    assert split_trained(slices, 4, 4) == ([(0, 0, 10), (0, 40, 4)], [(0, 44, 3)])
+    assert split_trained(slices, 5, 4) == (slices, [])

@@ -22,7 +22,7 @@ from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureCon
 from flodl_run.contracts.checkpoint import read_meta
 from flodl_run.contracts.wire import AbortGroup
 from flodl_run.observe.observer import Observer
-from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
+from tests.fakes import NUM_SAMPLES, Coverage, Fault, cohort, drive
 
 pytestmark = pytest.mark.coordinator
 
@@ -52,30 +52,8 @@ def _run(mode: str, faults, ranks: int = 3, epochs: int = 2, beat_s: float = 1.0
     return summary, fakes, group, events
 
 
-class _Coverage:
-    """Whether the consensus trained on every sample of `epochs` passes exactly once; false,
-    it shows what was missing or counted twice, and the group's rounds (for a failure)."""
-
-    def __init__(self, group, epochs: int):
-        seen = group.consensus()
-        expected = {(e, i) for e in range(epochs) for i in range(NUM_SAMPLES)}
-        self.missing = sorted(expected - set(seen))
-        self.twice = sorted(key for key, times in seen.items() if times > 1)
-        self.extra = sorted(set(seen) - expected)
-        self.rounds = sorted(group.ledger)
-        self.retried, self.mixed = group.retried, group.mixed
-
-    def __bool__(self) -> bool:
-        return not (self.missing or self.twice or self.extra)
-
-    def __repr__(self) -> str:
-        return (f"missing {len(self.missing)} {self.missing[:8]}, twice {len(self.twice)} "
-                f"{self.twice[:8]}, extra {self.extra[:8]}; ledger (round, rank) {self.rounds}; "
-                f"retried rounds {self.retried}; mixed {self.mixed}")
-
-
-def _every_sample_once(group, epochs: int) -> _Coverage:
-    return _Coverage(group, epochs)
+def _every_sample_once(group, epochs: int) -> Coverage:
+    return Coverage(group, epochs)
 
 
 # ---- deaths -------------------------------------------------------------------------------------

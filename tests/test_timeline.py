@@ -232,15 +232,10 @@ def test_bench_runs_a_mode_again_with_the_timeline_and_reports_its_cost(tmp_path
     whose recording share is the trace's per-batch recording time over its mean batch time
     (positive, and small for millisecond batches); other entries carry neither."""
     from flodl_run.bench.report import RecipeBench, RunOutcome, bench_document
-    from flodl_run.bench.run import BenchConfig, BenchRunConfig, plan
-    from flodl_run.config.schema import ClusterConfig, Mode, Topology
-    from tests.support import _pair_rig, _summary
+    from flodl_run.config.schema import Mode
+    from tests.support import _summary, cadence_bench_jobs
 
-    cfg = BenchRunConfig(bench=BenchConfig(modes=[Mode.nccl_cadence], timeline=[Mode.nccl_cadence],
-                                           solo=False, runner_solo=False, torch_ddp=False,
-                                           torch_localsgd=False),
-                         cluster=ClusterConfig(topology=Topology.cpu, num_ranks=2))
-    jobs = plan(cfg, _pair_rig())
+    jobs = cadence_bench_jobs(timeline=[Mode.nccl_cadence])
     assert [j.name for j in jobs] == ["nccl_cadence", "nccl_cadence+timeline"]
     assert "timeline=true" in jobs[1].overrides and "timeline=true" not in jobs[0].overrides
     assert "elche=nccl_cadence" in jobs[1].overrides

@@ -77,6 +77,9 @@ class BenchConfig:
     timeline: List[Mode] = field(default_factory=list)
     """Modes run once more with timeline=true (entry `<mode>+timeline`): the timeline's cost,
     as its samples/s over the plain run's and as recording time per batch in its trace."""
+    deadline: List[Mode] = field(default_factory=list)
+    """Modes run once more with elche.window_end=deadline (entry `<mode>+deadline`), next to the
+    count windows of the mode's own entry (cadence and async modes; a sync mode ignores it)."""
     epochs: int = 5
     """Epochs of every run; >= 1."""
     batch_size: int = 32
@@ -253,9 +256,12 @@ def plan(cfg: BenchRunConfig, rig: Rig) -> List[Job]:
                 jobs.append(Job(name, label, "flodl_run", mode.value, outer.value, _last_wins(
                     [*rig_overrides, f"elche={mode.value}", f"outer={outer.value}",
                      *_common(b, recipe)])))
-        for mode in dict.fromkeys(b.timeline):
-            jobs.append(Job(f"{mode.value}+timeline", label, "flodl_run", mode.value, "none", _last_wins(
-                [*rig_overrides, f"elche={mode.value}", *_common(b, recipe), "timeline=true"])))
+        for variant, modes, override in (("timeline", b.timeline, "timeline=true"),
+                                         ("deadline", b.deadline, "elche.window_end=deadline")):
+            for mode in dict.fromkeys(modes):
+                jobs.append(Job(f"{mode.value}+{variant}", label, "flodl_run", mode.value, "none",
+                                _last_wins([*rig_overrides, f"elche={mode.value}",
+                                            *_common(b, recipe), override])))
         if b.torch_localsgd:
             jobs.append(Job("torch_localsgd", label, "torch_localsgd", "torch_localsgd", "none",
                             _last_wins([*rig_overrides, *_common(b, recipe)]),

@@ -52,6 +52,14 @@ class SyncAverage(str, enum.Enum):
     params = "params"
 
 
+class WindowEnd(str, enum.Enum):
+    """When a cadence window ends: every rank has run its planned count, or a deadline has
+    passed (the anchor rank's planned count at its measured speed; counts become what fit)."""
+
+    count = "count"
+    deadline = "deadline"
+
+
 class OuterKind(str, enum.Enum):
     """Outer optimizer applied to the consensus."""
 
@@ -144,6 +152,10 @@ class ElCheConfig:
     """nccl_sync only: grads (exact, work-weighted gradient all-reduce) or params (floDl's)."""
     micro_batch_size: Optional[int] = None
     """nccl_sync grads: largest micro-batch a rank computes at once, in samples; null = batch_size."""
+    window_end: WindowEnd = WindowEnd.count
+    """Cadence and async modes: a window ends on the planned counts (count) or once the anchor
+    rank's planned count should have taken (deadline: each rank stops after the batch in hand,
+    its untrained batches go back to the pool); sync modes always end on counts."""
 
     @property
     def averages_gradients(self) -> bool:

@@ -24,6 +24,7 @@ from flodl_run.config.schema import (
     Topology,
     TrackingConfig,
     TrackingKind,
+    WindowEnd,
 )
 
 # Keys whose cross-rank roll-up the runtime fixes: users may not redeclare them.
@@ -188,6 +189,9 @@ def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
     if e.micro_batch_size is not None and not e.averages_gradients:
         yield (f"elche.micro_batch_size={e.micro_batch_size} has no effect in mode {e.mode.value}"
                " (nccl_sync with sync_average=grads only)")
+    if e.window_end is not WindowEnd.count and e.mode.is_sync:
+        yield (f"elche.window_end={e.window_end.value} has no effect in mode {e.mode.value}: "
+               "sync modes reduce every step")
     if e.relax_up and e.mode.is_sync:
         yield f"elche.relax_up has no effect in mode {e.mode.value}: sync modes reduce every step"
 

@@ -60,6 +60,9 @@ class ReduceRecord:
     """Per rank: cosine between its window update and the consensus's (None: not measured)."""
     magnitude: List[Optional[float]] = field(default_factory=list)
     """Per rank: ||its window update|| / ||the consensus's|| (None: not measured)."""
+    left: List[int] = field(default_factory=list)
+    """Per rank: batches of the window just reduced that its deadline left untrained
+    (elche.window_end=deadline; they went back to the pool); empty where not tallied."""
 
 
 @dataclass

@@ -102,6 +102,9 @@ class WindowDone(Message):
     window_wall_ms: float = 0.0
     """nccl_sync (gradients): the window's wall, the waits at each step's all-reduce included
     (`wall_ms` is compute only, up to each step's gradient being ready: the rank's speed)."""
+    left: int = 0
+    """Batches of the order not trained (its deadline passed first): the last `left` of them,
+    batches being trained in order; their samples go back to the epoch's pool."""
 
 
 class WindowFailed(Message):
@@ -242,6 +245,10 @@ class Train(Message):
     (the slices hold them back to back); empty for every other mode."""
     totals: List[int] = []
     """... and each step's samples over all ranks: the rank's gradient weighs share / total."""
+    deadline_ms: Optional[float] = None
+    """Cadence and async, elche.window_end=deadline: stop once this long has passed since the
+    rank began the window (after the batch in hand); `num_batches` stays the most it trains.
+    None: train every batch (a count window, or no timings yet)."""
 
 
 class Update(Message):

@@ -93,6 +93,22 @@ def cut_step(slices: Sequence[SliceT], shares: Sequence[int]) -> List[List[Slice
     return pieces
 
 
+def split_trained(slices: Sequence[SliceT], batches: int,
+                  batch_size: int) -> Tuple[List[SliceT], List[SliceT]]:
+    """An order's slices split after its first `batches` batches: (trained, left). A rank cuts
+    each slice into batches on its own (the last one may be short) and trains them in order."""
+    trained: List[SliceT] = []
+    left: List[SliceT] = []
+    for pass_index, offset, size in slices:
+        n = min(size, max(0, batches) * batch_size)
+        batches -= slice_batches(size, batch_size)
+        if n:
+            trained.append((pass_index, offset, n))
+        if n < size:
+            left.append((pass_index, offset + n, size - n))
+    return trained, left
+
+
 def as_range(piece: SliceT) -> List[int]:
     """A slice (pass, offset, size) as the [pass, start, end] range a bundle's coverage holds."""
     pass_index, offset, size = piece

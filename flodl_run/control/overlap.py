@@ -135,7 +135,8 @@ class AsyncLoop:
     def _on_window_done(self, done: WindowDone) -> None:
         self.tallies[done.epoch].add_done(done)
         self.outstanding[done.epoch] -= 1
-        chunk = self.in_hand[done.rank].pop(0)
+        epoch, slices = self.in_hand[done.rank].pop(0)
+        chunk = (epoch, self._take_back(done, epoch, slices))
         # A window the rank finished before it handled the in-flight SyncNow went into that
         # round's snapshot; one finished after belongs to the next gate.
         later = self.snapshots is not None and done.reduces_seen >= self.rounds_started
@@ -146,6 +147,13 @@ class AsyncLoop:
         self.windows.progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
         self._give(done.rank)
         self._maybe_start_round()
+
+    def _take_back(self, done: WindowDone, epoch: int, slices: list) -> list:
+        """What the rank trained of its chunk; what a deadline window left goes back to the
+        epoch's pool (handed out first) and out of the rank's holdings."""
+        if done.left:
+            self.dispatch_epoch = min(self.dispatch_epoch, epoch)
+        return self.windows.take_back(done, slices, self.pools[epoch])
 
     def _maybe_start_round(self) -> None:
         """Reduce once every rank reached its count (ranks without data count as done)."""
@@ -208,7 +216,7 @@ class AsyncLoop:
         stop = self.reduces.tally_nonfinite()
         self.reduces.send_updates(result, {})
         self.reduces.note_alignment()  # off the round trip the ranks wait for
-        self.reduces.observe_reduce(epoch, sync_ms, divergence)
+        self.reduces.observe_reduce(epoch, sync_ms, divergence, self.window)
         self.reduces.clear_late()
         if stop:
             self.reduces.fail_nonfinite(self.closed, self._uncovered(self.closed))

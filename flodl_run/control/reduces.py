@@ -162,7 +162,7 @@ class Reduces:
         # progress) take their time
         if not self.mode.is_collective:
             self.note_alignment()
-        self.observe_reduce(epoch, sync_ms, divergence)
+        self.observe_reduce(epoch, sync_ms, divergence, window)
         self._maybe_report(epoch, epoch_tally)
         if stop:  # every rank has adopted the consensus by now: that is what gets saved
             self.fail_nonfinite(epoch, self._uncovered_now())
@@ -467,13 +467,17 @@ class Reduces:
             epoch, tally.reports, fraction, self.global_step, loss / max(batches, 1),
             roll_up(tally.scalars, self.config.scalar_reductions)))
 
-    def observe_reduce(self, epoch: int, sync_ms: float, divergence: float) -> None:
+    def observe_reduce(self, epoch: int, sync_ms: float, divergence: float,
+                       window: Optional[WindowTally] = None) -> None:
+        """The reduce's record (ElChe's plan for the next window, the alignment, what the
+        window's deadlines left), then ElChe's events."""
         plan = self.balance.plan
         parts = [self._alignment.get(r, (None, None)) for r in range(self.world_size)]
         self._alignment = {}
         self.observer.on_reduce(ReduceRecord(
             self.round, epoch, sync_ms, divergence, plan.anchor, plan.anchor_rank,
             list(plan.batch_counts), plan.overhead, str(plan.verdict), plan.phase.name.lower(),
-            plan.nudge_factor, [c for c, _ in parts], [m for _, m in parts]))
+            plan.nudge_factor, [c for c, _ in parts], [m for _, m in parts],
+            list(window.left) if window is not None else []))
         for event in plan.events:
             self.observer.on_event(event.kind, event.message)

@@ -93,6 +93,11 @@ class Balance:
     def smoothed_ms(self) -> List[Optional[float]]:
         return self.elche.smoothed_ms() if self.elche is not None else []
 
+    def window_ms(self) -> Optional[float]:
+        """How long the window of the current plan lasts when windows end on a deadline (ElChe's
+        window_ms); None before ElChe has the anchor rank's timing."""
+        return self.elche.window_ms() if self.elche is not None else None
+
     def forget_rank(self, rank: int) -> None:
         if self.elche is not None:
             self.plan = self.elche.forget_rank(rank)
@@ -130,6 +135,13 @@ class Holdings:
     def reset(self, kept: Dict[int, List[Chunk]]) -> None:
         """After a round: each live rank now holds only `kept[rank]`."""
         self.chunks = {r: list(chunks) for r, chunks in kept.items()}
+
+    def trim(self, rank: int, epoch: int, sent: Sequence[SliceT], trained: Sequence[SliceT]) -> None:
+        """An order ended on its deadline: the rank holds only what it trained of it (the rest
+        went back to the pool, and must not be given back a second time if the rank dies)."""
+        self.forget(rank, epoch, sent)
+        if trained:
+            self.note(rank, epoch, trained)
 
     def of(self, rank: int) -> List[Chunk]:
         return self.chunks.get(rank, [])

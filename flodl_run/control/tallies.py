@@ -23,10 +23,12 @@ class WindowTally:
     loss_sum: List[float]
     lr: List[Optional[float]]
     scalars: Dict[str, List[float]] = field(default_factory=dict)
+    left: List[int] = field(default_factory=list)
+    """Batches each rank's deadline left untrained (given back to the pool)."""
 
     @classmethod
     def empty(cls, n: int) -> "WindowTally":
-        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n)
+        return cls([0] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [None] * n, left=[0] * n)
 
     def drop(self, ranks: Set[int]) -> None:
         """Dead ranks contributed nothing that survives: their work is redone."""
@@ -42,6 +44,7 @@ class WindowTally:
         self.wall_ms[r] += done.wall_ms
         self.loss_sum[r] += done.loss_sum
         self.lr[r] = done.lr
+        self.left[r] += done.left
         merge(self.scalars, done.scalars)
 
 

@@ -10,9 +10,16 @@ import logging
 import time
 from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
-from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
-from flodl_run.control.dispatch import EpochPool, as_range, equal_split, window_samples
+from flodl_run.control.dispatch import (
+    EpochPool,
+    SliceT,
+    as_range,
+    equal_split,
+    split_trained,
+    window_samples,
+)
 from flodl_run.control.runstate import Balance, Holdings, Next, Send, StopRequest
 from flodl_run.control.tallies import EpochTally, WindowTally
 
@@ -24,8 +31,9 @@ log = logging.getLogger(__name__)
 class Windows:
     """Hands out data and collects windows until the reduce gate opens (sync and cadence).
 
-    Owns: the epoch's pools (where a dead rank's work goes back, `give_back`), the window
-    number Train orders carry, and nccl_sync's orders sent ahead of the reduce they follow
+    Owns: the epoch's pools (where a dead rank's work goes back, `give_back`, and what a
+    deadline window left untrained, `take_back`), the window number and deadline Train orders
+    carry, and nccl_sync's orders sent ahead of the reduce they follow
     (`orders_ahead`; `cancel_ahead` voids them on a regroup and gives their batches back).
     Given: the world size, mode and config; the membership (who is alive, whether a regroup
     is due); the reduces (`reduce`, `sync_now`, the round and step counters, whether a
@@ -129,7 +137,8 @@ class Windows:
                 for rank, order in trains.items():
                     self._send(rank, order)
             window = WindowTally.empty(self.world_size)
-            self._collect_windows(set(trains), window, epoch, epoch_tally)
+            self._collect_windows(trains, window, epoch, epoch_tally,
+                                  pool_of=lambda rank: pool if parts is None else parts[rank])
             folded = all(order.then_sync is not None for order in trains.values())
             more = self._pools_remaining() and not self.stop.is_set()
             trains = self._reduce(window, epoch_tally, epoch, plan_window if more else None,
@@ -303,13 +312,37 @@ class Windows:
 
     def train_order(self, epoch: int, slices: list, overshoot: int = 0,
                      then_sync: Optional[SyncNow] = None, ahead_of: int = 0) -> Train:
-        """`ahead_of`: an order of the next window, sent before the reduce of round `ahead_of`."""
+        """`ahead_of`: an order of the next window, sent before the reduce of round `ahead_of`.
+        With elche.window_end=deadline a cadence or async order carries the plan's duration."""
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
         return Train(self.window + (1 if ahead_of else 0), epoch, slices, batches, overshoot, then_sync,
-                     after_round=ahead_of)
+                     after_round=ahead_of, deadline_ms=self._deadline_ms())
 
-    def _collect_windows(self, waiting: Set[int], window: WindowTally, epoch: int,
-                         epoch_tally: EpochTally) -> None:
+    def _deadline_ms(self) -> Optional[float]:
+        """The window's deadline: deadline windows in the cadence and async modes, once ElChe
+        timed the anchor rank; None ends the window on its counts."""
+        if self.config.elche.window_end is not WindowEnd.deadline or self.mode.is_sync:
+            return None
+        return self.balance.window_ms()
+
+    def take_back(self, done: WindowDone, slices: List[SliceT], pool: EpochPool) -> List[SliceT]:
+        """What the rank trained of the order of `slices` it reports on; the batches it left
+        (its deadline passed first) go back to `pool` and out of its holdings, so each sample
+        is still trained once in the epoch. A dead rank's report changes nothing (all it held
+        went back already)."""
+        if not done.left:
+            return slices
+        trained, left = split_trained(slices, done.batches, self.config.batch_size)
+        if done.rank in self.alive:
+            pool.give_back(left)
+            self.holdings.trim(done.rank, done.epoch, slices, trained)
+        return trained
+
+    def _collect_windows(self, trains: Dict[int, Train], window: WindowTally, epoch: int,
+                         epoch_tally: EpochTally, pool_of: Callable[[int], EpochPool]) -> None:
+        """Every live rank's report of its order; what a deadline window left untrained goes
+        back to the rank's pool (`pool_of`) before the reduce."""
+        waiting = set(trains)
         while True:
             waiting &= self.alive
             if not waiting:
@@ -318,6 +351,7 @@ class Windows:
             if done is None:
                 continue
             waiting.discard(done.rank)
+            self.take_back(done, trains[done.rank].slices, pool_of(done.rank))
             window.add(done)
             self.progress(epoch, epoch_tally, window, done)
 

@@ -32,6 +32,20 @@ class Job:
     step_ms: List[float] = field(default_factory=list)
     micro: List[Any] = field(default_factory=list)
     """nccl_sync (gradients): the exact step's micro-batch of each batch (rank.exact.Micro)."""
+    began: Optional[float] = None
+    """perf_counter when its first batch began: where a deadline window's deadline counts from."""
+
+    def is_over(self, now: float) -> bool:
+        """Every batch trained, or (a deadline window) its deadline passed since it began."""
+        if self.done >= len(self.batches):
+            return True
+        deadline_ms = self.order.deadline_ms
+        return bool(deadline_ms) and self.began is not None and (now - self.began) * 1000.0 >= deadline_ms
+
+    @property
+    def left(self) -> int:
+        """Batches of the order not trained (a deadline window that ended early)."""
+        return len(self.batches) - self.done
 
 
 class BatchCutter:

@@ -265,6 +265,8 @@ class RankWorker:
         job = self.jobs[0]
         indices = job.batches[job.done]
         began, began_ns = time.perf_counter(), self.recorder.now()
+        if job.began is None:
+            job.began = began
         batch = self.source.gather(indices, self.jobs)
         data_ns = self.recorder.now()
         self._reported = None
@@ -279,8 +281,9 @@ class RankWorker:
         loss, self._reported = self._reported, None
         if loss is not None:  # read at window end
             job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss
-        last = job.done + 1 == len(job.batches)
-        self._settle_step(began, timed=job.done == 0 or last, emulate=not job.micro)
+        # a deadline window reads the clock after every batch, so each waits for the device
+        timed = job.done == 0 or job.done + 1 == len(job.batches) or bool(job.order.deadline_ms)
+        self._settle_step(began, timed=timed, emulate=not job.micro)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
         self.recorder.batch(began_ns, data_ns, self._batches_total)
         job.done += 1
@@ -290,7 +293,7 @@ class RankWorker:
         self.env.faults.after_batch(self.env.rank, self._batches_total, self._hang)
         if self._sync_pending:
             self._overshoot_used += 1
-        if last:
+        if job.is_over(time.perf_counter()):
             self.jobs.popleft()
             self._window_done(job)
 
@@ -325,7 +328,7 @@ class RankWorker:
             0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
             skipped=exact.window_skipped() if exact else 0, window_wall_ms=sum(job.step_ms),
-            **self.source.take_stats()))
+            left=job.left, **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
         if order.then_sync is not None:  # the coordinator folded the SyncNow into the order

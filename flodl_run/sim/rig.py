@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from flodl_run.config.schema import ElCheConfig, Mode
+from flodl_run.config.schema import ElCheConfig, Mode, WindowEnd
 from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
 
 
@@ -24,13 +24,6 @@ class TableStyle(str, enum.Enum):
     full = "full"
     compact = "compact"
     none = "none"
-
-
-class WindowEnd(str, enum.Enum):
-    """When a window ends: every rank has run its planned count, or a deadline has passed."""
-
-    count = "count"
-    deadline = "deadline"
 
 
 @dataclass
@@ -307,8 +300,10 @@ def simulate(sim: SimConfig, elche_config: ElCheConfig,
 
 
 def _ends_on_deadline(sim: SimConfig, elche_config: ElCheConfig) -> bool:
-    """Deadline windows in the cadence and async modes; a sync mode reduces after every step."""
-    return sim.window_end is WindowEnd.deadline and not elche_config.mode.is_sync
+    """Deadline windows in the cadence and async modes (sim.window_end, or the real runs'
+    elche.window_end); a sync mode reduces after every step."""
+    ends = (sim.window_end, elche_config.window_end)
+    return WindowEnd.deadline in ends and not elche_config.mode.is_sync
 
 
 def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
