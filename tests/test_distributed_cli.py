@@ -42,9 +42,9 @@ def test_cpu_async_with_diloco_completes(tmp_path):
 
 
 def test_nccl_sync_on_equal_ranks_splits_every_step_evenly_in_few_windows(lockstep_run):
-    """Pins the exact path on a homogeneous rig: every global step of 64 samples is split 32/32
-    (the last, 29 samples, 15/14) while the ranks' speeds stay within 10% of each other (exact
-halves are pinned in test_shares.py; a loaded machine may slow one rank more); the control
+    """Pins the exact path on a homogeneous rig: every global step of 64 samples is split by the
+    ranks' measured speeds (32/32 while they stay within 10% of each other, pinned in
+    test_shares.py; a loaded machine, as the suite's, may slow one rank more); the control
     plane meets the ranks once per window of steps, far fewer times than the 23 steps. Rank
     logs, cli.log and events.jsonl are not empty; with FLODL_RUN_WAITS=1 each rank's log ends
     its run with where its idle time went (one JSON line: waits per fact -> order, handling

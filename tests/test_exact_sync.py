@@ -83,22 +83,16 @@ def test_equal_shares_with_sgd_momentum_match_one_process(tmp_path):
     assert _matches(state, _reference("sgd"))
 
 
-def test_unequal_shares_with_adamw_match_one_process_and_not_equal_weights(tmp_path):
-    """Pins the weight share / total: with shares 3:1 of every step (48 and 16 samples), AdamW's
-    parameters match one process; the same split averaged with equal weights (DDP's plain mean
-    over uneven batches) ends measurably elsewhere, so a weight that is off would fail here."""
-    state = _trained(tmp_path, "+recipe.params.optimizer=adamw", "elche.partition_ratios=[3,1]")
-    assert _matches(state, _reference("adamw"))
-    assert not _matches(state, _reference("adamw", weights=[0.5, 0.5], shares=[3, 1]))
-
-
-def test_a_share_cut_into_micro_batches_matches_one_process(tmp_path):
-    """Pins gradient accumulation: with elche.micro_batch_size=16 rank 0's 48 samples of a step
-    are three micro-batches (synced on the last only, each loss scaled by 16/48); AdamW still
-    lands on the one-process parameters."""
+def test_unequal_shares_cut_into_micro_batches_match_one_process_and_not_equal_weights(tmp_path):
+    """Pins the weight share / total and gradient accumulation in one run: with shares 3:1 of
+    every step (48 and 16 samples) and elche.micro_batch_size=16, rank 0's share is three
+    micro-batches (synced on the last only, each loss scaled by 16/48); AdamW's parameters match
+    one process. The same split averaged with equal weights (DDP's plain mean over uneven
+    batches) ends measurably elsewhere, so a weight that is off would fail here."""
     state = _trained(tmp_path, "+recipe.params.optimizer=adamw", "elche.partition_ratios=[3,1]",
                      "elche.micro_batch_size=16")
     assert _matches(state, _reference("adamw"))
+    assert not _matches(state, _reference("adamw", weights=[0.5, 0.5], shares=[3, 1]))
 
 
 def test_averaging_parameters_after_each_step_is_not_exact(tmp_path):
