@@ -120,8 +120,9 @@ def main() -> None:
             if device.type == "cuda":
                 peak[label] = max(peak[label], torch.cuda.max_memory_allocated(device))
     bare = statistics.median(times["bare"])
-    print(f"{args.recipe} batch {args.batch} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
-          f"{' (compiled)' if args.compile else ''}: median of {args.rounds} rounds x {args.steps} steps")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{args.recipe} batch {args.batch} on {where}{' (compiled)' if args.compile else ''}: "
+          f"median of {args.rounds} rounds x {args.steps} steps")
     for label, values in times.items():
         ms = statistics.median(values)
         print(f"  {label:13s} {ms:8.3f} ms/step  {bare / ms:5.3f}x bare  peak {peak[label] / 2**30:5.2f} GiB"

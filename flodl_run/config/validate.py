@@ -185,7 +185,8 @@ def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
         yield (f"elche.max_batch_diff={e.max_batch_diff} has no effect in mode {e.mode.value}: "
                "the collective paces the ranks")
     if e.mode is not Mode.nccl_sync and e.sync_average is not SyncAverage.grads:
-        yield f"elche.sync_average={e.sync_average.value} has no effect in mode {e.mode.value} (nccl_sync only)"
+        yield (f"elche.sync_average={e.sync_average.value} has no effect in mode {e.mode.value} "
+               "(nccl_sync only)")
     if e.micro_batch_size is not None and not e.averages_gradients:
         yield (f"elche.micro_batch_size={e.micro_batch_size} has no effect in mode {e.mode.value}"
                " (nccl_sync with sync_average=grads only)")

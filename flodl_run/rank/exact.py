@@ -194,7 +194,8 @@ class ExactSync:
             optimizer.step()
         finally:
             del optimizer.found_inf, optimizer.grad_scale
-        self._skipped_on_device = found if self._skipped_on_device is None else self._skipped_on_device + found
+        before = self._skipped_on_device
+        self._skipped_on_device = found if before is None else before + found
         if self.replica.scheduler is not None:
             self.replica.scheduler.step()
         self.replica.steps += 1
