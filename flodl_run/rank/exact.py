@@ -78,10 +78,6 @@ def _weighted_all_reduce(state, bucket):  # unannotated: DDP checks real annotat
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class CollectiveFailed(RuntimeError):
-    """A step's collective broke (a peer died, the group was aborted): no optimizer step."""
-
-
 class ExactSync:
     """One rank's exact steps. `rebuild()` after every group join; `begin(micro)` before each
     micro-batch the loop trains, whose `step(batch)` is what `worker.step` runs."""
@@ -94,7 +90,6 @@ class ExactSync:
         self.ddp: Optional[DistributedDataParallel] = None
         self._micro: Optional[Micro] = None
         self._began = 0.0
-        self._ready: Optional[float] = None
         self._events: List[Tuple[Any, Any]] = []  # CUDA: (step start, gradient ready) per step
         self.compute_ms = 0.0  # host-timed steps of the window (CPU, or a lone GPU rank)
         self.steps = 0  # optimizer steps taken (skipped ones included) in the window
@@ -222,7 +217,7 @@ class ExactSync:
     # ---- timing --------------------------------------------------------------------------
 
     def _start_clock(self) -> None:
-        self._began, self._ready = time.perf_counter(), None
+        self._began = time.perf_counter()
         if self.device.type == "cuda" and self.ddp is not None:  # alone, the window's wall is it
             start = torch.cuda.Event(enable_timing=True)
             start.record()
