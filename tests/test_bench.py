@@ -184,7 +184,7 @@ def test_smallest_bench_end_to_end(tmp_path):
     assert ddp["ratio_to_torch_ddp"] == pytest.approx(1.0) and ddp["syncs"] > 0
     assert ddp["x_ddp_to_quality"] == 1.0 and doc["recipes"][0]["quality_bar"] == ddp["final_eval"]
     ddp_row = next(line for line in done.stdout.splitlines() if line.startswith(" torch_ddp "))
-    assert ddp_row.split()[2] == "1.00"  # the headline column: x DDP to quality
+    assert ddp_row.split("\u2502")[2].strip() == "1.00"  # the headline: x DDP to quality
     assert "quality bar: torch_ddp's final eval" in done.stdout
     assert lsgd["ratio_to_torch_localsgd"] == pytest.approx(1.0)
     cadence_summary = json.loads(Path(cadence["run_dir"], "summary.json").read_text())

@@ -1,6 +1,7 @@
 """The benchmark's figures and outputs: one entry per run from its summary.json, the ratios to
-the ideal and to the torch peers (DDP, local SGD), time-to-target, bench.json, bench.md, the
-terminal table and the plot of eval against training time.
+the ideal and to the torch peers (DDP, local SGD), time to DDP's quality (torch_ddp's final eval)
+and to the declared target, bench.json, bench.md, the terminal table and the plot of eval
+against training time.
 
 Owns arithmetic and layout only. Which runs exist, how they are started and where the files go
 is `bench`'s business; MLflow is `benchtrack`'s.
