@@ -75,6 +75,21 @@ def test_plan_runs_solo_at_each_speed_then_peers_then_modes_by_outer():
     assert jobs[-1].period is None  # resolved from nccl_cadence's run before it starts
 
 
+def test_evals_per_epoch_splits_every_runs_epochs_and_one_leaves_them_whole():
+    """Pins the sub-epoch evals of time to quality: bench.evals_per_epoch=3 gives every run (the
+    peers' too) data.epoch_splits=3, so each scores 3 times a pass; a user's own
+    data.epoch_splits in bench.overrides wins; 1 adds nothing (runs keep their whole epochs)."""
+    def splits(bench):
+        jobs = plan(BenchRunConfig(bench=bench), _pair_rig())
+        return {j.name: [o for o in j.overrides if o.startswith("data.epoch_splits")] for j in jobs}
+
+    assert set(map(tuple, splits(BenchConfig(modes=[Mode.nccl_sync], evals_per_epoch=3)).values())) \
+        == {("data.epoch_splits=3",)}
+    mine = BenchConfig(modes=[Mode.nccl_sync], evals_per_epoch=3, overrides=["data.epoch_splits=2"])
+    assert splits(mine)["torch_ddp"] == ["data.epoch_splits=2"]
+    assert set(map(tuple, splits(BenchConfig(modes=[Mode.nccl_sync])).values())) == {()}
+
+
 def test_localsgd_period_is_cadence_mean_local_steps_per_reduce():
     """Pins torch_localsgd's default period: nccl_cadence's batches per rank per reduce in the
     same round (samples / batch / world / syncs, rounded, >= 1); 8 without a completed run."""
@@ -136,11 +151,11 @@ def test_time_to_target_is_cumulative_training_time_or_not_reached():
 
 def test_check_reports_every_problem_with_its_key():
     """Pins the config rules that are the bench's own (exit 2 names the dotted key)."""
-    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, batch_size=0, recipes=[], outers=[],
-                                           timeout_s=0))
+    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, evals_per_epoch=0, batch_size=0,
+                                           recipes=[], outers=[], timeout_s=0))
     one_rank = Rig("solo", (), ClusterConfig(topology=Topology.solo), 1)
     keys = [p.key for p in check(cfg, one_rank)]
-    assert keys == ["bench.epochs", "bench.batch_size", "bench.timeout_s", "bench.recipes",
+    assert keys == ["bench.epochs", "bench.evals_per_epoch", "bench.batch_size", "bench.timeout_s", "bench.recipes",
                     "bench.outers", "cluster"]
 
 

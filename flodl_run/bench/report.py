@@ -241,9 +241,9 @@ TERMINAL_COLUMNS = (("entry", "name"), ("status", "status"),
                     ("x DDP to\nquality", "x_ddp_to_quality"),
                     ("time to\nquality s", "time_to_ddp_quality_s"),
                     ("samples/s", "samples_per_s"), ("x\nideal", "ratio_to_ideal"),
-                    ("x torch\nDDP", "ratio_to_torch_ddp"), ("final\neval", "final_eval"),
-                    ("syncs", "syncs"))
-"""The terminal's: what ranks the entries, in a width a terminal has (the rest: bench.md)."""
+                    ("x torch\nDDP", "ratio_to_torch_ddp"), ("final\neval", "final_eval"))
+"""The terminal's: what ranks the entries, in a width a terminal has (the rest, syncs included:
+bench.md)."""
 MARKERS = "osD^v<>pXh"
 
 
