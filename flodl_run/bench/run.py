@@ -84,8 +84,8 @@ class BenchConfig:
     """Epochs of every run; >= 1."""
     evals_per_epoch: int = 1
     """Evals per epoch of every run, for time to quality: > 1 cuts each epoch (pass over the
-    data) into that many run epochs (data.epoch_splits), each scored; >= 1, at most the batches
-    of a rank's pass."""
+    data) into that many run epochs (data.epoch_splits), each scored; >= 1 (and, as
+    data.epoch_splits, at most the batches of a pass; keep it well under a rank's)."""
     batch_size: int = 32
     """Samples per batch per rank (solo: per step); >= 1."""
     seed: int = 0
