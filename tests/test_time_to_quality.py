@@ -144,7 +144,7 @@ def test_sweep_times_each_job_to_the_first_jobs_final_eval(tmp_path):
     table = rows(jobs)
     assert [r["time_to_quality_s"] for r in table] == [2.0, 1.0, NOT_REACHED]
     assert [r["x_first_to_quality"] for r in table] == [1.0, 2.0, NOT_REACHED]
-    assert "the first job's (#0) final eval >= 0.7" in comparison_markdown(jobs)
+    assert "the final eval of job #0, the sweep's first, >= 0.7" in comparison_markdown(jobs)
     (tmp_path / "f").mkdir()
     failed = [_job(tmp_path / "f", 0, [0.9], status="failed"), _job(tmp_path / "f", 1, [0.7])]
     assert [r["time_to_quality_s"] for r in rows(failed)] == [None, None]

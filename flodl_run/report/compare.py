@@ -207,8 +207,8 @@ def _quality_note(jobs: Sequence[JobOutcome]) -> str:
     direction = shared_direction(jobs) or EvalDirection.max
     reached = "<=" if direction is EvalDirection.min else ">="
     return (f"`time to quality s`: training seconds (epoch time less its evals) until the job's "
-            f"eval first reached the quality bar, the first job's (#{reference.num}) final eval "
-            f"{reached} {reference.summary['final_eval']:.4g}; not reached: none of its evals "
+            f"eval first reached the quality bar: the final eval of job #{reference.num}, the "
+            f"sweep's first, {reached} {reference.summary['final_eval']:.4g}; not reached: none of its evals "
             f"did. `x first job to quality`: job #{reference.num}'s own time to the bar over "
             f"the job's (higher is sooner).")
 
