@@ -155,8 +155,8 @@ def test_check_reports_every_problem_with_its_key():
                                            recipes=[], outers=[], timeout_s=0))
     one_rank = Rig("solo", (), ClusterConfig(topology=Topology.solo), 1)
     keys = [p.key for p in check(cfg, one_rank)]
-    assert keys == ["bench.epochs", "bench.evals_per_epoch", "bench.batch_size", "bench.timeout_s", "bench.recipes",
-                    "bench.outers", "cluster"]
+    assert keys == ["bench.epochs", "bench.evals_per_epoch", "bench.batch_size", "bench.timeout_s",
+                    "bench.recipes", "bench.outers", "cluster"]
 
 
 @pytest.mark.e2e
