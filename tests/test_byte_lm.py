@@ -139,28 +139,32 @@ TINY = ("recipe=byte_lm_cpu", "recipe.params.d_model=32", "recipe.params.num_lay
 COMPILED = ("recipe.params.compile=true", "recipe.params.compile_backend=aot_eager")
 
 
+@pytest.fixture(scope="module")
+def dynamo():
+    """torch.compile's machinery, imported once (about 2.5 CPU-seconds, most of what compiling
+    a tiny model costs): being module-scoped puts the tests that compile in this process on
+    one pytest worker."""
+    import torch._dynamo  # noqa: F401
+
+    return torch._dynamo
+
+
 def _eager_keys(**params) -> list:
     with torch.device("meta"):
         model = load_recipe("recipes.byte_lm", params).call("build_model", torch.device("meta"))
     return list(model.state_dict())
 
 
-def test_compile_auto_compiles_on_cuda_only_and_the_bundle_keys_are_the_eager_ones():
-    """Pins `recipe.params.compile`: true wraps the model in torch.compile, auto only on a CUDA
-    device, another value fails naming the key; and the module whose state dict bundles hold
-    (eager_module) has the eager model's keys, without the wrapper's `_orig_mod.` prefix."""
-    from flodl_run.contracts.recipe import eager_module
-    from recipes.byte_lm import ByteGPT, _compiles
+def test_compile_auto_compiles_on_cuda_only():
+    """Pins `recipe.params.compile`: true compiles anywhere, auto only on a CUDA device (on the
+    CPU inductor's build costs more than it saves), false never; another value fails naming
+    the key and the value."""
+    from recipes.byte_lm import _compiles
 
     assert _compiles("auto", torch.device("cuda", 0)) and not _compiles("auto", torch.device("cpu"))
     assert _compiles(True, "cpu") and not _compiles(False, "cuda")
     with pytest.raises(ValueError, match="recipe.params.compile must be true, false or auto, got 'yes'"):
         _compiles("yes", "cpu")
-    compiled = load_recipe("recipes.byte_lm", dict(SMALL, compile=True)).call("build_model", torch.device("cpu"))
-    assert not isinstance(compiled, ByteGPT) and isinstance(eager_module(compiled), ByteGPT)
-    assert list(compiled.state_dict())[0].startswith("_orig_mod.")
-    assert list(eager_module(compiled).state_dict()) == _eager_keys(**SMALL)
-    assert list(compiled.parameters()) == list(eager_module(compiled).parameters())
 
 
 def test_the_gpu_recipe_defaults_to_a_batch_that_fills_a_gpu():
@@ -178,13 +182,13 @@ def test_the_gpu_recipe_defaults_to_a_batch_that_fills_a_gpu():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_async"])
-def test_a_compiled_model_trains_on_two_cpu_ranks_and_saves_eager_keys(tmp_path, mode):
-    """Pins a compiled model through the ranks: torch DDP's reducer around it (nccl_sync) and
-    the flat parameter buffers that the coordinator's average and EASGD's blend write into
-    (cpu_async); one epoch each, eval below the 8 bits of a uniform guess, and a bundle whose
-    model file has the eager model's keys (a compiled run's bundle loads into an eager one)."""
-    proc, summary = _run(tmp_path, *TINY, *COMPILED, "cluster=cpu_pair", f"elche={mode}", "num_epochs=1")
+def test_a_compiled_model_trains_exactly_on_two_cpu_ranks_and_saves_eager_keys(tmp_path):
+    """Pins a compiled model through the ranks: torch DDP's reducer around it and the flat
+    parameter buffers under it (nccl_sync); one epoch, eval below the 8 bits of a uniform guess,
+    and a bundle whose model file has the eager model's keys (it loads into an eager run). The
+    other modes write the same flat buffers (the next test); one run, as each costs the suite
+    about 10 s here, most of it importing torch._dynamo and tracing on each rank."""
+    proc, summary = _run(tmp_path, *TINY, *COMPILED, "cluster=cpu_pair", "elche=nccl_sync", "num_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert 0 < summary["final_eval"] < 7.5, summary["final_eval"]
@@ -193,7 +197,40 @@ def test_a_compiled_model_trains_on_two_cpu_ranks_and_saves_eager_keys(tmp_path,
     assert list(load_model(summary["checkpoint"])) == _eager_keys(**tiny)
 
 
-def test_bundles_move_between_compiled_and_eager_runs(tmp_path, monkeypatch, one_thread):
+def test_a_compiled_model_saves_eager_keys_and_computes_with_the_flat_buffers(one_thread, dynamo):
+    """Pins what the runner needs of a compiled model: the module under the wrapper
+    (eager_module, whose state dict bundles hold) has the eager model's keys, without the
+    `_orig_mod.` prefix, and the same Parameter objects; and after FlatParams re-homes them,
+    the compiled graph computes with what an average or a blend (the cadence and async modes)
+    writes into the flat buffers, not with a copy taken when it compiled, and its steps land
+    there."""
+    from flodl_run.averaging.flat import FlatParams
+    from flodl_run.contracts.recipe import eager_module
+    from recipes.byte_lm import ByteGPT
+
+    torch.manual_seed(0)
+    recipe = load_recipe("recipes.byte_lm", dict(SMALL, compile=True, compile_backend="aot_eager"))
+    model = recipe.call("build_model", torch.device("cpu"))
+    assert not isinstance(model, ByteGPT) and isinstance(eager_module(model), ByteGPT)
+    assert list(model.state_dict())[0].startswith("_orig_mod.")
+    assert list(eager_module(model).state_dict()) == _eager_keys(**SMALL)
+    assert list(model.parameters()) == list(eager_module(model).parameters())
+    flat = FlatParams(model)
+    optimizer = recipe.call("build_optimizer", model.parameters())
+    rows = recipe.call("train_dataset").tensors[0][:8]
+    before = flat.clone()
+    recipe.train_step(model, (rows,)).backward()
+    optimizer.step()
+    assert not torch.equal(before[0], flat.buffers[0])  # the step wrote into the flat buffer
+    flat.copy_(before)  # what a reduce does: the consensus copied into the buffers
+    inputs = rows[:, :-1].long()
+    with torch.no_grad():
+        for _ in range(2):  # the consensus, then a blend that halves it
+            assert torch.allclose(model(inputs), eager_module(model)(inputs), atol=1e-6)
+            flat.buffers[0].mul_(0.5)
+
+
+def test_bundles_move_between_compiled_and_eager_runs(tmp_path, monkeypatch, one_thread, dynamo):
     """Pins resume across compile: an eager in-process epoch, a compiled run resuming it (the
     launcher's shape check and the load see the eager keys), then an eager run resuming the
     compiled run's bundle; each continues where the bundle ends."""
