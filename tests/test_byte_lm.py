@@ -14,7 +14,7 @@ import yaml
 
 from flodl_run.contracts.checkpoint import load_model
 from flodl_run.contracts.recipe import load_recipe
-from tests.support import _run
+from tests.support import LOCKSTEP, _run
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, d_model=64, num_layers=2, num_heads=4, max_bytes=120_000, lr=3e-3,
@@ -184,11 +184,12 @@ def test_the_gpu_recipe_defaults_to_a_batch_that_fills_a_gpu():
 @pytest.mark.e2e
 def test_a_compiled_model_trains_exactly_on_two_cpu_ranks_and_saves_eager_keys(tmp_path):
     """Pins a compiled model through the ranks: torch DDP's reducer around it and the flat
-    parameter buffers under it (nccl_sync); one epoch, eval below the 8 bits of a uniform guess,
+    parameter buffers under it (nccl_sync, a homogeneous pair: an emulated slow rank would
+    also sleep in proportion to each graph build); one epoch, eval below the 8 bits of a uniform guess,
     and a bundle whose model file has the eager model's keys (it loads into an eager run). The
     other modes write the same flat buffers (the next test); one run, as each costs the suite
     about 10 s here, most of it importing torch._dynamo and tracing on each rank."""
-    proc, summary = _run(tmp_path, *TINY, *COMPILED, "cluster=cpu_pair", "elche=nccl_sync", "num_epochs=1")
+    proc, summary = _run(tmp_path, *TINY, *COMPILED, *LOCKSTEP, "num_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert 0 < summary["final_eval"] < 7.5, summary["final_eval"]
