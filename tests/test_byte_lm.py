@@ -187,8 +187,8 @@ def test_a_compiled_model_trains_exactly_on_two_cpu_ranks_and_saves_eager_keys(t
     parameter buffers under it (nccl_sync, a homogeneous pair: an emulated slow rank would
     also sleep in proportion to each graph build); one epoch, eval below the 8 bits of a uniform guess,
     and a bundle whose model file has the eager model's keys (it loads into an eager run). The
-    other modes write the same flat buffers (the next test); one run, as each costs the suite
-    about 10 s here, most of it importing torch._dynamo and tracing on each rank."""
+    other modes write the same flat buffers (the next test); one run, as each costs about 9
+    CPU-seconds more than an eager one, most of it importing torch._dynamo and tracing on each rank."""
     proc, summary = _run(tmp_path, *TINY, *COMPILED, *LOCKSTEP, "num_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["world_size"] == 2
