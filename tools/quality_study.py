@@ -8,7 +8,7 @@ eval of the same seed (`x DDP to quality`, docs/benchmarks.md), as medians over 
 
 `run` starts two benches per seed at once (one rank per core, 4 cores a seed): one with torch
 DDP, torch local SGD and nccl_sync, one with nccl_cadence under each outer (none, diloco,
-slowmo) and no peers. The second bench's entries are set against the first's DDP bar by
+slowmo) and no peers (no bare solo loops: the study needs no ideal). The second bench's entries are set against the first's DDP bar by
 `table`, which reads every OUT/<rig>/seed<k>/<part>/bench.json and prints the markdown table.
 RIG: `homogeneous` (cluster=cpu, 2 one-thread ranks) or `pair` (cluster=cpu_pair, [1.0, 2.5]).
 """
@@ -28,7 +28,8 @@ from flodl_run.report.quality import NOT_REACHED, speedup, time_to_bar
 RIGS = {"homogeneous": ["cluster=cpu", "cluster.num_ranks=2", "cluster.threads_per_rank=1"],
         "pair": ["cluster=cpu_pair"]}
 PARTS = {
-    "peers": ["bench.modes=[nccl_sync]", "bench.outers=[none]", "bench.runner_solo=false"],
+    "peers": ["bench.modes=[nccl_sync]", "bench.outers=[none]", "bench.solo=false",
+              "bench.runner_solo=false"],
     "cadence": ["bench.modes=[nccl_cadence]", "bench.outers=[none,diloco,slowmo]",
                 "bench.solo=false", "bench.runner_solo=false", "bench.torch_ddp=false",
                 "bench.torch_localsgd=false"],
