@@ -20,6 +20,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -36,13 +37,27 @@ PARTS = {
 }
 
 
+CADENCE_ONLY = PARTS["cadence"][2:]
+
+
+def variant_parts(specs: List[str]) -> Dict[str, List[str]]:
+    """`NAME:OVERRIDE;OVERRIDE...` -> a part that runs only nccl_cadence with those overrides."""
+    parts = {}
+    for spec in specs:
+        name, _, overrides = spec.partition(":")
+        parts[name] = ["bench.modes=[nccl_cadence]", *CADENCE_ONLY, *overrides.split(";")]
+    return parts
+
+
 def run(out: Path, rig: str, seeds: List[int], epochs: int, evals: int,
-        recipe_overrides: List[str]) -> int:
+        recipe_overrides: List[str], parts: Dict[str, List[str]], jobs: int) -> int:
     quoted = ",".join(f"'{o}'" for o in recipe_overrides)
     recipe = f"bench.recipes=[{{name:byte_lm_cpu,overrides:[{quoted}]}}]"
     procs = []
     for seed in seeds:
-        for part, extra in PARTS.items():
+        for part, extra in parts.items():
+            while sum(p.poll() is None for _, p in procs) >= jobs:
+                time.sleep(1)
             folder = out / rig / f"seed{seed}" / part
             folder.mkdir(parents=True, exist_ok=True)
             argv = [sys.executable, "-m", "flodl_run.bench", *RIGS[rig],
@@ -69,17 +84,18 @@ def table(outs: List[Path]) -> None:
         for rig_dir in sorted(p for p in out.iterdir() if p.is_dir()):
             rows: Dict[str, Dict[str, list]] = {}
             for seed_dir in sorted(rig_dir.glob("seed*")):
-                entries = [e for part in PARTS for f in [seed_dir / part / "bench.json"]
-                           if f.exists() for e in json.loads(f.read_text())["entries"]]
-                ddp = next((e for e in entries if e["name"] == "torch_ddp"), None)
+                entries = [(f.parent.name, e) for f in sorted(seed_dir.glob("*/bench.json"))
+                           for e in json.loads(f.read_text())["entries"]]
+                ddp = next((e for _, e in entries if e["name"] == "torch_ddp"), None)
                 if ddp is None or ddp["final_eval"] is None:
                     print(f"{seed_dir}: no torch_ddp eval, skipped")
                     continue
                 bar, ddp_s = ddp["final_eval"], time_to_bar(_points(ddp), ddp["final_eval"], "min")
-                for e in entries:
+                for part, e in entries:
                     if e["kind"] == "solo" or e["status"] != "completed":
                         continue
-                    row = rows.setdefault(e["name"], {"eval": [], "x": [], "sps": []})
+                    name = e["name"] if part in PARTS else part
+                    row = rows.setdefault(name, {"eval": [], "x": [], "sps": []})
                     row["eval"].append(e["final_eval"])
                     row["x"].append(speedup(ddp_s, time_to_bar(_points(e), bar, "min")))
                     row["sps"].append(e["samples_per_s"])
@@ -107,12 +123,17 @@ def main() -> int:
     r.add_argument("--evals-per-epoch", type=int, default=4)
     r.add_argument("--recipe-overrides", nargs="*", default=[],
                    help="overrides of every run, e.g. recipe.params.max_bytes=100000")
+    r.add_argument("--variant", nargs="*", default=[],
+                   help="NAME:OVERRIDE;OVERRIDE...: run only these nccl_cadence benches "
+                        "(e.g. 'slowmo_m05:bench.outers=[slowmo];bench.overrides=[outer.momentum=0.5]')")
+    r.add_argument("--jobs", type=int, default=12, help="benches at once (2 cores each)")
     t = sub.add_parser("table")
     t.add_argument("outs", type=Path, nargs="+")
     args = parser.parse_args()
     if args.cmd == "run":
         return run(args.out, args.rig, args.seeds, args.epochs, args.evals_per_epoch,
-                   args.recipe_overrides)
+                   args.recipe_overrides,
+                   variant_parts(args.variant) or PARTS, args.jobs)
     table(args.outs)
     return 0
 
