@@ -87,7 +87,7 @@ class Coordinator:
         self.observer = observer or Observer()
         self.ctx = zmq.Context()  # its own: the handshake gate is one per context
         sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
-        self.channel = Channel(sock, secret)
+        self.channel = Channel(sock, secret, admitted=self._gate.cap.admitted)
         self.identities: Dict[int, bytes] = {}
         self.joined: Dict[int, RankJoined] = {}
         self.num_samples = 0
@@ -480,6 +480,11 @@ class Coordinator:
         self.channel.socket.close(linger=1000)
         self._gate.stop()
         self.ctx.term()
+        cap = self._gate.cap
+        if cap.shut_down:  # a flood: the run went on, and says what it turned away
+            self.observer.on_event("connection_flood", (
+                f"the control plane closed {cap.shut_down} connections that had not passed the "
+                f"handshake (up to {cap.most_pending} at once, at most {cap.max_pending} kept)"))
 
     def _samples_per_s(self) -> float:
         """Samples trained per second of epoch time (eval callbacks included, startup not)."""
