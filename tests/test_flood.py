@@ -9,8 +9,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import resource
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.e2e
 NUM_TRAIN = 1437  # digits train split
 FILES = 1024  # the common soft limit, here the hard one too: the launcher cannot raise it
 CONTROL_FLOOD, STORE_FLOOD = 1100, 1000
+EPOCHS = 8
 REOPEN = 20  # connections re-opened a port every 10 ms (2,000 a second)
 
 
@@ -136,31 +139,38 @@ def _started(events: Path) -> bool:
                                    for line in events.read_text().splitlines())
 
 
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    """The pid the supervisor wrote first into the rank's log."""
+    return int(re.search(r"pid (\d+)", (run_dir / "ranks" / f"rank{rank}.log").read_text())[1])
+
+
 def test_a_connection_flood_without_the_secret_does_not_end_the_run(tmp_path):
     """Pins: 1,100 idle connections kept open against the control port (from before the ranks
     join) and 1,000 against the rendezvous store (once they have) ended a 1,024-file launcher's
     run `failed` on its next file (`coordinator error: OSError: [Errno 24] Too many open
     files`, in events.jsonl or in the next checkpoint generation). Now the control plane closes
-    what is past its cap of connections still in their handshake, the store's connections are
-    another process's files, and the run completes: every sample of every epoch, every
-    checkpoint written, nothing unwritten, the flood named in events.jsonl."""
+    what is past its cap of connections still in their handshake and the store's connections
+    are another process's files: the run completes, its two survivors regrouped on the flooded
+    store after rank 2 is killed, every sample of every epoch trained, every checkpoint and
+    output written, and the flood named in events.jsonl."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < CONTROL_FLOOD + STORE_FLOOD + 200:
         pytest.skip(f"the flood needs {CONTROL_FLOOD + STORE_FLOOD + 200} open files here")
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     run_dir, store_port = tmp_path / "run", _free_port()
-    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu", "cluster.num_ranks=2",
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu", "cluster.num_ranks=3",
                      "cluster.threads_per_rank=1", f"cluster.master_port={store_port}",
-                     "num_epochs=8", "checkpoint_every=1", f"save_path={tmp_path / 'bundle'}")
-    flood = Flood(); T0 = time.monotonic()
+                     f"num_epochs={EPOCHS}", "checkpoint_every=1", f"save_path={tmp_path / 'bundle'}")
+    flood = Flood()
     try:
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILES, FILES))
-        control = _await("control port", lambda: _listening_ports(proc.pid) - {store_port}, proc)
-        (control_port,) = control
-        flood.aim(control_port, CONTROL_FLOOD); print("control at", time.monotonic() - T0)
+        (control_port,) = _await("control port", lambda: _listening_ports(proc.pid) - {store_port}, proc)
+        flood.aim(control_port, CONTROL_FLOOD)
         _await("start event", lambda: _started(run_dir / "events.jsonl"), proc)
         flood.aim(store_port, STORE_FLOOD)
-        print("store flood at", time.monotonic() - T0); out, _ = proc.communicate(timeout=180); print("done at", time.monotonic() - T0, flood.live, flood.dropped)
+        _await("store flood", lambda: flood.live[store_port] >= STORE_FLOOD, proc)
+        os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)  # the survivors regroup on the store
+        out, _ = proc.communicate(timeout=180)
     finally:
         flood.stop()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -168,12 +178,12 @@ def test_a_connection_flood_without_the_secret_does_not_end_the_run(tmp_path):
             proc.kill()
             proc.communicate()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed", summary.get("message")
-    assert [e["samples"] for e in summary["epochs"]] == [NUM_TRAIN] * 8
+    assert summary["status"] == "completed" and summary["dead_ranks"] == [2], summary.get("message")
+    assert [e["samples"] for e in summary["epochs"]] == [NUM_TRAIN] * EPOCHS
     assert proc.returncode == 0 and "not written" not in out, out[-3000:]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
-    assert kinds.count("checkpoint") == 8 and kinds[-1] == "end", kinds
+    assert kinds.count("checkpoint") == EPOCHS and kinds[-1] == "end", kinds
     floods = [e["message"] for e in events if e["kind"] == "connection_flood"]
     assert len(floods) == 1 and "closed" in floods[0], kinds
     assert flood.dropped[control_port] > 0  # the flood was kept up: what was closed came back
