@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 64
 """Connections at once that may be accepted and not yet have sent an authentic message: a rank
-opens three and each passes in milliseconds; a flood gets no more of the launcher's
+opens three or four and each passes in milliseconds; a flood gets no more of the launcher's
 descriptors than this (and those libzmq accepts before this thread sees them)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 _POLL_MS = 100  # how soon `stop` is noticed
