@@ -76,7 +76,9 @@ class PendingCap:
     def _watch(self) -> None:
         try:
             while not self._stop.is_set():
-                if self._monitor.poll(_POLL_MS) and not self._take_events():
+                # inodes read but not yet checked: drain now, events or none, to settle them
+                ready = self._monitor.poll(0 if self._unverified else _POLL_MS)
+                if (ready or self._unverified) and not self._take_events():
                     break
                 self._settle()
         finally:
