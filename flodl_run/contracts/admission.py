@@ -29,7 +29,7 @@ opens three or four and each passes in milliseconds; a flood gets no more of the
 descriptors than this (and those libzmq accepts before this thread sees them)."""
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 _POLL_MS = 100  # how soon `stop` is noticed
-_BATCH = 128  # events between two looks at the cap: what a flood gains while we read them
+_BATCH = 4096  # events at most between two looks at the stop flag and the cap
 _EVENT_HEAD = struct.Struct("=HI")  # zmq's monitor event frame: event id, value (the fd)
 
 
@@ -85,18 +85,20 @@ class PendingCap:
             self._monitor.close(linger=0)
 
     def _take_events(self) -> bool:
-        """Apply the queued events, at most `_BATCH` of them; False once the monitor stopped
-        (the socket closed).
+        """Apply the queued events; False once the monitor stopped (the socket closed).
 
-        libzmq says DISCONNECTED before it closes a descriptor, so an inode read before this
-        drain belongs to a connection still open unless the drain brought its DISCONNECTED:
-        those inodes join the pending; the ones of connections accepted meanwhile are read
-        now and wait for the next drain."""
+        libzmq says DISCONNECTED before it closes a descriptor, so an inode read before a drain
+        that emptied the queue belongs to a connection still open unless the drain brought its
+        DISCONNECTED: only then do those inodes join the pending (a number closed and reused
+        meanwhile would name another file). The ones of connections accepted meanwhile are
+        read now and wait for the next such drain."""
+        emptied = False
         for _ in range(_BATCH):
             try:
                 head = self._monitor.recv(zmq.NOBLOCK)
                 self._monitor.recv()  # the endpoint: always the one bound
             except zmq.Again:
+                emptied = True
                 break
             kind, fd = _EVENT_HEAD.unpack_from(head)
             if kind == zmq.EVENT_MONITOR_STOPPED:
@@ -105,8 +107,9 @@ class PendingCap:
                 self._accepted.append(fd)
             else:
                 self._forget(fd)
-        self._pending.update(self._unverified)
-        self._unverified = {}
+        if emptied:
+            self._pending.update(self._unverified)
+            self._unverified = {}
         for fd in self._accepted:
             inode = _socket_inode(fd)
             if inode is not None:
