@@ -460,6 +460,7 @@ class Coordinator:
                 pass
         self.timeline.await_final(self.channel, sorted(self.alive & set(self.identities)))
         self._close_socket()
+        self._report_flood()
         self.summary.wall_s = wall_s
         sync_ms = self.reduces.sync_ms
         self.summary.syncs = len(sync_ms)
@@ -480,8 +481,11 @@ class Coordinator:
         self.channel.socket.close(linger=1000)
         self._gate.stop()
         self.ctx.term()
+
+    def _report_flood(self) -> None:
+        """A flood of connections without the secret: the run went on; say what it turned away."""
         cap = self._gate.cap
-        if cap.shut_down:  # a flood: the run went on, and says what it turned away
+        if cap.shut_down:
             self.observer.on_event("connection_flood", (
                 f"the control plane closed {cap.shut_down} connections that had not passed the "
                 f"handshake (up to {cap.most_pending} at once, at most {cap.max_pending} kept)"))
