@@ -4,15 +4,22 @@ oversized, replayed, stripped or reflected frames to a real coordinator socket."
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import select
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import zmq
 import zmq.utils.monitor
 
 from flodl_run.config.schema import Mode
+from flodl_run.contracts.admission import MAX_PENDING
 from flodl_run.contracts.wire import (
     Channel,
     Heartbeat,
@@ -73,7 +80,7 @@ def _peer(address: str, messages, password: str = "") -> None:
 
 def _coordinator_socket(secret: bytes, limit: int = -1, **options):
     sock, address, gate = bind_router(zmq.Context(), "127.0.0.1", 0, limit, secret, **options)
-    return sock, address, Channel(sock, secret), gate
+    return sock, address, Channel(sock, secret, admitted=gate.cap.admitted), gate
 
 
 @pytest.mark.e2e
@@ -127,6 +134,58 @@ def test_a_connection_that_does_not_pass_the_handshake_in_time_is_closed():
         Channel(rank, secret).send(Heartbeat(1))
         assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(1)
         rank.close(linger=0)
+    finally:
+        for conn in idle:
+            conn.close()
+        sock.close()
+        gate.stop()
+
+
+def _await_closed(conns, count: int) -> list:
+    """Indices of `conns` the far side closed, read until `count` of them are (30 s bound)."""
+    closed, deadline = set(), time.monotonic() + 30
+    while len(closed) < count and time.monotonic() < deadline:
+        readable, _, _ = select.select([c for i, c in enumerate(conns) if i not in closed], [], [], 1)
+        for conn in readable:
+            try:
+                if conn.recv(1 << 16):
+                    continue  # the greeting
+            except ConnectionResetError:
+                pass
+            closed.add(conns.index(conn))
+    return sorted(closed)
+
+
+def test_past_the_cap_the_oldest_connections_still_in_their_handshake_are_closed():
+    """Pins the cap on connections still in their handshake (libzmq has none: before it, every
+    idle connection held a launcher descriptor until its deadline, ~1,100 of them all it had).
+    200 idle connections: the oldest 200 - MAX_PENDING are shut down at once, in the order
+    they came, the newest MAX_PENDING wait for their deadline; a rank connected before them
+    (it spoke) keeps its connection, and one connecting after them still gets through."""
+    secret = new_secret()  # a deadline past the test's bound: only the cap closes connections
+    sock, address, coordinator, gate = _coordinator_socket(secret, handshake_ms=120_000)
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    early = connect_dealer(zmq.Context.instance(), address, secret)
+    Channel(early, secret).send(Heartbeat(0))
+    assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(0)
+    idle = []
+    try:
+        for _ in range(4):  # 50 at a time, each accepted before the next: never past the backlog
+            group = [socket.create_connection((host, int(port))) for _ in range(50)]
+            for conn in group:
+                conn.settimeout(30)  # a bound on a failure, not a synchronization
+                with contextlib.suppress(ConnectionResetError):
+                    conn.recv(1)  # the greeting's first byte (or the end): it was accepted
+            idle += group
+        assert _await_closed(idle, 200 - MAX_PENDING) == list(range(200 - MAX_PENDING))
+        late = connect_dealer(zmq.Context.instance(), address, secret)
+        for rank, dealer in ((0, early), (1, late)):
+            Channel(dealer, secret).send(Heartbeat(rank, batches=1))
+            assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(rank, batches=1)
+            dealer.close(linger=0)
+        # and no more, but for one when the late rank's own handshake was seen pending before
+        # its heartbeat was read: it was the 65th then, and the oldest idle one made room
+        assert gate.cap.shut_down in (200 - MAX_PENDING, 200 - MAX_PENDING + 1)
     finally:
         for conn in idle:
             conn.close()
@@ -201,15 +260,27 @@ def test_an_oversized_frame_is_refused_before_it_is_buffered():
     gate.stop()
 
 
-def _listeners(port: int) -> set:
-    """Local addresses (hex, as the kernel lists them) of TCP sockets listening on `port`."""
+def _listeners(port: int, field: int = 1) -> set:
+    """Local addresses (hex, as the kernel lists them) of TCP sockets listening on `port`, or
+    their inodes (`field` 9)."""
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in open(table).read().splitlines()[1:]:
             local, state = row.split()[1], row.split()[3]
             if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                found.add(local.rsplit(":", 1)[0])
+                found.add(local.rsplit(":", 1)[0] if field == 1 else row.split()[field])
     return found
+
+
+def _open_files(pid: int) -> dict:
+    """What each descriptor of process `pid` names (`socket:[inode]` for a socket)."""
+    names = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            names[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile (listdir's own descriptor)
+            pass
+    return names
 
 
 def test_the_rendezvous_store_listens_on_master_addr_only():
@@ -221,11 +292,39 @@ def test_the_rendezvous_store_listens_on_master_addr_only():
     import torch.distributed as dist
 
     store = host_store("127.0.0.1", 0)
-    assert _listeners(store.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
-    client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                           timeout=datetime.timedelta(seconds=30))
-    client.set("k", "v")
-    assert store.get("k") == b"v"
+    try:
+        assert _listeners(store.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+        clients = [dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                 timeout=datetime.timedelta(seconds=30)) for _ in range(2)]
+        clients[0].set("k", "v")
+        assert clients[1].get("k") == b"v"
+    finally:
+        store.close()
+    assert not os.path.exists(f"/proc/{store.pid}")  # closed with the ranks, nothing left
+
+
+def test_the_rendezvous_store_is_another_process_with_only_its_own_descriptors():
+    """Pins where the store's connections land: in a child of the launcher, never among the
+    launcher's descriptors (1,000 idle connections to torch's store, which takes any number,
+    used to leave the launcher none for its own files), and that child holds none of the
+    launcher's files (a copy would keep a log, pipe or port of the run open past its end)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    mine = tempfile.TemporaryFile()
+    store = host_store("127.0.0.1", 0)
+    try:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                               timeout=datetime.timedelta(seconds=30))
+        client.set("k", "v")  # it serves
+        listener = {f"socket:[{inode}]" for inode in _listeners(store.port, field=9)}
+        theirs, ours = set(_open_files(store.pid).values()), _open_files(os.getpid())
+        assert store.pid != os.getpid() and listener and listener <= theirs
+        assert not listener & set(ours.values()) and ours[mine.fileno()] not in theirs
+    finally:
+        store.close()
+        mine.close()
 
 
 def test_the_frame_limit_is_sized_from_the_model():

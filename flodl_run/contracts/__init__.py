@@ -1,4 +1,5 @@
-"""What the processes of a run agree on: the control plane's messages and their codec (`wire`),
+"""What the processes of a run agree on: the control plane's messages and their codec (`wire`)
+and the cap on its connections not yet past the handshake (`admission`),
 the recipe contract (`recipe`), the checkpoint bundle format (`checkpoint`), the run summary
 (`summary`) and user scalars (`scalars`).
 

@@ -18,12 +18,14 @@ import logging
 import secrets
 from dataclasses import dataclass
 from hashlib import sha256
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import msgspec
 import zmq
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 from zmq.auth.thread import ThreadAuthenticator
+
+from flodl_run.contracts.admission import PendingCap
 
 PROTOCOL_VERSION = 2  # 2: per-direction keys, sender id and sequence number in the header
 _VERSION_BYTE = bytes([PROTOCOL_VERSION])
@@ -371,11 +373,19 @@ def _zap_password(secret: bytes) -> str:
 class _Gate(ThreadAuthenticator):
     """zmq's ZAP handler for one context: lets a connection through its handshake only when it
     shows this run's handshake password (compared in constant time), so a peer without the
-    secret is dropped before zmq reads a single message from it."""
+    secret is dropped before zmq reads a single message from it. It also owns the socket's
+    `cap` on connections not yet past the handshake (`admission`), stopped with it."""
+
+    cap: Optional[PendingCap] = None
 
     def __init__(self, ctx: zmq.Context, secret: bytes):
         super().__init__(ctx)
         self._password = _zap_password(secret).encode()
+
+    def stop(self) -> None:
+        if self.cap is not None:
+            self.cap.stop()
+        super().stop()
 
     def _authenticate_plain(self, domain: str, username: str, password: str) -> Tuple[bool, bytes]:
         allowed = username == _ZAP_USER and hmac.compare_digest(password.encode(), self._password)
@@ -393,9 +403,11 @@ def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
     """The coordinator's ROUTER, bound to `host` (random port when 0), behind a handshake that
     only this run's ranks pass (`connect_dealer`) within `handshake_ms`, and refusing frames
     over `max_frame_bytes` before they are buffered whole (MAXMSGSIZE is per frame and, as
-    HANDSHAKE_IVL, must be set before bind: the listener copies the socket's options). `ctx`
-    must be the coordinator's own: zmq has one handshake handler per context. Stop the gate
-    when the run ends."""
+    HANDSHAKE_IVL, must be set before bind: the listener copies the socket's options), with at
+    most `admission.MAX_PENDING` connections at once that have not yet sent an authentic
+    message (the gate's `cap`; hand its `admitted` to the socket's Channel). `ctx` must be the
+    coordinator's own: zmq has one handshake handler per context. Stop the gate when the run
+    ends."""
     gate = _Gate(ctx, secret)
     gate.start()
     sock = ctx.socket(zmq.ROUTER)
@@ -407,6 +419,8 @@ def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
         sock.bind(f"tcp://{host}:{port}")
     else:
         port = sock.bind_to_random_port(f"tcp://{host}")
+    gate.cap = PendingCap(sock)
+    gate.cap.start()
     return sock, f"tcp://{host}:{port}", gate
 
 
@@ -484,10 +498,13 @@ class Received:
 class Channel:
     """One ZeroMQ socket speaking the wire format for one side ("rank" or "coordinator"; by
     default a ROUTER is the coordinator). Counts what it drops: `rejected` (not authentic,
-    replayed) and `malformed` (authentic, but not a message this side may get)."""
+    replayed) and `malformed` (authentic, but not a message this side may get). `admitted`
+    is told the descriptor of each connection an authentic message came from."""
 
-    def __init__(self, socket: zmq.Socket, secret: bytes, side: Optional[str] = None):
+    def __init__(self, socket: zmq.Socket, secret: bytes, side: Optional[str] = None,
+                 admitted: Optional[Callable[[int], None]] = None):
         self.socket = socket
+        self._on_admitted = admitted
         self._router = socket.type == zmq.ROUTER
         self.side = side or ("coordinator" if self._router else "rank")
         peer = "rank" if self.side == "coordinator" else "coordinator"
@@ -518,6 +535,8 @@ class Channel:
             frames = self.socket.recv_multipart(copy=False)
             identity = frames.pop(0).bytes if self._router and frames else None
             parsed = self._authentic(frames)
+            if parsed is not None and self._on_admitted is not None:
+                self._on_admitted(frames[0].get(zmq.SRCFD))
             if parsed is not None:
                 message, payloads = parsed
                 return Received(message, payloads, identity)

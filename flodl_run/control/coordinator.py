@@ -87,7 +87,7 @@ class Coordinator:
         self.observer = observer or Observer()
         self.ctx = zmq.Context()  # its own: the handshake gate is one per context
         sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
-        self.channel = Channel(sock, secret)
+        self.channel = Channel(sock, secret, admitted=self._gate.cap.admitted)
         self.identities: Dict[int, bytes] = {}
         self.joined: Dict[int, RankJoined] = {}
         self.num_samples = 0
@@ -460,6 +460,7 @@ class Coordinator:
                 pass
         self.timeline.await_final(self.channel, sorted(self.alive & set(self.identities)))
         self._close_socket()
+        self._report_flood()
         self.summary.wall_s = wall_s
         sync_ms = self.reduces.sync_ms
         self.summary.syncs = len(sync_ms)
@@ -480,6 +481,14 @@ class Coordinator:
         self.channel.socket.close(linger=1000)
         self._gate.stop()
         self.ctx.term()
+
+    def _report_flood(self) -> None:
+        """A flood of connections without the secret: the run went on; say what it turned away."""
+        cap = self._gate.cap
+        if cap.shut_down:
+            self.observer.on_event("connection_flood", (
+                f"the control plane closed {cap.shut_down} connections that had not passed the "
+                f"handshake (up to {cap.most_pending} at once, at most {cap.max_pending} kept)"))
 
     def _samples_per_s(self) -> float:
         """Samples trained per second of epoch time (eval callbacks included, startup not)."""

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import resource
+import signal
 import socket
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -28,8 +31,8 @@ class RankProcess:
     forwarder: Optional[threading.Thread] = None
     host: Optional[str] = None
     """Worker host of a rank started over ssh (`hosts`); None for a local rank."""
-    store: Any = None
-    """The rendezvous store these ranks share (kept alive as long as the processes)."""
+    store: Optional["StoreHost"] = None
+    """The rendezvous store these ranks share (closed once they are all gone)."""
 
 
 def forward(proc: RankProcess, console: Console, label: str) -> None:
@@ -56,12 +59,33 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def host_store(addr: str, port: int) -> Any:
-    """The rendezvous store, hosted here (CPU only, no CUDA) so it outlives any rank: survivors
-    rebuild their process group on it after a death. It listens on `addr` only
-    (port 0: the kernel picks; `.port` says which): left to itself, torch's store listens on
-    every interface whatever host it is given, so we bind the socket and hand it over."""
-    import torch.distributed as dist
+class StoreHost:
+    """The rendezvous store's process, as the launcher holds it: `port` is where it listens;
+    `close()` ends it (so does the launcher's own end, however it comes)."""
+
+    def __init__(self, pid: int, port: int, watch_fd: int):
+        self.pid, self.port, self._watch_fd = pid, port, watch_fd
+
+    def close(self) -> None:
+        if self._watch_fd < 0:
+            return
+        os.close(self._watch_fd)  # the store's read sees the end of the pipe and it exits
+        self._watch_fd = -1
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:  # reaped elsewhere
+            pass
+
+
+def host_store(addr: str, port: int) -> StoreHost:
+    """The rendezvous store, hosted by a child of this process (CPU only, no CUDA) so it
+    outlives any rank: survivors rebuild their process group on it after a death. It listens
+    on `addr` only (port 0: the kernel picks; `.port` says which): left to itself, torch's
+    store listens on every interface whatever host it is given, so we bind the socket and hand
+    it over. A child of its own, forked from here, so that the connections made to it (torch's
+    store takes any number, and asks nothing of them) use its descriptors, never the
+    launcher's: 1,000 idle ones used to take what the run's own files needed."""
+    import torch.distributed  # noqa: F401  (imported before the fork: the child imports nothing)
 
     family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(family, kind, proto)
@@ -72,5 +96,51 @@ def host_store(addr: str, port: int) -> Any:
     except OSError:
         listener.close()
         raise
-    return dist.TCPStore(addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=300), master_listen_fd=listener.detach())
+    watch_r, watch_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child never returns)
+        _serve_store(addr, listener.fileno(), watch_r, ready_w)
+    os.close(watch_r)
+    os.close(ready_w)
+    port = listener.getsockname()[1]
+    listener.close()  # the child's copy is the one that accepts
+    with os.fdopen(ready_r, "rb") as ready:
+        answer = ready.read().decode(errors="replace")
+    if answer != "ready":
+        os.close(watch_w)
+        os.waitpid(pid, 0)
+        raise OSError(f"the rendezvous store did not start: {answer or 'it exited'}")
+    return StoreHost(pid, port, watch_w)
+
+
+def _serve_store(addr: str, listen_fd: int, watch_fd: int, ready_fd: int) -> None:
+    """The store's child: torch's master store on `listen_fd` until `watch_fd` reads its end.
+    Only descriptors it uses stay open (a copy of the launcher's would keep their files, pipes
+    and ports alive); no collection runs (a finalizer could close a number torch reuses)."""
+    import gc
+
+    gc.disable()
+    try:
+        os.setsid()  # a Ctrl-C for the launcher does not end the store under the ranks
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        keep = sorted({0, 1, 2, listen_fd, watch_fd, ready_fd})
+        for low, high in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]):
+            os.closerange(low + 1, high)
+        import torch.distributed as dist
+
+        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300), master_listen_fd=listen_fd)
+        os.write(ready_fd, b"ready")
+        os.close(ready_fd)
+        while os.read(watch_fd, 1):
+            pass
+        del store
+    except BaseException as exc:
+        try:
+            os.write(ready_fd, f"{type(exc).__name__}: {exc}".encode())
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)

@@ -100,7 +100,8 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
 def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
                hurry: Callable[[], bool] = lambda: False) -> None:
     """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL; then the same for what
-    they started on this host (their process groups): no orphan remains. `hurry()` true (a
+    they started on this host (their process groups), and their rendezvous store: no orphan
+    remains. `hurry()` true (a
     Ctrl-C came meanwhile) moves on to the next signal at once."""
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.process.poll() is None]
@@ -120,6 +121,8 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
             p.forwarder.join(timeout=2.0)
         p.log.write(f"# rank {p.rank} exited with code {p.process.poll()}\n")
         p.log.close()
+    for store in {id(p.store): p.store for p in procs if p.store is not None}.values():
+        store.close()  # nobody is left to rendezvous on it
 
 
 def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
