@@ -87,15 +87,14 @@ def test_a_death_after_a_cut_window_redoes_only_what_the_rank_trained(mode):
     """Pins the holdings of a deadline window: rank 1 of three slows in its 4th order, so the
     deadline cuts that window, and dies entering the reduce after reporting it. What it held
     goes back to the pool; kept in full, the batches it had already given back were handed
-    out twice (counted twice in the consensus). (cpu_async's epoch record counts a dead
-    rank's reported windows, redone, twice: so it does with count windows; not pinned here.)"""
+    out twice (counted twice in the consensus). Each epoch's record counts every sample
+    once, cpu_async's too (its tallies take a dead rank's redone reports out again)."""
     summary, fakes, group, _ = _run(mode, [4.0, 4.0, 4.0], faults=[Fault(1, "die", 4, point="reduce")],
                                     slow=(1, 4, 12.0))
     assert summary.status == "completed", summary.message
     assert summary.dead_ranks == [1]
     assert fakes[1].left > 0
-    if mode != "cpu_async":
-        assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
+    assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
     coverage = Coverage(group, 2)
     assert coverage, coverage
 
