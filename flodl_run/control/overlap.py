@@ -122,7 +122,8 @@ class AsyncLoop:
             return
         epoch = self.dispatch_epoch
         count = max(1, self.balance.plan.batch_counts[rank])
-        slices = self.pools[epoch].take(count * self.config.batch_size)
+        loan = self.windows.deadlines.loan(count, self.windows.deadline_ms())
+        slices = self.pools[epoch].take(loan * self.config.batch_size)
         self.outstanding[epoch] += 1
         self.in_hand[rank].append((epoch, slices))
         if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
