@@ -148,12 +148,23 @@ def _init(module: nn.Module) -> None:
 
 
 def build_model(device: torch.device, seq_len: int = 256, d_model: int = 512, num_layers: int = 8,
-                num_heads: int = 8, mlp_ratio: int = 4, amp: bool = True, **_: object) -> nn.Module:
-    """The model on `device`; `amp` (bf16 autocast) only takes effect on CUDA."""
+                num_heads: int = 8, mlp_ratio: int = 4, amp: bool = True, compile: object = False,
+                compile_backend: str = "inductor", **_: object) -> nn.Module:
+    """The model on `device`; `amp` (bf16 autocast) only takes effect on CUDA. `compile`: true
+    returns it through torch.compile (the graph is built at the first step), "auto" does so on
+    CUDA only (on the CPU inductor's C++ build costs more than it saves on a small model)."""
     if d_model % num_heads:
         raise ValueError(f"recipe.params.d_model={d_model} must be a multiple of "
                          f"recipe.params.num_heads={num_heads}")
-    return ByteGPT(seq_len, d_model, num_layers, num_heads, mlp_ratio, amp).to(device)
+    model = ByteGPT(seq_len, d_model, num_layers, num_heads, mlp_ratio, amp).to(device)
+    return torch.compile(model, backend=compile_backend) if _compiles(compile, device) else model
+
+
+def _compiles(compile: object, device: torch.device) -> bool:
+    """Whether `recipe.params.compile` asks for torch.compile on `device`."""
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"recipe.params.compile must be true, false or auto, got {compile!r}")
+    return compile is True or (compile == "auto" and torch.device(device).type == "cuda")
 
 
 def build_optimizer(parameters, lr: float = 6e-4, weight_decay: float = 0.1, **_: object):

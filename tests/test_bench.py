@@ -75,6 +75,21 @@ def test_plan_runs_solo_at_each_speed_then_peers_then_modes_by_outer():
     assert jobs[-1].period is None  # resolved from nccl_cadence's run before it starts
 
 
+def test_evals_per_epoch_splits_every_runs_epochs_and_one_leaves_them_whole():
+    """Pins the sub-epoch evals of time to quality: bench.evals_per_epoch=3 gives every run (the
+    peers' too) data.epoch_splits=3, so each scores 3 times a pass; a user's own
+    data.epoch_splits in bench.overrides wins; 1 adds nothing (runs keep their whole epochs)."""
+    def splits(bench):
+        jobs = plan(BenchRunConfig(bench=bench), _pair_rig())
+        return {j.name: [o for o in j.overrides if o.startswith("data.epoch_splits")] for j in jobs}
+
+    assert set(map(tuple, splits(BenchConfig(modes=[Mode.nccl_sync], evals_per_epoch=3)).values())) \
+        == {("data.epoch_splits=3",)}
+    mine = BenchConfig(modes=[Mode.nccl_sync], evals_per_epoch=3, overrides=["data.epoch_splits=2"])
+    assert splits(mine)["torch_ddp"] == ["data.epoch_splits=2"]
+    assert set(map(tuple, splits(BenchConfig(modes=[Mode.nccl_sync])).values())) == {()}
+
+
 def test_localsgd_period_is_cadence_mean_local_steps_per_reduce():
     """Pins torch_localsgd's default period: nccl_cadence's batches per rank per reduce in the
     same round (samples / batch / world / syncs, rounded, >= 1); 8 without a completed run."""
@@ -136,12 +151,12 @@ def test_time_to_target_is_cumulative_training_time_or_not_reached():
 
 def test_check_reports_every_problem_with_its_key():
     """Pins the config rules that are the bench's own (exit 2 names the dotted key)."""
-    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, batch_size=0, recipes=[], outers=[],
-                                           timeout_s=0))
+    cfg = BenchRunConfig(bench=BenchConfig(epochs=0, evals_per_epoch=0, batch_size=0,
+                                           recipes=[], outers=[], timeout_s=0))
     one_rank = Rig("solo", (), ClusterConfig(topology=Topology.solo), 1)
     keys = [p.key for p in check(cfg, one_rank)]
-    assert keys == ["bench.epochs", "bench.batch_size", "bench.timeout_s", "bench.recipes",
-                    "bench.outers", "cluster"]
+    assert keys == ["bench.epochs", "bench.evals_per_epoch", "bench.batch_size", "bench.timeout_s",
+                    "bench.recipes", "bench.outers", "cluster"]
 
 
 @pytest.mark.e2e
@@ -162,9 +177,11 @@ def test_smallest_bench_end_to_end(tmp_path):
     (which modes and outers a bench plans is the plan test's; each mode runs as the CLI does),
     one epoch of a tiny recipe; bench.json has the issue's schema and one completed entry per
     run, bench.md and the plot are written, and the peers' summary.json has the runner's
-    keys; local SGD averages every nccl_cadence's mean local steps."""
+    keys; local SGD averages every nccl_cadence's mean local steps. bench.evals_per_epoch=2
+    scores every run twice in its one epoch, and each entry is timed to DDP's final eval (DDP
+    itself 1.00, in the terminal's headline column too)."""
     done = run_bench(tmp_path, "cluster=cpu", "bench.epochs=1", "bench.batch_size=32",
-                     "bench.modes=[nccl_cadence]", TINY)
+                     "bench.evals_per_epoch=2", "bench.modes=[nccl_cadence]", TINY)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert {"ideal_samples_per_s", "entries"} <= set(doc)
@@ -174,10 +191,16 @@ def test_smallest_bench_end_to_end(tmp_path):
         assert set(e) == set(ENTRY_KEYS) and e["status"] == "completed", e
         assert e["samples_per_s"] > 0 and e["final_eval"] is not None
         assert isinstance(e["time_to_target_s"], float) or e["time_to_target_s"] == NOT_REACHED
+        assert [p["eval"] is not None for p in e["epochs"]] == [True, True], e["name"]
+        assert e["x_ddp_to_quality"] == NOT_REACHED or e["x_ddp_to_quality"] > 0, e["name"]
         assert len(e["idle_fraction"]) == (2 if e["kind"] == "flodl_run" else 0)
     solo, ddp, cadence, lsgd = (doc["entries"][i] for i in (0, 2, 3, 4))
     assert doc["ideal_samples_per_s"] == pytest.approx(2 * solo["samples_per_s"])
     assert ddp["ratio_to_torch_ddp"] == pytest.approx(1.0) and ddp["syncs"] > 0
+    assert ddp["x_ddp_to_quality"] == 1.0 and doc["recipes"][0]["quality_bar"] == ddp["final_eval"]
+    ddp_row = next(line for line in done.stdout.splitlines() if line.startswith(" torch_ddp "))
+    assert ddp_row.split("\u2502")[2].strip() == "1.00"  # the headline: x DDP to quality
+    assert "quality bar: torch_ddp's final eval" in done.stdout
     assert lsgd["ratio_to_torch_localsgd"] == pytest.approx(1.0)
     cadence_summary = json.loads(Path(cadence["run_dir"], "summary.json").read_text())
     period = localsgd_period(cadence_summary, 32)
@@ -202,13 +225,15 @@ def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):
     from flodl_run.config.schema import TrackingConfig, TrackingKind
 
     outcomes = []
-    for name, status in (("solo@1.0", "completed"), ("nccl_cadence", "failed")):
+    for name, status in (("solo@1.0", "completed"), ("torch_ddp", "completed"),
+                         ("nccl_cadence", "failed")):
         run_dir = tmp_path / name
         run_dir.mkdir()
         summary = dict(_summary([0.5, 0.6]), status=status)
         (run_dir / "summary.json").write_text(json.dumps(summary))
-        outcomes.append(RunOutcome(name, "r", "solo" if "solo" in name else "flodl_run",
-                                   "solo", "none", 2.0, summary, str(run_dir), "python ..."))
+        kind = "solo" if "solo" in name else "torch_ddp" if "ddp" in name else "flodl_run"
+        outcomes.append(RunOutcome(name, "r", kind, "solo", "none", 2.0, summary, str(run_dir),
+                                   "python ..."))
     doc = bench_document([RecipeBench("r", 0.55, [1.0])], outcomes, {})
     (tmp_path / "bench.json").write_text(json.dumps(doc))
     uri = f"sqlite:///{mlflow_db}"
@@ -222,9 +247,13 @@ def test_mlflow_parent_with_one_child_per_entry(tmp_path, mlflow_db):
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert parent.info.status == "FAILED"
     assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["bench.json"]
-    assert sorted(c.data.tags["entry"] for c in children) == ["nccl_cadence", "solo@1.0"]
+    assert sorted(c.data.tags["entry"] for c in children) == ["nccl_cadence", "solo@1.0",
+                                                              "torch_ddp"]
     solo = next(c for c in children if c.data.tags["entry"] == "solo@1.0")
     assert solo.info.status == "FINISHED" and solo.data.metrics["time_to_target_s"] == 2.0
+    assert solo.data.metrics["time_to_ddp_quality_s"] == 2.0  # DDP's final eval 0.6, at 2 s
+    assert solo.data.metrics["x_ddp_to_quality"] == 1.0
+    assert solo.data.params["time_to_ddp_quality"] == "2.0"
     assert [m.step for m in client.get_metric_history(solo.info.run_id, "eval")] == [0, 1]
     cadence = next(c for c in children if c.data.tags["entry"] == "nccl_cadence")
     assert cadence.info.status == "FAILED"

@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
+from flodl_run.contracts.checkpoint import load_model
 from flodl_run.contracts.recipe import load_recipe
-from tests.support import _run
+from tests.support import LOCKSTEP, _run
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, d_model=64, num_layers=2, num_heads=4, max_bytes=120_000, lr=3e-3,
@@ -129,16 +130,129 @@ def test_optimizer_decays_matrices_only():
     assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
 
 
+# byte_lm_cpu cut further for the runner's tests; compiled through AOTAutograd without
+# inductor's C++ build (30-40 s per graph on a cold cache here, against about 2 s): the graphs,
+# the `_orig_mod` wrapper and the backward the runner sees are the same.
+TINY = ("recipe=byte_lm_cpu", "recipe.params.d_model=32", "recipe.params.num_layers=1",
+        "recipe.params.num_heads=2", "recipe.params.seq_len=32", "recipe.params.max_bytes=60000",
+        "recipe.params.lr=0.01", "recipe.params.warmup_steps=5")
+COMPILED = ("recipe.params.compile=true", "recipe.params.compile_backend=aot_eager")
+
+
+@pytest.fixture(scope="module")
+def dynamo():
+    """torch.compile's machinery, imported once (about 2.5 CPU-seconds, most of what compiling
+    a tiny model costs): being module-scoped puts the tests that compile in this process on
+    one pytest worker."""
+    import torch._dynamo  # noqa: F401
+
+    return torch._dynamo
+
+
+def _eager_keys(**params) -> list:
+    with torch.device("meta"):
+        model = load_recipe("recipes.byte_lm", params).call("build_model", torch.device("meta"))
+    return list(model.state_dict())
+
+
+def test_compile_auto_compiles_on_cuda_only():
+    """Pins `recipe.params.compile`: true compiles anywhere, auto only on a CUDA device (on the
+    CPU inductor's build costs more than it saves), false never; another value fails naming
+    the key and the value."""
+    from recipes.byte_lm import _compiles
+
+    assert _compiles("auto", torch.device("cuda", 0)) and not _compiles("auto", torch.device("cpu"))
+    assert _compiles(True, "cpu") and not _compiles(False, "cuda")
+    with pytest.raises(ValueError, match="recipe.params.compile must be true, false or auto, got 'yes'"):
+        _compiles("yes", "cpu")
+
+
+def test_the_gpu_recipe_defaults_to_a_batch_that_fills_a_gpu():
+    """Pins the careful user's GPU setup: recipe=byte_lm runs batch 256 per rank compiled on
+    CUDA (compile: auto), unless the command line sets batch_size; byte_lm_cpu keeps 32 eager."""
+    from flodl_run.config.compose import compose, to_experiment
+
+    def resolved(*overrides):
+        return to_experiment(compose(list(overrides)))[0]
+
+    gpu, cpu = resolved("recipe=byte_lm"), resolved("recipe=byte_lm_cpu")
+    assert (gpu.batch_size, gpu.recipe.params["compile"]) == (256, "auto")
+    assert (cpu.batch_size, cpu.recipe.params["compile"]) == (32, False)
+    assert resolved("recipe=byte_lm", "batch_size=64").batch_size == 64
+
+
 @pytest.mark.e2e
-def test_two_cpu_ranks_train_it_end_to_end(tmp_path):
-    """Pins the recipe through the runner: two CPU ranks, one epoch of a tiny configuration,
-    eval below the 8 bits of a uniform guess, and run.yaml carrying eval_direction min."""
-    run_dir = tmp_path / "run"
-    small = ["recipe.params.d_model=32", "recipe.params.num_layers=1", "recipe.params.num_heads=2",
-             "recipe.params.seq_len=32", "recipe.params.max_bytes=60000", "recipe.params.lr=0.01",
-             "recipe.params.warmup_steps=5"]
-    proc, summary = _run(tmp_path, "recipe=byte_lm", *small, "cluster=cpu_pair", "num_epochs=1")
+def test_a_compiled_model_trains_exactly_on_two_cpu_ranks_and_saves_eager_keys(tmp_path):
+    """Pins a compiled model through the ranks: torch DDP's reducer around it and the flat
+    parameter buffers under it (nccl_sync, a homogeneous pair: an emulated slow rank would
+    also sleep in proportion to each graph build); one epoch, eval below the 8 bits of a uniform guess,
+    and a bundle whose model file has the eager model's keys (it loads into an eager run). The
+    other modes write the same flat buffers (the next test); one run, as each costs about 9
+    CPU-seconds more than an eager one, most of it importing torch._dynamo and tracing on each rank."""
+    proc, summary = _run(tmp_path, *TINY, *COMPILED, *LOCKSTEP, "num_epochs=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert 0 < summary["final_eval"] < 7.5, summary["final_eval"]
-    assert yaml.safe_load((run_dir / "run.yaml").read_text())["recipe"]["eval_direction"] == "min"
+    assert yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())["recipe"]["eval_direction"] == "min"
+    tiny = {k.split(".")[-1]: yaml.safe_load(v) for k, v in (o.split("=") for o in TINY[1:])}
+    assert list(load_model(summary["checkpoint"])) == _eager_keys(**tiny)
+
+
+def test_a_compiled_model_saves_eager_keys_and_computes_with_the_flat_buffers(one_thread, dynamo):
+    """Pins what the runner needs of a compiled model: the module under the wrapper
+    (eager_module, whose state dict bundles hold) has the eager model's keys, without the
+    `_orig_mod.` prefix, and the same Parameter objects; and after FlatParams re-homes them,
+    the compiled graph computes with what an average or a blend (the cadence and async modes)
+    writes into the flat buffers, not with a copy taken when it compiled, and its steps land
+    there."""
+    from flodl_run.averaging.flat import FlatParams
+    from flodl_run.contracts.recipe import eager_module
+    from recipes.byte_lm import ByteGPT
+
+    torch.manual_seed(0)
+    recipe = load_recipe("recipes.byte_lm", dict(SMALL, compile=True, compile_backend="aot_eager"))
+    model = recipe.call("build_model", torch.device("cpu"))
+    assert not isinstance(model, ByteGPT) and isinstance(eager_module(model), ByteGPT)
+    assert list(model.state_dict())[0].startswith("_orig_mod.")
+    assert list(eager_module(model).state_dict()) == _eager_keys(**SMALL)
+    assert list(model.parameters()) == list(eager_module(model).parameters())
+    flat = FlatParams(model)
+    optimizer = recipe.call("build_optimizer", model.parameters())
+    rows = recipe.call("train_dataset").tensors[0][:8]
+    before = flat.clone()
+    recipe.train_step(model, (rows,)).backward()
+    optimizer.step()
+    assert not torch.equal(before[0], flat.buffers[0])  # the step wrote into the flat buffer
+    flat.copy_(before)  # what a reduce does: the consensus copied into the buffers
+    inputs = rows[:, :-1].long()
+    with torch.no_grad():
+        for _ in range(2):  # the consensus, then a blend that halves it
+            assert torch.allclose(model(inputs), eager_module(model)(inputs), atol=1e-6)
+            flat.buffers[0].mul_(0.5)
+
+
+def test_bundles_move_between_compiled_and_eager_runs(tmp_path, monkeypatch, one_thread, dynamo):
+    """Pins resume across compile: an eager in-process epoch, a compiled run resuming it (the
+    launcher's shape check and the load see the eager keys), then an eager run resuming the
+    compiled run's bundle; each continues where the bundle ends."""
+    import flodl_run
+    from flodl_run.config.schema import ClusterConfig, ExperimentConfig, RecipeConfig, Topology
+    from flodl_run.config.schema import TrackingConfig, TrackingKind
+
+    monkeypatch.chdir(tmp_path)
+    params = dict(d_model=32, num_layers=1, num_heads=2, seq_len=32, max_bytes=20000, amp=False)
+
+    def run(epochs: int, name: str, compiled: bool, resume_from=None):
+        config = ExperimentConfig(
+            num_epochs=epochs, save_path=str(tmp_path / name), resume_from=resume_from,
+            cluster=ClusterConfig(topology=Topology.solo), tracking=TrackingConfig(kind=TrackingKind.off),
+            recipe=RecipeConfig(module="recipes.byte_lm", params=dict(
+                params, compile=compiled, compile_backend="aot_eager")))
+        return flodl_run.train(config, run_dir=str(tmp_path / f"{name}_run")).summary
+
+    first = run(1, "eager", False)
+    second = run(2, "compiled", True, resume_from=first.checkpoint)
+    third = run(3, "eager_again", False, resume_from=second.checkpoint)
+    assert [s.status for s in (first, second, third)] == ["completed"] * 3
+    assert [[e.epoch for e in s.epochs] for s in (first, second, third)] == [[0], [1], [2]]
+    assert list(load_model(second.checkpoint)) == _eager_keys(**params)

@@ -120,6 +120,7 @@ RULES = [
      "tracking.uri", "'sqlite:///x.db'"),
     ("local_uri", dict(tracking__uri="http://host:5000"), "tracking.uri", "'http://host:5000'"),
     ("experiment", dict(tracking__experiment=""), "tracking.experiment", "''"),
+    ("recipe_batch_size", dict(recipe__batch_size=0), "recipe.batch_size", "0"),
 ]
 
 

@@ -94,12 +94,23 @@ class PeerRank:
         self.steps = 0
         self.samples = 0
 
+    @property
+    def total_epochs(self) -> int:
+        return self.config.num_epochs * self.config.data.epoch_splits
+
     def _my_rows(self, epoch: int) -> torch.Tensor:
-        """This rank's equal share of the pass's permutation, on the device. Every rank gets
-        N // world_size rows, so all run the same number of steps (DDP needs that)."""
-        order = permutation(self.num_samples, self.config.seed, epoch)
+        """This rank's equal share of the pass's permutation, on the device; under
+        data.epoch_splits s, part epoch % s of it, cut at batch boundaries (the steps of a pass
+        are the same for any s: only where it is scored moves). Every rank gets N // world_size
+        rows a pass, so all run the same number of steps (DDP needs that)."""
+        splits = self.config.data.epoch_splits
+        order = permutation(self.num_samples, self.config.seed, epoch // splits)
         share = self.num_samples // self.world_size
-        return order[self.rank * share:(self.rank + 1) * share].to(self.device)
+        batches = -(-share // self.config.batch_size)
+        part = epoch % splits
+        first, end = (batches * p // splits * self.config.batch_size for p in (part, part + 1))
+        mine = order[self.rank * share:(self.rank + 1) * share]
+        return mine[first:end].to(self.device)
 
     def _step(self, index: torch.Tensor) -> torch.Tensor:
         began = time.perf_counter()
@@ -147,7 +158,7 @@ class PeerRank:
         """Rank 0 scores its replica (DDP: identical on all ranks; local SGD: rank 0's, as a
         user of PeriodicModelAverager would); the others wait for the score."""
         every = self.config.eval_every_epochs
-        last = epoch + 1 == self.config.num_epochs
+        last = epoch + 1 == self.total_epochs
         if self.eval_data is None or not (last or (every and (epoch + 1) % every == 0)):
             return None
         score = self.replica.evaluate(self.eval_data) if self.rank == 0 else 0.0
@@ -164,7 +175,7 @@ class PeerRank:
 
     def run(self) -> Summary:
         started = time.perf_counter()
-        epochs = [self.train_epoch(e) for e in range(self.config.num_epochs)]
+        epochs = [self.train_epoch(e) for e in range(self.total_epochs)]
         # per second of epoch time, eval included, as the runner's summaries count it (the bench
         # takes the eval callbacks out of every entry alike)
         epoch_s = sum(e.epoch_ms for e in epochs) / 1000.0
@@ -277,9 +288,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.period < 1:
         parser.error(f"--period must be >= 1, got {args.period}")
     config = experiment_from_yaml(args.run.read_text())
-    if config.data.augment != 1 or config.data.epoch_splits != 1 or config.data.transform:
-        parser.error("the peers train plain epochs: data.augment, data.epoch_splits and "
-                     "data.transform must keep their defaults")
+    if config.data.augment != 1 or config.data.transform:
+        parser.error("the peers train plain passes: data.augment and data.transform must keep "
+                     "their defaults")
     if args.peer == "solo":
         return run_solo(config, args.out)
     if "RANK" in os.environ:

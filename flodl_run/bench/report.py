@@ -1,6 +1,7 @@
 """The benchmark's figures and outputs: one entry per run from its summary.json, the ratios to
-the ideal and to the torch peers (DDP, local SGD), time-to-target, bench.json, bench.md, the
-terminal table and the plot of eval against training time.
+the ideal and to the torch peers (DDP, local SGD), time to DDP's quality (torch_ddp's final eval)
+and to the declared target, bench.json, bench.md, the terminal table and the plot of eval
+against training time.
 
 Owns arithmetic and layout only. Which runs exist, how they are started and where the files go
 is `bench`'s business; MLflow is `benchtrack`'s.
@@ -9,18 +10,22 @@ is `bench`'s business; MLflow is `benchtrack`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from rich.table import Table
 
-from flodl_run.config.schema import EvalDirection
+from flodl_run.report.quality import (
+    NOT_REACHED,
+    eval_points,
+    speedup,
+    time_to_bar,
+    train_axis,
+)
 
-NOT_REACHED = "not reached"
 ENTRY_KEYS = ("name", "recipe", "kind", "mode", "outer", "status", "samples_per_s",
               "ratio_to_ideal", "ratio_to_torch_ddp", "ratio_to_torch_localsgd", "final_loss",
-              "final_eval",
+              "final_eval", "time_to_ddp_quality_s", "x_ddp_to_quality",
               "time_to_target_s", "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms",
               "idle_fraction", "epochs", "load_average", "repeats", "run_dir", "command",
               "ratio_to_timeline_off", "timeline_record_share")
@@ -61,6 +66,12 @@ class RecipeBench:
     overrides: List[str] = field(default_factory=list)
     eval_direction: str = "max"
     """The recipe's recipe.eval_direction: max (reached when eval >= target) or min (<=)."""
+    quality_bar: Optional[float] = None
+    """The eval every entry is timed to: torch_ddp's final eval, else target_eval."""
+    quality_source: str = ""
+    """Where quality_bar comes from: torch_ddp | target_eval | "" (neither)."""
+    ddp_time_to_quality_s: Union[float, str, None] = None
+    """torch_ddp's own training seconds to quality_bar (the ratio's denominator)."""
 
 
 def median_run(runs: Sequence[RunOutcome]) -> RunOutcome:
@@ -83,14 +94,6 @@ def solo_name(factor: float) -> str:
     return f"solo@{float(factor)!r}"
 
 
-def train_axis(summary: Dict[str, Any]) -> List[float]:
-    """Seconds of training at the end of each epoch: cumulative epoch time less the eval
-    callbacks inside it (`eval_ms`; solo runs time their eval outside epoch_ms), so every entry
-    is timed alike. Start-up is never included."""
-    return [ms / 1000.0 for ms in accumulate(e["epoch_ms"] - e.get("eval_ms", 0.0)
-                                              for e in summary.get("epochs", []))]
-
-
 def training_rate(summary: Dict[str, Any]) -> Optional[float]:
     """Samples per second of training time (train_axis). The summary's own samples_per_s is per
     second of epoch time, so samples = samples_per_s x the epochs' time."""
@@ -106,19 +109,22 @@ def time_to_target(summary: Dict[str, Any], target: Optional[float],
                    direction: str = "max") -> Union[float, str, None]:
     """Training seconds until the first eval that reaches target (>= for direction max, <= for
     min); NOT_REACHED if none does; None without a target or without any eval."""
-    reached = EvalDirection(direction).reached
-    epochs = summary.get("epochs", [])
-    evals = [(t, e["eval"]) for t, e in zip(train_axis(summary), epochs)
-             if e.get("eval") is not None]
-    if target is None or (not evals and summary.get("final_eval") is None):
-        return None
-    for t, score in evals:
-        if reached(score, target):
-            return t
-    final = summary.get("final_eval")
-    if not evals and final is not None and reached(final, target):
-        return train_axis(summary)[-1] if epochs else None
-    return NOT_REACHED
+    return time_to_bar(eval_points(summary), target, direction)
+
+
+def set_quality_bar(recipe: RecipeBench, outcomes: Sequence[RunOutcome]) -> None:
+    """The recipe's quality bar: the final eval of its torch_ddp entry when that completed with
+    one (and DDP's own time to it), else the declared target_eval (no DDP time, so no ratio)."""
+    ddp = next((o.summary for o in outcomes if o.kind == "torch_ddp" and o.recipe == recipe.name
+                and o.summary.get("status") == "completed"
+                and o.summary.get("final_eval") is not None), None)
+    if ddp is not None:
+        recipe.quality_bar, recipe.quality_source = ddp["final_eval"], "torch_ddp"
+        recipe.ddp_time_to_quality_s = time_to_bar(eval_points(ddp), recipe.quality_bar,
+                                                   recipe.eval_direction)
+    else:
+        recipe.quality_bar, recipe.ddp_time_to_quality_s = recipe.target_eval, None
+        recipe.quality_source = "target_eval" if recipe.target_eval is not None else ""
 
 
 def ideal(recipe: RecipeBench, outcomes: Sequence[RunOutcome]) -> Optional[float]:
@@ -148,6 +154,8 @@ def entry(outcome: RunOutcome, recipe: RecipeBench,
     train_s = axis[-1] if axis else None
     completed = s.get("status") == "completed"
     rate = training_rate(s)
+    to_quality = (time_to_bar(eval_points(s), recipe.quality_bar, recipe.eval_direction)
+                  if completed else None)
     return {
         "name": outcome.name, "recipe": outcome.recipe, "kind": outcome.kind,
         "mode": outcome.mode, "outer": outcome.outer, "status": s.get("status", "failed"),
@@ -158,6 +166,8 @@ def entry(outcome: RunOutcome, recipe: RecipeBench,
         "ratio_to_torch_localsgd": _ratio(rate, peers.get("torch_localsgd")),
         "final_loss": losses[-1] if losses else None,
         "final_eval": s.get("final_eval"),
+        "time_to_ddp_quality_s": to_quality,
+        "x_ddp_to_quality": speedup(recipe.ddp_time_to_quality_s, to_quality),
         "time_to_target_s": (time_to_target(s, recipe.target_eval, recipe.eval_direction)
                              if completed else None),
         "wall_s": outcome.wall_s, "train_s": train_s,
@@ -199,6 +209,7 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
     entries = []
     for recipe in recipes:
         recipe.ideal_samples_per_s = ideal(recipe, outcomes)
+        set_quality_bar(recipe, outcomes)
         mine = [o for o in outcomes if o.recipe == recipe.name]
         entries += [entry(o, recipe, peer_rates(mine)) for o in mine]
     timeline_costs(entries)
@@ -207,7 +218,9 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
         "entries": entries,
         "recipes": [{"name": r.name, "target_eval": r.target_eval,
                      "eval_direction": r.eval_direction, "overrides": r.overrides,
-                     "rank_speeds": r.rank_speeds, "ideal_samples_per_s": r.ideal_samples_per_s}
+                     "rank_speeds": r.rank_speeds, "ideal_samples_per_s": r.ideal_samples_per_s,
+                     "quality_bar": r.quality_bar, "quality_source": r.quality_source,
+                     "ddp_time_to_quality_s": r.ddp_time_to_quality_s}
                     for r in recipes],
         **meta,
     }
@@ -215,20 +228,22 @@ def bench_document(recipes: Sequence[RecipeBench], outcomes: Sequence[RunOutcome
 
 # ---- layout ---------------------------------------------------------------------------------
 
-COLUMNS = (("entry", "name"), ("status", "status"), ("final loss", "final_loss"),
-           ("final eval", "final_eval"), ("wall s", "wall_s"), ("train s", "train_s"),
-           ("samples/s", "samples_per_s"), ("x ideal", "ratio_to_ideal"),
-           ("x torch DDP", "ratio_to_torch_ddp"), ("x local SGD", "ratio_to_torch_localsgd"),
-           ("time to target s", "time_to_target_s"),
+COLUMNS = (("entry", "name"), ("status", "status"), ("x DDP to quality", "x_ddp_to_quality"),
+           ("time to quality s", "time_to_ddp_quality_s"), ("samples/s", "samples_per_s"),
+           ("x ideal", "ratio_to_ideal"), ("x torch DDP", "ratio_to_torch_ddp"),
+           ("x local SGD", "ratio_to_torch_localsgd"), ("final eval", "final_eval"),
+           ("final loss", "final_loss"), ("wall s", "wall_s"), ("train s", "train_s"),
            ("loss drop / s", "loss_drop_per_s"), ("syncs", "syncs"),
            ("avg sync ms", "avg_sync_ms"), ("idle per rank", "idle_fraction"),
            ("x timeline off", "ratio_to_timeline_off"), ("timeline cost", "timeline_record_share"))
-"""bench.md's columns: every figure of an entry."""
-TERMINAL_COLUMNS = (("entry", "name"), ("status", "status"), ("final\neval", "final_eval"),
+"""bench.md's columns: every figure of an entry but time_to_target_s (bench.json has it)."""
+TERMINAL_COLUMNS = (("entry", "name"), ("status", "status"),
+                    ("x DDP to\nquality", "x_ddp_to_quality"),
+                    ("time to\nquality s", "time_to_ddp_quality_s"),
                     ("samples/s", "samples_per_s"), ("x\nideal", "ratio_to_ideal"),
-                    ("x torch\nDDP", "ratio_to_torch_ddp"), ("time to\ntarget s", "time_to_target_s"),
-                    ("syncs", "syncs"))
-"""The terminal's: what ranks the entries, in a width a terminal has (the rest: bench.md)."""
+                    ("x torch\nDDP", "ratio_to_torch_ddp"), ("final\neval", "final_eval"))
+"""The terminal's: what ranks the entries, in a width a terminal has (the rest, syncs included:
+bench.md)."""
 MARKERS = "osD^v<>pXh"
 
 
@@ -260,6 +275,21 @@ def _recipe_line(recipe: Dict[str, Any]) -> str:
             f"{cell('final_eval', recipe['target_eval'])}; ideal = {speeds} = {ideal_text}")
 
 
+def quality_line(recipe: Dict[str, Any]) -> str:
+    """Which eval `x DDP to quality` and `time to quality s` time every entry to, and why."""
+    reached = "<=" if recipe.get("eval_direction") == "min" else ">="
+    bar = f"{reached} {cell('final_eval', recipe.get('quality_bar'))}"
+    source, ddp_s = recipe.get("quality_source"), recipe.get("ddp_time_to_quality_s")
+    if source == "torch_ddp":
+        return (f"quality bar: torch_ddp's final eval, {bar}, which DDP first reached after "
+                f"{cell('time_to_ddp_quality_s', ddp_s)} s of training; x DDP to quality = "
+                f"that time / the entry's (higher is sooner)")
+    if source == "target_eval":
+        return (f"quality bar: no completed torch_ddp entry, so the declared target eval {bar}; "
+                f"x DDP to quality needs DDP's time: not computed")
+    return "quality bar: none (no completed torch_ddp entry and no target eval)"
+
+
 def to_markdown(doc: Dict[str, Any]) -> str:
     lines = ["# flodl_run bench", "", f"- command: `{doc['command']}`",
              f"- machine: {doc['machine']}", f"- rig: {doc['rig']}",
@@ -267,7 +297,7 @@ def to_markdown(doc: Dict[str, Any]) -> str:
              f"- load average (1 min) at start / end: {doc['load_average'][0]:.2f} / "
              f"{doc['load_average'][1]:.2f}", ""]
     for recipe in doc["recipes"]:
-        lines += [f"## {recipe['name']}", "", _recipe_line(recipe), "",
+        lines += [f"## {recipe['name']}", "", _recipe_line(recipe), "", quality_line(recipe), "",
                   "| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         for e in doc["entries"]:
             if e["recipe"] == recipe["name"]:
@@ -284,8 +314,12 @@ DEFINITIONS = (
     "ideal is its ratio to solo@f. x ideal: samples/s over the sum of the solo samples/s at "
     "each rank's speed (the physical limit of the rig). x torch DDP, x local SGD: samples/s "
     "over torch DDP's and torch local SGD's (PeriodicModelAverager), both written as a careful "
-    "user would (data on the device, no per-step host sync). time to target: training seconds "
-    "(same clock) until the first per-epoch eval reaches the recipe's target. wall s: the "
+    "user would (data on the device, no per-step host sync). time to quality s: training seconds "
+    "(same clock) until the entry's eval first reached the quality bar (torch_ddp's final eval; "
+    "the recipe's target when DDP did not run); not reached: no eval of the entry reached it. "
+    "x DDP to quality: DDP's own time to the bar over the entry's (DDP = 1.00; 2.00 = there in "
+    "half DDP's training time). bench.json's time_to_target_s times the declared target the "
+    "same way. wall s: the "
     "whole process, start-up and teardown included. "
     "loss drop / s: (first epoch's mean loss - final epoch's) / training seconds. avg sync ms: "
     "mean reduce time (not measured for the peers: timing their collectives would add host "
@@ -302,7 +336,8 @@ def tables(doc: Dict[str, Any]) -> List[Table]:
     out = []
     for recipe in doc["recipes"]:
         table = Table(title=_recipe_line(recipe).replace("`", ""), title_justify="left",
-                      show_edge=False, caption="every figure: bench.md", caption_justify="left")
+                      show_edge=False, caption=f"{quality_line(recipe)}; every figure: bench.md",
+                      caption_justify="left")
         entries = [e for e in doc["entries"] if e["recipe"] == recipe["name"]]
         rows = [[cell(k, e[k]) for _, k in TERMINAL_COLUMNS] for e in entries]
         for i, (header, key) in enumerate(TERMINAL_COLUMNS):  # two-line headers: values never cut
@@ -349,6 +384,9 @@ def plot(doc: Dict[str, Any], path: Path) -> Optional[Path]:
                          markersize=4, label=e["name"], **style)
         if recipe["target_eval"] is not None:
             eval_ax.axhline(recipe["target_eval"], color="grey", linestyle=":", label="target")
+        if recipe.get("quality_source") == "torch_ddp":
+            eval_ax.axhline(recipe["quality_bar"], color="black", linestyle="-.", linewidth=0.8,
+                            label="quality bar (torch_ddp's final eval)")
         for ax, name in ((eval_ax, "eval"), (loss_ax, "training loss (epoch mean)")):
             ax.set_xlabel("training time (s)")
             ax.set_ylabel(name)

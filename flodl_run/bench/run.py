@@ -82,6 +82,10 @@ class BenchConfig:
     count windows of the mode's own entry (cadence and async modes; a sync mode ignores it)."""
     epochs: int = 5
     """Epochs of every run; >= 1."""
+    evals_per_epoch: int = 1
+    """Evals per epoch of every run, for time to quality: > 1 cuts each epoch (pass over the
+    data) into that many run epochs (data.epoch_splits), each scored; >= 1 (and, as
+    data.epoch_splits, at most the batches of a pass; keep it well under a rank's)."""
     batch_size: int = 32
     """Samples per batch per rank (solo: per step); >= 1."""
     seed: int = 0
@@ -176,8 +180,8 @@ PEER_KINDS = ("solo", "torch_ddp", "torch_localsgd")
 def check(cfg: BenchRunConfig, rig: Optional[Rig]) -> List[Problem]:
     b = cfg.bench
     problems = []
-    for key, value in (("bench.epochs", b.epochs), ("bench.batch_size", b.batch_size),
-                       ("bench.repeats", b.repeats)):
+    for key, value in (("bench.epochs", b.epochs), ("bench.evals_per_epoch", b.evals_per_epoch),
+                       ("bench.batch_size", b.batch_size), ("bench.repeats", b.repeats)):
         if value < 1:
             problems.append(Problem(key, value, "must be >= 1"))
     if not b.timeout_s > 0:
@@ -207,8 +211,9 @@ def recipe_labels(recipes: Sequence[BenchRecipe]) -> List[str]:
 
 
 def _common(b: BenchConfig, recipe: BenchRecipe) -> List[str]:
+    splits = [f"data.epoch_splits={b.evals_per_epoch}"] if b.evals_per_epoch > 1 else []
     return [f"recipe={recipe.name}", f"num_epochs={b.epochs}", f"batch_size={b.batch_size}",
-            f"seed={b.seed}", "tracking=off", *b.overrides, *recipe.overrides]
+            f"seed={b.seed}", "tracking=off", *splits, *b.overrides, *recipe.overrides]
 
 
 def _last_wins(overrides: Sequence[str]) -> Tuple[str, ...]:

@@ -18,7 +18,8 @@ from flodl_run.contracts.summary import EpochRecord
 from flodl_run.report.tracking import MAX_PARAM_CHARS, MAX_TAG_CHARS, MlflowTracker, epoch_values
 
 FIGURES = ("samples_per_s", "ratio_to_ideal", "ratio_to_torch_ddp", "ratio_to_torch_localsgd",
-           "final_loss", "final_eval",
+           "final_loss", "final_eval", "time_to_ddp_quality_s", "x_ddp_to_quality",
+           "time_to_target_s",
            "wall_s", "train_s", "loss_drop_per_s", "syncs", "avg_sync_ms")
 
 
@@ -77,9 +78,8 @@ class MlflowBenchTracker(BenchTracker):
         for record in summary.get("epochs", []):
             values = epoch_values(EpochRecord(**{k: v for k, v in record.items() if k in known}))
             metrics += [Metric(k, float(v), now, record["epoch"]) for k, v in values.items()]
+        # a time or ratio that is "not reached" is no metric: the params below say so
         figures = {k: entry[k] for k in FIGURES if isinstance(entry[k], (int, float))}
-        if isinstance(entry["time_to_target_s"], (int, float)):
-            figures["time_to_target_s"] = entry["time_to_target_s"]
         for rank, idle in enumerate(entry["idle_fraction"]):
             figures[f"idle_fraction/rank{rank}"] = idle
         metrics += [Metric(k, float(v), now, 0) for k, v in figures.items()]
@@ -87,7 +87,8 @@ class MlflowBenchTracker(BenchTracker):
             self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
         self.client.log_batch(run_id, params=[
             Param("command", entry["command"][:MAX_PARAM_CHARS]),
-            Param("time_to_target", str(entry["time_to_target_s"]))])
+            Param("time_to_target", str(entry["time_to_target_s"])),
+            Param("time_to_ddp_quality", str(entry["time_to_ddp_quality_s"]))])
         summary_file = Path(entry["run_dir"]) / "summary.json"
         if summary_file.is_file():
             self.client.log_artifact(run_id, str(summary_file))

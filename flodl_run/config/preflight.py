@@ -56,7 +56,7 @@ def _shape_problems(cfg: ExperimentConfig, meta: Any) -> List[Problem]:
     import torch
 
     from flodl_run.contracts.checkpoint import bundle_files
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import eager_module, load_recipe
 
     try:
         saved = torch.load(bundle_files(cfg.resume_from, meta)["model"], map_location="meta",
@@ -64,7 +64,7 @@ def _shape_problems(cfg: ExperimentConfig, meta: Any) -> List[Problem]:
         recipe = load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform, cfg.recipe.loop)
         with torch.device("meta"):
             model = recipe.call("build_model", torch.device("meta"))
-        here = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        here = {k: tuple(v.shape) for k, v in eager_module(model).state_dict().items()}
     except Exception:  # a recipe that cannot build on the meta device: the ranks' load will say
         return []
     differ = _differences({k: tuple(v.shape) for k, v in saved.items()}, here)

@@ -360,6 +360,8 @@ class RecipeConfig:
     """Dotted module path, importable from the current directory or the environment."""
     params: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every recipe function."""
+    batch_size: int = 32
+    """Per-rank batch (samples) the recipe is sized for: the run's `batch_size` unless set."""
     loop: Optional[str] = None
     """The rank's own loop body, `loop(worker)`: `fn` of the module or `pkg.module.fn`; null = the
     module's `loop` if it defines one, else the built-in step (train_step on every batch)."""

@@ -430,6 +430,7 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
 
 @_check
 def _recipe(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    yield from _at_least("recipe.batch_size", cfg.recipe.batch_size, 1)
     direction = cfg.recipe.eval_direction  # Python callers may pass a plain "max" / "min"
     if direction not in {d.value for d in EvalDirection}:
         yield Problem("recipe.eval_direction", direction, "must be max or min")

@@ -7,8 +7,10 @@ optionally `eval_dataset(**params)`,
 `eval_step(model, batch) -> (metric_sum, count)` (or `eval_fn(model, batch) -> float`, averaged
 per batch) and `build_scheduler(optimizer, **params)`, and callbacks: `metrics_fn(metrics)` and
 `eval_result_fn(epoch, value)` (run in the launcher), `epoch_fn(epoch, model)` and
-`checkpoint_fn(epoch, model)` (run on the callback rank). This module loads and checks one, and
-turns what a callback raises into CallbackFailed; it never imports the repo's `recipes/` by itself.
+`checkpoint_fn(epoch, model)` (run on the callback rank). `build_model` may return its model
+through `torch.compile`: state dicts are taken from `eager_module(model)`. This module loads and
+checks one, and turns what a callback raises into CallbackFailed; it never imports the repo's
+`recipes/` by itself.
 """
 
 from __future__ import annotations
@@ -136,6 +138,13 @@ class Recipe:
     @property
     def has_eval(self) -> bool:
         return self.eval_dataset is not None and (self.eval_step is not None or self.eval_fn is not None)
+
+
+def eager_module(model: Any) -> Any:
+    """The module whose state dict a bundle holds: what a `torch.compile` wrapper wraps (its
+    `_orig_mod`: the same Parameter objects, keys without the `_orig_mod.` prefix), else the
+    model itself. So a bundle of a compiled run loads into an eager one and back."""
+    return getattr(model, "_orig_mod", model)
 
 
 def _accepted(fn: Callable[..., Any], params: Dict[str, Any]) -> Dict[str, Any]:

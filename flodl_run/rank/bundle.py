@@ -55,7 +55,7 @@ def write_share(order: SaveCheckpoint, payloads: List[memoryview], rank: int, re
         save(checkpoint.rank_optim_path(order.stem, rank), optim)
         if order.write_model:
             with swapped_in(flat, payloads, order.dtypes):  # on CPU the state shares storage
-                model = to_cpu(replica.model.state_dict())
+                model = to_cpu(replica.module.state_dict())
                 checkpoint.require_finite(model, "the model")
                 save(files["model"], model)
             save(files["optim"], optim)
@@ -72,7 +72,7 @@ def resume(stem: str, rank: int, replica: Replica, outer: OuterOptimizer, collec
     launcher verified the files against the meta's checksums)."""
     meta = checkpoint.read_meta(stem)
     files = checkpoint.bundle_files(stem, meta)
-    replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
+    replica.module.load_state_dict(checkpoint.load_tensors(files["model"]))
     optim = checkpoint.rank_optim_file(stem, meta, rank)
     replica.optimizer.load_state_dict(checkpoint.load_tensors(optim))
     if collective and outer.active and files["outer"].is_file():

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from flodl_run.contracts.recipe import Recipe, RecipeError
+from flodl_run.contracts.recipe import Recipe, RecipeError, eager_module
 from flodl_run.data.passes import BatchSource
 
 EVAL_BATCH_SIZE = 512  # eval has no backward pass: larger batches cost nothing in accuracy
@@ -72,7 +72,9 @@ def as_one_optimizer(built: Any) -> Any:
 class Replica:
     """Model, optimizer and scheduler of one rank, seeded identically on every rank.
     `optimizers` is what the recipe's build_optimizer returned (one optimizer, or a tuple, list
-    or dict of them); `optimizer` is the same seen as one (Optimizers for several)."""
+    or dict of them); `optimizer` is the same seen as one (Optimizers for several). `model` is
+    what build_model returned (maybe compiled: steps and callbacks use it); `module` is the
+    module under it, whose state dict bundles hold."""
 
     def __init__(self, recipe: Recipe, device: torch.device, seed: int, lr_scale: float = 1.0,
                  max_grad_norm: Optional[float] = None):
@@ -81,6 +83,7 @@ class Replica:
         self.max_grad_norm = max_grad_norm
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = recipe.call("build_model", device)
+        self.module = eager_module(self.model)
         self.optimizers = recipe.call("build_optimizer", self.model.parameters(), model=self.model)
         self.optimizer = as_one_optimizer(self.optimizers)
         if recipe.build_scheduler and isinstance(self.optimizer, Optimizers):

@@ -233,7 +233,7 @@ class SoloTrainer:
         generation = checkpoint.next_generation(stem)
         data_stem = checkpoint.generation_stem(stem, generation)
         files = checkpoint.paths(data_stem)
-        model = self.replica.model.state_dict()
+        model = self.replica.module.state_dict()
         checkpoint.require_finite(model, "model")  # a NaN replica never replaces a finite bundle
         optim = self.replica.optimizer.state_dict()  # device tensors load anywhere: map_location
         own = checkpoint.rank_optim_path(data_stem, 0)
@@ -257,7 +257,7 @@ class SoloTrainer:
         stem = self.config.resume_from
         meta = checkpoint.read_meta(stem)
         files = checkpoint.bundle_files(stem, meta)
-        self.replica.model.load_state_dict(checkpoint.load_tensors(files["model"]))
+        self.replica.module.load_state_dict(checkpoint.load_tensors(files["model"]))
         self.replica.optimizer.load_state_dict(checkpoint.load_tensors(files["optim"]))
         self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch}")
         return meta.epoch

@@ -18,8 +18,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from flodl_run.config.schema import EvalDirection
+from flodl_run.report.quality import eval_points, speedup, time_to_bar
 
-COLUMNS = ("job", "overrides", "status", "final_loss", "final_eval", "eval_rank", "wall_s",
+COLUMNS = ("job", "overrides", "status", "final_loss", "final_eval", "eval_rank",
+           "time_to_quality_s", "x_first_to_quality", "wall_s",
            "samples_per_s", "loss_at_epoch_n", "loss_drop_per_s", "wall_per_epoch_s",
            "mlflow_run_id")
 
@@ -101,6 +103,33 @@ def eval_ranks(jobs: Sequence[JobOutcome]) -> List[Optional[int]]:
             1 + sum(o is not None and direction.is_better(o, f) for o in finals) for f in finals]
 
 
+def quality_reference(jobs: Sequence[JobOutcome]) -> Optional[JobOutcome]:
+    """The job whose final eval is the sweep's quality bar: its first job (lowest number), when
+    that completed with a final eval and the jobs share one eval direction; else None."""
+    first = min(jobs, key=lambda j: j.num) if jobs else None
+    if (first is None or first.status != "completed" or first.summary.get("final_eval") is None
+            or shared_direction(jobs) is None):
+        return None
+    return first
+
+
+def times_to_quality(jobs: Sequence[JobOutcome]) -> List[Tuple[object, object]]:
+    """Per job, (training s until its eval first reached the first job's final eval, the first
+    job's own time to it over that); (None, None) without a bar or for a job that did not
+    complete. Training s: epoch time less its evals, as the bench counts it."""
+    reference, direction = quality_reference(jobs), shared_direction(jobs)
+    if reference is None or direction is None:
+        return [(None, None)] * len(jobs)
+    bar = reference.summary["final_eval"]
+    own = time_to_bar(eval_points(reference.summary), bar, direction.value)
+    out: List[Tuple[object, object]] = []
+    for job in jobs:
+        t = (time_to_bar(eval_points(job.summary), bar, direction.value)
+             if job.status == "completed" else None)
+        out.append((t, speedup(own, t)))
+    return out
+
+
 def varying(jobs: Sequence[JobOutcome]) -> Tuple[List[List[str]], List[str]]:
     """Per job, the overrides that differ between jobs; and the ones every job shares."""
     common = [o for o in jobs[0].overrides if all(o in j.overrides for j in jobs)] if jobs else []
@@ -117,14 +146,16 @@ def rows(jobs: Sequence[JobOutcome]) -> List[Dict[str, object]]:
     """One dict per job with the COLUMNS; None where a job has no such figure."""
     n = common_epochs(jobs)
     out = []
-    for job, own, rank in zip(jobs, varying(jobs)[0], eval_ranks(jobs)):
+    for job, own, rank, (to_quality, x_quality) in zip(jobs, varying(jobs)[0], eval_ranks(jobs),
+                                                        times_to_quality(jobs)):
         s, losses, wall = job.summary, job.losses, job.wall_axis()
         train_s = wall[-1] if wall else None
         drop = (losses[0] - losses[-1]) / train_s if len(losses) > 1 and train_s else None
         out.append({
             "job": job.num, "overrides": " ".join(own), "status": job.status,
             "final_loss": losses[-1] if losses else None, "final_eval": s.get("final_eval"),
-            "eval_rank": rank, "wall_s": s.get("wall_s"), "samples_per_s": s.get("samples_per_s"),
+            "eval_rank": rank, "time_to_quality_s": to_quality, "x_first_to_quality": x_quality,
+            "wall_s": s.get("wall_s"), "samples_per_s": s.get("samples_per_s"),
             "loss_at_epoch_n": losses[n - 1] if n and len(losses) >= n else None,
             "loss_drop_per_s": drop,
             "wall_per_epoch_s": train_s / len(losses) if losses and train_s else None,
@@ -144,7 +175,8 @@ def _cell(value: object) -> str:
 def to_markdown(jobs: Sequence[JobOutcome]) -> str:
     n = common_epochs(jobs)
     common = varying(jobs)[1]
-    header = ["job", "overrides", "status", "final loss", "final eval", "eval rank", "wall s",
+    header = ["job", "overrides", "status", "final loss", "final eval", "eval rank",
+              "time to quality s", "x first job to quality", "wall s",
               "samples/s", f"loss @ epoch {n}", "loss drop / s", "wall s / epoch", "MLflow run"]
     lines = [f"# Sweep comparison ({len(jobs)} jobs)", ""]
     if common:
@@ -154,7 +186,8 @@ def to_markdown(jobs: Sequence[JobOutcome]) -> str:
         lines.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
     lines += ["", f"`loss @ epoch {n}`: mean training loss of epoch {n}, the last epoch every job "
               "finished. `loss drop / s`: (loss of the first epoch - final loss) / training "
-              "wall seconds (sum of epoch_ms); higher is better. " + _rank_note(jobs), ""]
+              "wall seconds (sum of epoch_ms); higher is better. " + _rank_note(jobs) + " "
+              + _quality_note(jobs), ""]
     return "\n".join(lines)
 
 
@@ -164,6 +197,20 @@ def _rank_note(jobs: Sequence[JobOutcome]) -> str:
         return "`eval rank`: none, the jobs' recipes disagree on recipe.eval_direction."
     return (f"`eval rank`: 1 = best final eval; {_better(direction)} is better "
             f"(recipe.eval_direction={direction.value}).")
+
+
+def _quality_note(jobs: Sequence[JobOutcome]) -> str:
+    reference = quality_reference(jobs)
+    if reference is None:
+        return ("`time to quality s`: none, the first job has no final eval or the jobs' "
+                "recipes disagree on recipe.eval_direction.")
+    direction = shared_direction(jobs) or EvalDirection.max
+    reached = "<=" if direction is EvalDirection.min else ">="
+    return (f"`time to quality s`: training seconds (epoch time less its evals) until the job's "
+            f"eval first reached the quality bar: the final eval of job #{reference.num}, the "
+            f"sweep's first, {reached} {reference.summary['final_eval']:.4g}; not reached: none of its evals "
+            f"did. `x first job to quality`: job #{reference.num}'s own time to the bar over "
+            f"the job's (higher is sooner).")
 
 
 def _better(direction: EvalDirection) -> str:
