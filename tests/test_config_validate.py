@@ -56,6 +56,8 @@ RULES = [
     ("gamma", dict(elche__gamma=-0.5), "elche.gamma", "-0.5"),
     ("easgd_high", dict(elche__easgd_alpha=1.5), "elche.easgd_alpha", "1.5"),
     ("easgd_zero", dict(elche__easgd_alpha=0.0), "elche.easgd_alpha", "0.0"),
+    ("deadline_headroom_negative", dict(elche__deadline_headroom=-0.1), "elche.deadline_headroom", "-0.1"),
+    ("deadline_headroom_high", dict(elche__deadline_headroom=1.5), "elche.deadline_headroom", "1.5"),
     ("ratios_positive", dict(elche__partition_ratios=[1.0, 0.0]), "elche.partition_ratios", "[1.0, 0.0]"),
     ("ratios_length", dict(elche__partition_ratios=[1.0, 2.0, 3.0], **cpu(2)),
      "elche.partition_ratios", "[1.0, 2.0, 3.0]"),

@@ -93,6 +93,19 @@ def test_a_death_mid_window_is_redone_by_the_survivors(mode):
     assert group.mixed == []
 
 
+def test_a_cpu_async_death_after_reported_windows_counts_each_sample_once():
+    """Pins cpu_async's epoch count after a death: rank 1 of three reports windows, then dies
+    entering a reduce; the windows it reported since its work last folded into the center go
+    back and are redone by the survivors. The epochs' tallies count a report on arrival, so
+    without taking the dead rank's reports out again the epoch counted those samples twice
+    (720 of 640), while the consensus held each once."""
+    summary, fakes, group, _ = _run("cpu_async", [Fault(1, "die", 4, point="reduce")])
+    assert summary.status == "completed", summary.message
+    assert summary.dead_ranks == [1]
+    assert [e.samples for e in summary.epochs] == [NUM_SAMPLES] * 2
+    assert _every_sample_once(group, 2)
+
+
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_a_death_inside_a_reduce_leaves_the_lone_survivor_to_finish(mode):
     """Rule 'one survivor carries on alone': rank 1 of a pair dies on entering its 2nd

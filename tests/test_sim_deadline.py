@@ -95,7 +95,8 @@ def test_sweep_runs_the_grid_and_checks_its_keys() -> None:
 @pytest.mark.e2e
 def test_cli_sweep_writes_sweep_json(tmp_path: Path) -> None:
     """Pins the sweep's command line: sweep.* overrides run the grid instead of one sim, print
-    its table and write sweep.json with one cell per size x noise x variant."""
+    its table and write sweep.json with one cell per size x noise x variant; a deadline
+    without sweep.deadline_headroom lends what the real runs lend (elche.deadline_headroom)."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-m", "flodl_run.sim", f"hydra.run.dir={tmp_path}", "sim.windows=10",
@@ -106,7 +107,7 @@ def test_cli_sweep_writes_sweep_json(tmp_path: Path) -> None:
     assert "Ratio to ideal" in done.stdout
     cells = json.loads((tmp_path / "sweep.json").read_text())["cells"]
     assert [(c["ranks"], c["variant"]) for c in cells] == [
-        (2, "count"), (2, "deadline"), (4, "count"), (4, "deadline")]
+        (2, "count"), (2, "deadline +0.1"), (4, "count"), (4, "deadline +0.1")]
 
 
 def test_sync_modes_end_on_counts_and_say_so() -> None:

@@ -6,13 +6,21 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List
 
 import msgspec
 import pytest
 
 from flodl_run.contracts.wire import CONTROL_FRAME_BYTES, ClockPing, TimelineEvents
-from flodl_run.observe.timeline import MAX_CHUNK_EVENTS, ClockSync, RankTimeline, trace_events
+from flodl_run.observe.timeline import (
+    MAX_CHUNK_EVENTS,
+    PINGS_AT_START,
+    ClockSync,
+    RankTimeline,
+    Timeline,
+    trace_events,
+)
 from tests.support import _run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +109,42 @@ def test_off_records_nothing_and_ships_nothing():
     timeline.on_beat(channel)
     timeline.ship(channel, final=True)
     assert channel.sent == [] and not hasattr(timeline.recorder, "events")
+
+
+class _Loopback:
+    """A rank's heartbeat channel wired to a coordinator's Timeline (answers in-process)."""
+
+    def __init__(self, coordinator: Timeline):
+        self.coordinator, self.sent, self.inbox = coordinator, [], []
+
+    def send(self, message, payloads=(), identity=None):
+        if identity is not None:  # the coordinator's answer
+            self.inbox.append(SimpleNamespace(message=message))
+            return
+        self.sent.append(message)
+        if isinstance(message, ClockPing):
+            self.coordinator.receive(message, b"rank", self)
+
+    def recv(self, timeout_ms=None):
+        return self.inbox.pop(0) if self.inbox else None
+
+
+def test_deadline_windows_measure_the_clock_with_the_timeline_off():
+    """Pins the online offset a deadline window needs: with the timeline off on both sides,
+    a rank that aligns (elche.window_end=deadline) still pings on its beats and the
+    coordinator still answers, so the rank has an estimate (near 0 in one process), and no
+    event is shipped; without deadline windows nothing is sent at all."""
+    channel = _Loopback(Timeline())
+    aligned = RankTimeline(0, on=False, aligns=True)
+    aligned.on_beat(channel)
+    aligned.on_beat(channel)
+    assert [type(m) for m in channel.sent] == [ClockPing] * (PINGS_AT_START + 1)
+    estimate = aligned.clock.estimate()
+    assert estimate.samples == PINGS_AT_START + 1
+    assert abs(estimate.offset_ns) <= estimate.uncertainty_ns
+    quiet = _Loopback(Timeline())
+    RankTimeline(0, on=False).on_beat(quiet)
+    assert quiet.sent == []
 
 
 def test_trace_events_apply_each_tracks_offset():

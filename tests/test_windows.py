@@ -13,6 +13,7 @@ from flodl_run.control.dispatch import EpochPool
 from flodl_run.control.runstate import Balance, Holdings, StopRequest
 from flodl_run.control.windows import Windows
 from flodl_run.observe.observer import Observer
+from flodl_run.observe.timeline import Recorder
 
 BATCH = 4
 
@@ -45,6 +46,8 @@ class _Ranks:
 class _Reduces:
     """Counts rounds and tallies windows like the real reduces; its first round fails on a
     death that does not shrink the cohort, so the coordinator regroups: `regroup` runs."""
+
+    recorder = Recorder()
 
     def __init__(self, ranks: _Ranks):
         self.round, self.global_step, self.ranks = 0, 0, ranks

@@ -156,6 +156,10 @@ class ElCheConfig:
     """Cadence and async modes: a window ends on the planned counts (count) or once the anchor
     rank's planned count should have taken (deadline: each rank stops after the batch in hand,
     its untrained batches go back to the pool); sync modes always end on counts."""
+    deadline_headroom: float = 0.1
+    """Deadline windows: the share past its planned count a rank is lent from the pool, so a
+    rank ahead of its plan trains on to the deadline (at most ceil(count x (1 + headroom))
+    batches; what it does not train goes back); 0 = the count is the bound; in [0, 1]."""
 
     @property
     def averages_gradients(self) -> bool:

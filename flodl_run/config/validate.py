@@ -157,6 +157,8 @@ def _elche(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     yield from _above("elche.divergence_threshold", e.divergence_threshold, 0)
     yield from _at_least("elche.gamma", e.gamma, 0)
     yield from _at_least("elche.micro_batch_size", e.micro_batch_size, 1)
+    if not 0 <= e.deadline_headroom <= 1:
+        yield Problem("elche.deadline_headroom", e.deadline_headroom, "must be in [0, 1]")
     if e.easgd_alpha is not None and not (0 < e.easgd_alpha <= 1):
         yield Problem("elche.easgd_alpha", e.easgd_alpha, "must be in (0, 1]")
     yield from _partition_ratios(e.partition_ratios, world_size)

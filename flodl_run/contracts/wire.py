@@ -107,6 +107,10 @@ class WindowDone(Message):
     left: int = 0
     """Batches of the order not trained (its deadline passed first): the last `left` of them,
     batches being trained in order; their samples go back to the epoch's pool."""
+    began_ns: Optional[int] = None
+    """Deadline windows: when the window's first batch began, on the coordinator's clock as
+    this rank estimates it (None: no estimate); the coordinator's next deadline allows for
+    the latest rank's start."""
 
 
 class WindowFailed(Message):
@@ -248,9 +252,14 @@ class Train(Message):
     totals: List[int] = []
     """... and each step's samples over all ranks: the rank's gradient weighs share / total."""
     deadline_ms: Optional[float] = None
-    """Cadence and async, elche.window_end=deadline: stop once this long has passed since the
-    rank began the window (after the batch in hand); `num_batches` stays the most it trains.
-    None: train every batch (a count window, or no timings yet)."""
+    """Cadence and async, elche.window_end=deadline: the window's planned duration;
+    `num_batches` stays the most it trains. None: train every batch (a count window, or no
+    timings yet)."""
+    deadline_ns: Optional[int] = None
+    """... and the instant it ends, on the coordinator's clock (its perf_counter_ns): the rank
+    stops after the batch in hand once its own clock, shifted by its estimated offset, passes
+    it, so every rank of the window stops at the same moment. A rank with no estimate yet
+    stops `deadline_ms` after its first batch began."""
 
 
 class Update(Message):

@@ -56,6 +56,12 @@ class AsyncLoop:
         # Chunks finished after their rank's snapshot of the round in flight: not in the center
         # yet, so a death before the next round must give them back (see _maybe_finish_round).
         self.after_snapshot: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}
+        # The reports behind what each rank trained since its work last folded into the center
+        # (all of them, and those after its snapshot of the round in flight): the epochs'
+        # tallies counted them on arrival, so a death that gives their chunks back to be
+        # redone takes them out again (else an epoch counts the redone samples twice).
+        self.unfolded: Dict[int, List[WindowDone]] = {r: [] for r in range(self.world)}
+        self.unfolded_after: Dict[int, List[WindowDone]] = {r: [] for r in range(self.world)}
         self.idle: Set[int] = set()
         self.dispatch_epoch = start_epoch
         self.closed = start_epoch
@@ -75,6 +81,9 @@ class AsyncLoop:
         self.dispatch_epoch = min(self.dispatch_epoch, epoch)
 
     def _forget_dead(self) -> None:
+        for rank in [r for r in range(self.world) if r not in self.alive and self.unfolded.get(r)]:
+            for done in self.unfolded.pop(rank):  # its chunks went back: they are redone
+                self.tallies[done.epoch].drop_done(done)
         for rank in [r for r in range(self.world) if r not in self.alive and self.in_hand.get(r)]:
             for epoch, _ in self.in_hand[rank]:
                 self.outstanding[epoch] -= 1
@@ -113,7 +122,8 @@ class AsyncLoop:
             return
         epoch = self.dispatch_epoch
         count = max(1, self.balance.plan.batch_counts[rank])
-        slices = self.pools[epoch].take(count * self.config.batch_size)
+        loan = self.windows.deadlines.loan(count, self.windows.deadline_ms())
+        slices = self.pools[epoch].take(loan * self.config.batch_size)
         self.outstanding[epoch] += 1
         self.in_hand[rank].append((epoch, slices))
         if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
@@ -144,6 +154,8 @@ class AsyncLoop:
         (self.next_done if later else self.window_done).add(done.rank)
         if later:
             self.after_snapshot[done.rank].append(chunk)
+            self.unfolded_after[done.rank].append(done)
+        self.unfolded.setdefault(done.rank, []).append(done)
         self.windows.progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
         self._give(done.rank)
         self._maybe_start_round()
@@ -201,6 +213,9 @@ class AsyncLoop:
         self.holdings.reset({r: self.holdings.of(r) if r in missing else
                              self.after_snapshot[r] + list(self.in_hand[r]) for r in self.alive})
         self.after_snapshot = {r: [] for r in range(self.world)}
+        self.unfolded = {r: self.unfolded.get(r, []) if r in missing else self.unfolded_after[r]
+                         for r in self.alive}
+        self.unfolded_after = {r: [] for r in range(self.world)}
         # The reduce's cost is the averaging: ranks keep training while SyncNow and their
         # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
         # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left

@@ -73,6 +73,15 @@ class EpochTally:
         self.loss_sum[r] += done.loss_sum
         merge(self.scalars, done.scalars)
 
+    def drop_done(self, done: WindowDone) -> None:
+        """cpu_async: a dead rank's reported window is redone by others (its chunk went back
+        to the pool): its count leaves the epoch (user scalars, merged already, stay)."""
+        r = done.rank
+        self.batches[r] -= done.batches
+        self.samples[r] -= done.samples
+        self.wall_ms[r] -= done.wall_ms
+        self.loss_sum[r] -= done.loss_sum
+
     def add(self, window: WindowTally) -> None:
         for r in range(len(self.batches)):
             self.batches[r] += window.batches[r]

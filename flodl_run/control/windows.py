@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
 
 from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
+from flodl_run.control.deadlines import Deadlines
 from flodl_run.control.dispatch import (
     EpochPool,
     SliceT,
@@ -56,6 +57,7 @@ class Windows:
         # (rank -> (when sent, the pool it came from, the order))
         self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
         self.exact = None  # nccl_sync's exact windows (control.exact), when gradients are averaged
+        self.deadlines = Deadlines(reduces.recorder, config.elche.deadline_headroom)
 
     @property
     def alive(self) -> Set[int]:
@@ -112,7 +114,9 @@ class Windows:
         self.pools, self.pool_epoch = ([pool] if parts is None else parts), epoch
 
         def plan_window() -> Dict[int, Train]:
-            counts = [c if r in self.alive else 0 for r, c in enumerate(self.balance.plan.batch_counts)]
+            window_ms = self.deadline_ms()  # a deadline window lends past the counts
+            counts = [self.deadlines.loan(c, window_ms) if r in self.alive else 0
+                      for r, c in enumerate(self.balance.plan.batch_counts)]
             if parts is None:
                 sizes = window_samples(pool.remaining, counts, self.config.batch_size)
                 cut = [pool.take(size) if rank in self.alive else [] for rank, size in enumerate(sizes)]
@@ -124,7 +128,8 @@ class Windows:
             # round trip between the window and the reduce; the collective waits for the last).
             fold = self.mode.is_collective and all(cut[r] for r in self.alive)
             then_sync = self._sync_after(1) if fold else None
-            return {rank: self.train_order(epoch, slices, then_sync=then_sync)
+            at = None if window_ms is None else self.deadlines.window_ns(self.window, window_ms)
+            return {rank: self.train_order(epoch, slices, then_sync=then_sync, deadline_ns=at)
                     for rank, slices in enumerate(cut) if slices}
 
         trains = plan_window()
@@ -311,14 +316,21 @@ class Windows:
         return limit is None or window.batches[rank] < limit + min(window.batches)
 
     def train_order(self, epoch: int, slices: list, overshoot: int = 0,
-                     then_sync: Optional[SyncNow] = None, ahead_of: int = 0) -> Train:
+                     then_sync: Optional[SyncNow] = None, ahead_of: int = 0,
+                     deadline_ns: Optional[int] = None) -> Train:
         """`ahead_of`: an order of the next window, sent before the reduce of round `ahead_of`.
-        With elche.window_end=deadline a cadence or async order carries the plan's duration."""
+        With elche.window_end=deadline a cadence or async order carries the plan's duration
+        and its end on the coordinator's clock: `deadline_ns` (a cadence window's, shared by
+        its orders), else the duration from now (an async chunk)."""
         batches = sum(-(-s[2] // self.config.batch_size) for s in slices)
+        deadline_ms = self.deadline_ms()
+        if deadline_ms is not None and deadline_ns is None:
+            deadline_ns = self.deadlines.chunk_ns(deadline_ms)
         return Train(self.window + (1 if ahead_of else 0), epoch, slices, batches, overshoot, then_sync,
-                     after_round=ahead_of, deadline_ms=self._deadline_ms())
+                     after_round=ahead_of, deadline_ms=deadline_ms,
+                     deadline_ns=None if deadline_ms is None else deadline_ns)
 
-    def _deadline_ms(self) -> Optional[float]:
+    def deadline_ms(self) -> Optional[float]:
         """The window's deadline: deadline windows in the cadence and async modes, once ElChe
         timed the anchor rank; None ends the window on its counts."""
         if self.config.elche.window_end is not WindowEnd.deadline or self.mode.is_sync:
@@ -351,6 +363,7 @@ class Windows:
             if done is None:
                 continue
             waiting.discard(done.rank)
+            self.deadlines.began(done)
             self.take_back(done, trains[done.rank].slices, pool_of(done.rank))
             window.add(done)
             self.progress(epoch, epoch_tally, window, done)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from flodl_run.contracts.clock import RECENT_SAMPLES, ClockSync
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, Summary
 from flodl_run.contracts.wire import ClockEcho, ClockPing, TimelineEvents
 from flodl_run.observe.observer import Observer
@@ -39,45 +40,10 @@ COORDINATOR_PID = 0
 FILE_NAME = "timeline.json"
 
 ARG_NAMES = {"data": "batch", "step": "batch", "window_end": "window", "eval": "epoch",
-             "checkpoint": "epoch", "regroup": "generation", "wait": "order", "throttled": "order"}
+             "checkpoint": "epoch", "regroup": "generation", "wait": "order", "throttled": "order",
+             "deadline": "window"}
 """The argument's name in the trace per event name (reduce phases carry the round, other
 text is a message)."""
-
-
-# ---- clock alignment (pure) ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ClockEstimate:
-    """The coordinator's clock minus this process's, and half the round trip it came from
-    (the worst case of its error)."""
-
-    offset_ns: int
-    uncertainty_ns: int
-    samples: int
-
-
-class ClockSync:
-    """NTP's estimate over request/response pairs: t0 sent (ours), t1 received and t2 replied
-    (theirs), t3 received (ours). offset = ((t1 - t0) + (t2 - t3)) / 2; the sample with the
-    shortest round trip ((t3 - t0) - (t2 - t1)) wins, since queueing delays only add to it."""
-
-    def __init__(self) -> None:
-        self.best: Optional[Tuple[int, int]] = None  # (round trip, offset)
-        self.samples = 0
-
-    def add(self, t0: int, t1: int, t2: int, t3: int) -> None:
-        round_trip = (t3 - t0) - (t2 - t1)
-        if round_trip < 0:
-            return  # impossible under any offset: a mismatched echo
-        self.samples += 1
-        offset = ((t1 - t0) + (t2 - t3)) // 2
-        if self.best is None or round_trip < self.best[0]:
-            self.best = (round_trip, offset)
-
-    def estimate(self) -> Optional[ClockEstimate]:
-        if self.best is None:
-            return None
-        return ClockEstimate(self.best[1], (self.best[0] + 1) // 2, self.samples)
 
 
 # ---- recording ----------------------------------------------------------------------------
@@ -210,12 +176,15 @@ def _nvml_handle(cuda_index: int) -> Optional[Any]:
 class RankTimeline:
     """A rank's recorder plus what its heartbeat thread does each beat: measure the clock
     against the coordinator's, sample the counters, and ship what was recorded. Off, it only
-    hands out the no-op recorder."""
+    hands out the no-op recorder, and measures the clock only when `aligns` (deadline windows
+    need the offset whether or not there is a timeline)."""
 
-    def __init__(self, rank: int, on: bool, label: str = "", cuda_index: Optional[int] = None):
+    def __init__(self, rank: int, on: bool, label: str = "", cuda_index: Optional[int] = None,
+                 aligns: bool = False):
         self.rank, self.label = rank, label
         self.recorder: Recorder = Recording() if on else Recorder()
-        self.clock = ClockSync()
+        self.clock = ClockSync(recent=RECENT_SAMPLES)
+        self.aligns = on or aligns
         self._sampler = Sampler(cuda_index) if on else None
         self._beats = 0
         self._shipping = threading.Lock()  # a chunk drained is sent before the final one
@@ -223,19 +192,22 @@ class RankTimeline:
     def on_beat(self, channel: Any) -> None:
         """Heartbeat thread, its own socket: clock round trips (a few on the first beat),
         counters, then the events recorded so far. A rank that dies later keeps these. A
-        failure here is printed once and ends the timeline, never the heartbeat."""
-        if self._sampler is None:
+        failure here is printed once and ends the timeline and the clock's round trips, never
+        the heartbeat."""
+        if not self.aligns:
             return
         try:
             for _ in range(PINGS_AT_START if self._beats == 0 else 1):
                 if not self._ping(channel):
                     break
             self._beats += 1
-            self._sampler.sample(self.recorder)
-            self.ship(channel)
+            if self._sampler is not None:
+                self._sampler.sample(self.recorder)
+                self.ship(channel)
         except Exception as exc:
-            self._sampler = None
-            print(f"rank {self.rank}: timeline off: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._sampler, self.aligns = None, False
+            print(f"rank {self.rank}: timeline and clock off: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
 
     def _ping(self, channel: Any) -> bool:
         """One round trip; False when no echo came back within ECHO_WAIT_MS (a late one is
@@ -295,7 +267,11 @@ class Timeline:
     recorder: Recorder = Recorder()
 
     def receive(self, message: Any, identity: Optional[bytes], channel: Any) -> None:
-        """A ClockPing (answered at once) or a TimelineEvents shipment."""
+        """A ClockPing (answered at once, the timeline on or off: a deadline window's instant
+        needs the ranks' clock offsets) or a TimelineEvents shipment (dropped)."""
+        if isinstance(message, ClockPing):
+            received = time.perf_counter_ns()
+            channel.send(ClockEcho(message.sent_ns, received, time.perf_counter_ns()), identity=identity)
 
     def await_final(self, channel: Any, ranks: List[int]) -> None:
         """At the end: take the ranks' last shipments (they were just sent Stop)."""
@@ -340,8 +316,7 @@ class TimelineFile(Timeline, Observer):
 
     def receive(self, message: Any, identity: Optional[bytes], channel: Any) -> None:
         if isinstance(message, ClockPing):
-            received = time.perf_counter_ns()
-            channel.send(ClockEcho(message.sent_ns, received, time.perf_counter_ns()), identity=identity)
+            super().receive(message, identity, channel)
             return
         track = self.ranks.setdefault(message.rank, _RankTrack())
         track.events.extend(message.events)

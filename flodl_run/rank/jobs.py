@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from flodl_run.contracts.clock import ClockEstimate, coordinator_ns, local_s
 from flodl_run.contracts.wire import Train
 from flodl_run.data.passes import permutation
 
@@ -33,19 +34,40 @@ class Job:
     micro: List[Any] = field(default_factory=list)
     """nccl_sync (gradients): the exact step's micro-batch of each batch (rank.exact.Micro)."""
     began: Optional[float] = None
-    """perf_counter when its first batch began: where a deadline window's deadline counts from."""
+    """perf_counter when its first batch began."""
+    deadline_s: Optional[float] = None
+    """A deadline window's end on this rank's perf_counter (the order's instant on the
+    coordinator's clock, shifted by the estimated offset); None: no estimate yet, the
+    deadline then counts `deadline_ms` from the first batch."""
 
     def is_over(self, now: float) -> bool:
-        """Every batch trained, or (a deadline window) its deadline passed since it began."""
+        """Every batch trained, or (a deadline window) its deadline passed."""
         if self.done >= len(self.batches):
             return True
+        if self.deadline_s is not None:
+            return now >= self.deadline_s
         deadline_ms = self.order.deadline_ms
         return bool(deadline_ms) and self.began is not None and (now - self.began) * 1000.0 >= deadline_ms
+
+    def began_ns(self, estimate: Optional[ClockEstimate]) -> Optional[int]:
+        """When a deadline window's first batch began, on the coordinator's clock (None: a
+        count window, or no clock estimate)."""
+        if self.order.deadline_ns is None or estimate is None or self.began is None:
+            return None
+        return coordinator_ns(self.began, estimate)
 
     @property
     def left(self) -> int:
         """Batches of the order not trained (a deadline window that ended early)."""
         return len(self.batches) - self.done
+
+
+def deadline_s(order: Train, estimate: Optional[ClockEstimate]) -> Optional[float]:
+    """A deadline window's shared instant on this rank's perf_counter (None: a count window,
+    or no clock estimate yet)."""
+    if order.deadline_ns is None or estimate is None:
+        return None
+    return local_s(order.deadline_ns, estimate)
 
 
 class BatchCutter:

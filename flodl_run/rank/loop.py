@@ -22,7 +22,7 @@ import zmq
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.averaging.shm import PREFIX_ENV
-from flodl_run.config.schema import ExperimentConfig, Mode, lr_factor
+from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd, lr_factor
 from flodl_run.contracts import scalars
 from flodl_run.contracts.recipe import CallbackFailed, load_recipe
 from flodl_run.contracts.wire import (
@@ -54,7 +54,7 @@ from flodl_run.rank.channels import HeartbeatThread, ListenerThread
 from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
-from flodl_run.rank.jobs import BatchCutter, Job, Waits, fill_ms
+from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s, fill_ms
 from flodl_run.rank.reduce import CollectiveReduce, after_outer_step
 from flodl_run.rank.replica import Replica
 from flodl_run.rank.snapshot import SnapshotExchange
@@ -105,7 +105,8 @@ class RankWorker:
             resume(config.resume_from, env.rank, self.replica, self.outer, self.mode.is_collective,
                    self.device)
         self.timeline = RankTimeline(env.rank, config.timeline, f"{socket.gethostname()} {self.device}",
-                                     self.device.index if self.device.type == "cuda" else None)
+                                     self.device.index if self.device.type == "cuda" else None,
+                                     aligns=config.elche.window_end is WindowEnd.deadline)
         self.recorder = self.timeline.recorder
         self.collective = CollectiveReduce(env.rank, self.replica, self.flat, self.outer, self.group,
                                            self.recorder, config.elche.gamma, config.outer.kind,
@@ -247,7 +248,8 @@ class RankWorker:
     def _job(self, order: Train) -> Job:
         """The order's batches: whole batches, or an exact window's micro-batches."""
         if not order.shares:
-            return Job(order, self.cutter.cut(order))
+            return Job(order, self.cutter.cut(order),
+                       deadline_s=deadline_s(order, self.timeline.clock.estimate()))
         limit = self.config.elche.micro_batch_size or self.config.batch_size
         micro = micro_plan(order.shares, order.totals, limit)
         return Job(order, self.cutter.cut_sizes(order, [m.samples for m in micro]), micro=micro)
@@ -328,7 +330,8 @@ class RankWorker:
             0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
             skipped=exact.window_skipped() if exact else 0, window_wall_ms=sum(job.step_ms),
-            left=job.left, **self.source.take_stats()))
+            left=job.left,
+            began_ns=job.began_ns(self.timeline.clock.estimate()), **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0
         if order.then_sync is not None:  # the coordinator folded the SyncNow into the order
@@ -372,7 +375,7 @@ class RankWorker:
         self.replica.seek_schedule(update.global_step)
         self._awaiting_update = False
         if update.train is not None:
-            self.jobs.append(Job(update.train, self.cutter.cut(update.train)))
+            self.jobs.append(self._job(update.train))
 
     # ---- evaluation and checkpoints --------------------------------------------------------
 

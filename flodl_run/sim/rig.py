@@ -96,10 +96,10 @@ class SimConfig:
     long as the anchor rank's count should take (ElChe's window_ms); every rank trains until
     then, finishes its batch in hand, and never takes more than its bound (below). Sync modes
     (a reduce after every step) always end on counts."""
-    deadline_headroom: float = 0.0
+    deadline_headroom: Optional[float] = None
     """Deadline windows: the share beyond its planned count a rank may take from the pool
     (bound = ceil(count x (1 + headroom)); unused batches go back); 0 = the count is the
-    bound; >= 0."""
+    bound; null = elche.deadline_headroom, the real runs' loan (0.1); >= 0."""
     table: TableStyle = TableStyle.auto
     """Per-window table: full counts, compact (min/median/max) or none; auto = compact above
     8 ranks."""
@@ -306,6 +306,11 @@ def _ends_on_deadline(sim: SimConfig, elche_config: ElCheConfig) -> bool:
     return WindowEnd.deadline in ends and not elche_config.mode.is_sync
 
 
+def headroom_of(sim: SimConfig, elche_config: ElCheConfig) -> float:
+    """The deadline windows' loan: sim.deadline_headroom, else the real runs' key."""
+    return elche_config.deadline_headroom if sim.deadline_headroom is None else sim.deadline_headroom
+
+
 def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
     """One window: run the plan on the rig, report the reduce, record what happened."""
     ms = rig.ms_per_batch(window)
@@ -316,7 +321,7 @@ def _step(rig: SimRig, elche: ElChe, plan: Plan, window: int, is_async: bool):
     if deadline is None:
         counts = planned
     else:
-        bound = np.ceil(planned * (1.0 + rig.cfg.deadline_headroom)).astype(np.int64)
+        bound = np.ceil(planned * (1.0 + headroom_of(rig.cfg, elche.config))).astype(np.int64)
         counts = fit_by_deadline(bound, ms, fill_ms, deadline)
     walls = _window_walls(counts, ms, fill_ms)
     sync_ms = rig.sync_ms(int(np.count_nonzero(counts)))

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 from rich.table import Table
 
 from flodl_run.config.schema import ElCheConfig
-from flodl_run.sim.rig import RankGroup, SimConfig, WindowEnd, simulate
+from flodl_run.sim.rig import RankGroup, SimConfig, WindowEnd, headroom_of, simulate
 
 
 @dataclass
@@ -89,10 +89,10 @@ def base_groups(sim: SimConfig) -> List[RankGroup]:
     return [RankGroup(1, ms, d) for ms, d in zip(sim.rank_ms, drift)]
 
 
-def variants(sweep: SweepConfig, sim: SimConfig) -> List[Variant]:
+def variants(sweep: SweepConfig, sim: SimConfig, elche: ElCheConfig) -> List[Variant]:
     """The columns: each window end; a deadline once per headroom (a count window has none)."""
     ends = sweep.window_end or [sim.window_end]
-    headrooms = sweep.deadline_headroom or [sim.deadline_headroom]
+    headrooms = sweep.deadline_headroom or [headroom_of(sim, elche)]
     out = [Variant(WindowEnd.count, 0.0)] if WindowEnd.count in ends else []
     if WindowEnd.deadline in ends:
         out += [Variant(WindowEnd.deadline, h) for h in headrooms]
@@ -106,7 +106,7 @@ def run_sweep(sweep: SweepConfig, sim: SimConfig, elche: ElCheConfig) -> List[Ce
     cells = []
     for ranks, noise in itertools.product(sizes, sweep.noise or [sim.noise]):
         rig = dataclasses.replace(sim, groups=scaled_groups(groups, ranks), noise=noise)
-        for variant in variants(sweep, sim):
+        for variant in variants(sweep, sim, elche):
             cells.append(_cell(rig, elche, variant, sweep.seeds, ranks))
     return cells
 
