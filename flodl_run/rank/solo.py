@@ -185,11 +185,15 @@ class SoloTrainer:
         compute_s = time.perf_counter() - began
         self._compute_s += compute_s
         self._samples += len(indices)
+        eval_began = time.perf_counter()
+        score = self._maybe_eval(epoch)  # timed into epoch_ms, as a distributed epoch's eval is
+        eval_ms = (time.perf_counter() - eval_began) * 1000.0
         return EpochRecord(
             epoch=epoch,
             avg_loss=losses.mean,
-            eval=self._maybe_eval(epoch),
-            epoch_ms=compute_s * 1000.0,
+            eval=score,
+            epoch_ms=compute_s * 1000.0 + eval_ms,
+            eval_ms=eval_ms,
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
             per_rank_batch_share=[1.0],
             samples=len(indices),
