@@ -16,7 +16,9 @@ import pytest
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
 from flodl_run.contracts.checkpoint import read_meta
+from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.control.runstate import STOP_GRACE_S, RunAborted, StopRequest
+from flodl_run.observe.observer import Observer
 from tests.fakes import NUM_SAMPLES, cohort, drive
 from tests.support import PAIR, _live_ranks, start_cli
 from tests.support import _run as run_cli_summary
@@ -59,20 +61,36 @@ def test_a_stop_mid_window_saves_the_trained_batches_and_lists_exactly_the_rest(
     assert held == set(range(NUM_SAMPLES)) - set(lacks)
     if mode in ("nccl_cadence", "cpu_cadence", "cpu_async"):  # windows of 20 batches, cut short
         assert all("CutWindow" in f.orders for f in fakes) and sum(f.left for f in fakes) > 0
-        assert fakes[0].batches < EPOCH_BATCHES // 2 + 20
+
+
+class _StopAtEpochEnd(Observer):
+    """Requests the stop inside the reduce of epoch 0's last window (nothing left to hand out,
+    no order sent on the reduce)."""
+
+    coord = None
+
+    def on_reduce(self, record: ReduceRecord) -> None:
+        coord = self.coord
+        if record.epoch == 0 and not coord.windows.uncovered() and not any(coord.holdings.chunks.values()):
+            self.coord.request_stop("interrupted by SIGINT")
 
 
 @pytest.mark.coordinator
 def test_a_stop_after_an_epochs_last_window_resumes_at_the_next_epoch(tmp_path):
     """Pins: a stop whose reduce was the epoch's last saved that epoch with nothing listed
     uncovered, which a resume reads as the whole epoch (trained twice). The bundle now names
-    the next epoch, whole."""
+    the next epoch, whole, and the consensus holds epoch 0 once."""
     stem = str(tmp_path / "ck")
-    summary, fakes, group = _stopped_mid_epoch("nccl_cadence", stem, stop_at=EPOCH_BATCHES // 2)
+    stop = _StopAtEpochEnd()
+    run = ExperimentConfig(elche=ElCheConfig.preset("nccl_cadence"), num_epochs=2, batch_size=8,
+                           save_path=stem)
+    stop.coord, fakes, group = cohort(run, [3.0, 3.0], observer=stop)
+    summary, _ = drive(stop.coord, fakes)
     assert summary.status == "interrupted", summary.message
     coverage = read_meta(stem).coverage
     assert (coverage.epoch, coverage.uncovered) == (1, [])
-    assert {k for k in group.consensus()} == {(0, i) for i in range(NUM_SAMPLES)}
+    seen = group.consensus()
+    assert set(seen) == {(0, i) for i in range(NUM_SAMPLES)} and set(seen.values()) == {1}
 
 
 def test_the_stop_grace_counts_from_the_last_batch_and_a_second_request_cuts_it():
