@@ -13,6 +13,9 @@ The fakes model what the coordinator relies on in real ranks (flodl_run/rank/pro
   (each then reports ReduceFailed), a Regroup builds the next generation's group, orders sent
   ahead of a failed reduce are dropped, and the retry of a round a rank already reduced starts
   again from its pre-reduce replica;
+- orders read between batches: a CutWindow (the run is stopping) ends the window in hand after
+  the batch in hand, and every later window after its first batch (`on_batch` lets a test act
+  after each batch, e.g. request the stop);
 - the launcher: a rank that dies is reported (report_death), a rank the coordinator declares
   dead is killed (on_rank_dead).
 `Group.consensus()` then says which samples the survivors' weights include, counted."""
