@@ -81,7 +81,7 @@ class SoloTrainer:
                                devices=[device_name(self.device)])
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in the bundle so a resume can link to it."""
-        self._compute_s = 0.0
+        self._epoch_s = 0.0  # the epochs' time, evals included (what samples_per_s divides by)
         self._trained = 0  # epochs whose training the replica holds: where a resume starts
         self._samples = 0
         self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
@@ -183,11 +183,11 @@ class SoloTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
         compute_s = time.perf_counter() - began
-        self._compute_s += compute_s
         self._samples += len(indices)
         eval_began = time.perf_counter()
         score = self._maybe_eval(epoch)  # timed into epoch_ms, as a distributed epoch's eval is
         eval_ms = (time.perf_counter() - eval_began) * 1000.0
+        self._epoch_s += compute_s + eval_ms / 1000.0
         return EpochRecord(
             epoch=epoch,
             avg_loss=losses.mean,
@@ -220,7 +220,7 @@ class SoloTrainer:
 
     def _finish(self, wall_s: float) -> None:
         self.summary.wall_s = wall_s
-        self.summary.samples_per_s = self._samples / self._compute_s if self._compute_s else 0.0
+        self.summary.samples_per_s = self._samples / self._epoch_s if self._epoch_s else 0.0
 
     def _maybe_checkpoint(self, epochs_done: int) -> None:
         """`checkpoint_every`: a bundle every n epochs (the last one is saved by run())."""
