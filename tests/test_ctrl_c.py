@@ -133,15 +133,16 @@ SLOW_WINDOWS = ("cluster.emulate_slowdown=[100,100]", "batch_size=16", "num_epoc
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode,extra,resume", [("nccl_cadence", ("elche.anchor=60",), True),
-                                               ("nccl_sync", ("elche.max_batch_diff=0",), False)])
+                                               ("nccl_sync", ("elche.max_batch_diff=0",), False),
+                                               ("cpu_async", ("elche.anchor=60",), False)])
 def test_sigint_mid_window_saves_what_was_trained_and_the_resume_trains_the_rest(tmp_path, mode, extra,
                                                                                  resume):
     """Pins the reported Ctrl-C on a slow recipe (`no reduce boundary within 8s: not saved`):
     real ranks stopped mid-window save a graceful_shutdown bundle of epoch 0 whose uncovered
-    ranges are disjoint, non-empty and short of the whole epoch (nccl_cadence: its one
-    window was cut after the batch in hand; nccl_sync: its exact windows end at a step), and
-    the resume trains exactly those samples, completing the epoch (one mode resumed: the
-    coordinator tier pins the coverage of every mode)."""
+    ranges are disjoint, non-empty and short of the whole epoch (nccl_cadence and cpu_async:
+    their one window was cut after the batch in hand; nccl_sync: its exact windows end at a
+    step), and the resume trains exactly those samples, completing the epoch (one mode
+    resumed: the coordinator tier pins the coverage of every mode)."""
     meta = _sigint_mid_window(tmp_path / "a", f"elche={mode}", *extra, *SLOW_WINDOWS)
     assert meta.save_reason == "graceful_shutdown" and meta.coverage.epoch == 0
     lacks = [i for _, start, end in meta.coverage.uncovered for i in range(start, end)]
