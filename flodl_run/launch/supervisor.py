@@ -173,7 +173,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
            console: Console) -> None:
     """Until the coordinator ends: report a rank that exited early, turn each SIGINT/SIGTERM
     noted meanwhile into a stop request, and say what happens next (the screen would not
-    change for up to SAVE_GRACE_S)."""
+    change while the ranks finish their batch in hand, then for up to SAVE_GRACE_S)."""
     reported = set()
     zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
