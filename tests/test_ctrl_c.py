@@ -2,7 +2,8 @@
 coordinator reduces what they trained and saves it, and the bundle lists the samples left
 untrained, so a resume trains exactly those. At the coordinator tier against scripted ranks
 (a stop requested from inside a window, counted on the consensus ledger), the grace rule on
-its own, and two real runs stopped by SIGINT mid-window and resumed."""
+its own, and real runs (nccl_cadence, nccl_sync, cpu_async) stopped by SIGINT mid-window, one
+of them resumed."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ EPOCH_BATCHES = NUM_SAMPLES // 8
 
 
 def _stopped_mid_epoch(mode: str, stem: str, stop_at: int):
-    """Two equal fakes, windows of 20 batches (4 a epoch), the stop requested right after
+    """Two equal fakes, windows of 20 batches (4 an epoch), the stop requested right after
     rank 0's `stop_at`-th batch: the summary, the fakes and their consensus ledger."""
     elche = replace(ElCheConfig.preset(mode), anchor=20, min_anchor=20, max_anchor=20,
                     sync_average=SyncAverage.params)
     run = ExperimentConfig(elche=elche, num_epochs=2, batch_size=8, save_path=stem)
     coord, fakes, group = cohort(run, [20.0, 20.0])  # a window (400 ms) outlasts the poll (200 ms)
-    fakes[0].on_batch = lambda fake: fake.batches == stop_at and coord.request_stop("interrupted by SIGINT")
+    fakes[0].on_batch = lambda fake: fake.batches == stop_at and coord.request_stop(
+        "interrupted by SIGINT")
     summary, fakes = drive(coord, fakes)
     return summary, fakes, group
 
