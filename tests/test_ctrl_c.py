@@ -154,3 +154,40 @@ def test_sigint_mid_window_saves_what_was_trained_and_the_resume_trains_the_rest
                                         *SLOW_WINDOWS[1:], f"resume_from={tmp_path / 'a' / 'checkpoint'}")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert [e["samples"] for e in summary["epochs"]] == [len(lacks)]
+
+
+class _StopAfterFirstRead(Observer):
+    """Requests the in-process trainer's stop when it first reads the losses (50 batches)."""
+
+    trainer = None
+
+    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+        self.trainer.request_stop("interrupted by SIGINT")
+
+
+def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_rest(tmp_path):
+    """Pins the in-process run (`cluster=solo`): a Ctrl-C raised KeyboardInterrupt wherever the
+    trainer was and saved nothing. A stop request now ends it after the batch in hand, saves
+    the replica with the rest of the epoch listed uncovered, and a resume trains exactly those
+    positions of the pass's permutation, then the epochs after it."""
+    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.data.passes import permutation
+    from flodl_run.rank.solo import SoloTrainer
+
+    recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2000, "hidden": 16, "depth": 1})
+    stem = str(tmp_path / "ck")
+    watch = _StopAfterFirstRead()
+    config = ExperimentConfig(num_epochs=2, device="cpu", batch_size=8, save_path=stem)
+    watch.trainer = SoloTrainer(config, recipe, watch)
+    summary = watch.trainer.run().summary
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    meta = read_meta(stem)
+    train = len(watch.trainer.train_source)
+    assert meta.save_reason == "graceful_shutdown" and meta.global_step == 50
+    assert (meta.coverage.epoch, meta.coverage.uncovered) == (0, [[0, 400, train]])
+    resumed = SoloTrainer(replace(config, resume_from=stem, save_path=None), recipe)
+    summary = resumed.run().summary
+    assert summary.status == "completed"
+    assert [(e.epoch, e.samples) for e in summary.epochs] == [(0, train - 400), (1, train)]
+    order = permutation(train, 0, 0) % train
+    assert resumed._epoch_indices(0).tolist() == order[400:].tolist()
