@@ -13,6 +13,9 @@ The fakes model what the coordinator relies on in real ranks (flodl_run/rank/pro
   (each then reports ReduceFailed), a Regroup builds the next generation's group, orders sent
   ahead of a failed reduce are dropped, and the retry of a round a rank already reduced starts
   again from its pre-reduce replica;
+- orders read between batches: a CutWindow (the run is stopping) ends the window in hand after
+  the batch in hand, and every later window after its first batch (`on_batch` lets a test act
+  after each batch, e.g. request the stop);
 - the launcher: a rank that dies is reported (report_death), a rank the coordinator declares
   dead is killed (on_rank_dead).
 `Group.consensus()` then says which samples the survivors' weights include, counted."""
@@ -34,6 +37,7 @@ from flodl_run.contracts.wire import (
     AbortGroup,
     Channel,
     CheckpointSaved,
+    CutWindow,
     Evaluate,
     Evaluated,
     Heartbeat,
@@ -232,6 +236,8 @@ class FakeRank(threading.Thread):
         self.speed_at: Dict[int, float] = {}  # Train order number -> ms per batch from then on
         self.deadlines: List[float] = []  # deadline_ms of each deadline order it trained
         self.left = 0  # batches its deadline orders left untrained
+        self.cut = False  # a CutWindow came: every window ends after the batch in hand
+        self.on_batch: Optional[Callable[["FakeRank"], None]] = None  # after each batch (a test's trigger)
 
     # ---- the launcher's view -----------------------------------------------------------------
 
@@ -332,6 +338,8 @@ class FakeRank(threading.Thread):
                     self._train(order.train)
             elif isinstance(order, Train):
                 self._train(order)
+            elif isinstance(order, CutWindow):
+                self.cut = True
             else:
                 self.ch.send(self._answer(order))
 
@@ -466,7 +474,9 @@ class FakeRank(threading.Thread):
 
     def _window(self, order: Train) -> WindowDone:
         """Train the order's batches, up to the ones that fit its deadline (the batch that
-        crosses it included), and report what was trained and how many batches were left."""
+        crosses it included) or, once a CutWindow came (it is read between batches, as a real
+        rank reads orders), up to the batch in hand; report what was trained and how many
+        batches were left."""
         self.training = True
         self.sync_pending = self.mode == "cpu_async"
         self.ms_per_batch = self.speed_at.get(self.trains, self.ms_per_batch)
@@ -474,23 +484,41 @@ class FakeRank(threading.Thread):
         if order.deadline_ms:
             self.deadlines.append(order.deadline_ms)
             n = min(n, max(1, math.ceil(order.deadline_ms / self.ms_per_batch)))
+        # a batch of batch_size samples costs ms_per_batch; an exact step's share costs in
+        # proportion to its samples
+        total = sum(s[2] for s in order.slices)
+        ms = self.ms_per_batch * (total / (n * self.batch_size) if order.shares else 1.0)
+        done = 0
+        while done < n:  # the compute the report claims (not a sync), batch by batch
+            time.sleep(ms / 1000.0)
+            self.batches += 1
+            done += 1
+            if self.on_batch is not None:
+                self.on_batch(self)
+            if not order.shares and self._cut_seen():
+                break
         # an exact window's batches are its steps (shares), not its slices cut into batches
-        trained = (order.slices if n == order.num_batches
-                   else split_trained(order.slices, n, self.batch_size)[0])
-        self.steps += n
-        self.left += order.num_batches - n
+        trained = (order.slices if done == order.num_batches
+                   else split_trained(order.slices, done, self.batch_size)[0])
+        self.steps += done
+        self.left += order.num_batches - done
         self.slices.extend(trained)
         self.pending.extend(trained)
         samples = sum(s[2] for s in trained)
-        # a batch of batch_size samples costs ms_per_batch; an exact step's share costs in
-        # proportion to its samples
-        ms = self.ms_per_batch * (samples / (n * self.batch_size) if order.shares else 1.0)
-        for _ in range(n):  # the compute the report claims (not a sync), batch by batch
-            time.sleep(ms / 1000.0)
-            self.batches += 1
         self.training = False
-        return WindowDone(self.rank, order.window, order.epoch, n, samples, n * ms, 0.0, 1.0 * n,
-                          0.1, reduces_seen=self.reduces_seen, left=order.num_batches - n)
+        return WindowDone(self.rank, order.window, order.epoch, done, samples, done * ms, 0.0,
+                          1.0 * done, 0.1, reduces_seen=self.reduces_seen,
+                          left=order.num_batches - done)
+
+    def _cut_seen(self) -> bool:
+        """Orders that landed meanwhile are taken in (handled in order later); a CutWindow
+        among them ends this window after the batch in hand."""
+        self._drain()
+        if any(isinstance(o, CutWindow) for o in self.inbox):
+            self.inbox = [o for o in self.inbox if not isinstance(o, CutWindow)]
+            self.orders.append("CutWindow")
+            self.cut = True
+        return self.cut
 
 
 class Coverage:

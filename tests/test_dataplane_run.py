@@ -41,3 +41,25 @@ def test_epoch_splits_make_finer_epochs_with_eval_and_data_metrics_in_process():
     assert all(e.eval is not None for e in summary.epochs)
     assert all(e.per_rank_delivery == ["resident"] for e in summary.epochs)
     assert all(e.per_rank_cache_hit_rate[0]["vram"] == 1.0 for e in summary.epochs)
+
+
+def test_an_in_process_epoch_reports_its_eval_time_inside_its_epoch_time():
+    """Pins solo epochs' eval_ms, reported 0 while the eval ran outside epoch_ms: an evaluated
+    epoch now reports its eval's time, inside epoch_ms (as a distributed epoch does), and the
+    rest of epoch_ms is the training the throughput is counted over; an epoch without an eval
+    reports none; the summary's samples_per_s divides by the epochs' time, as the bench's
+    training rate expects of every summary."""
+    from flodl_run.config.schema import ExperimentConfig
+    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.rank.solo import SoloTrainer
+
+    recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2000, "hidden": 32, "depth": 1})
+    config = ExperimentConfig(num_epochs=2, device="cpu", eval_every_epochs=2)
+    summary = SoloTrainer(config, recipe).run().summary
+    first, second = summary.epochs
+    assert first.eval is None and first.eval_ms < 1.0
+    assert second.eval is not None and 0.0 < second.eval_ms < second.epoch_ms
+    train_s = (second.epoch_ms - second.eval_ms) / 1000.0
+    assert second.per_rank_throughput[0] == pytest.approx(second.samples / train_s, rel=1e-6)
+    epochs_s = (first.epoch_ms + second.epoch_ms) / 1000.0  # per second of epoch time, as distributed
+    assert summary.samples_per_s == pytest.approx((first.samples + second.samples) / epochs_s, rel=1e-6)

@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from flodl_run.contracts.checkpoint import read_meta
 from tests.support import REPO, _live_ranks, _run, start_cli
 
 pytestmark = pytest.mark.e2e
@@ -49,8 +50,8 @@ def test_a_recipe_that_raises_fails_the_run_with_its_own_error_and_nothing_else(
 @pytest.mark.parametrize("cluster", ["cpu_pair", "solo"])
 def test_sigterm_is_named_sigterm(tmp_path, cluster):
     """Rule: a run stopped by SIGTERM says so (distributed runs said SIGINT; in-process runs died
-    without a summary), ends interrupted with exit 130 and leaves no rank behind; a distributed
-    run saves at the next reduce boundary."""
+    without a summary), ends interrupted with exit 130 and leaves no rank behind; both save
+    what they trained (the in-process run saved nothing)."""
     run_dir = tmp_path / "run"
     proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", f"cluster={cluster}", "num_epochs=500")
     for line in proc.stdout:  # wait until training is under way
@@ -63,8 +64,8 @@ def test_sigterm_is_named_sigterm(tmp_path, cluster):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert "SIGTERM" in summary["message"] and "SIGINT" not in summary["message"]
-    if cluster == "cpu_pair":
-        assert summary["checkpoint"] == str(run_dir / "checkpoint")
+    assert summary["checkpoint"] == str(run_dir / "checkpoint")
+    assert read_meta(summary["checkpoint"]).save_reason == "graceful_shutdown"
 
 
 EXITS_IN_TRAIN_STEP = (

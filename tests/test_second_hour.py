@@ -155,8 +155,8 @@ def test_an_unreachable_tracking_server_exits_2_at_once(tmp_path):
 
 
 def test_a_second_stop_request_names_both_signals_and_stops_at_once():
-    """Pins: SIGTERM then SIGINT reporting only SIGINT, and a second request
-    reported as `no reduce boundary within 8s` when it cut the grace short itself."""
+    """Pins: SIGTERM then SIGINT reporting only SIGINT, and a second request reported as
+    `no save within 8s of the ranks' last batch` when it cut the grace short itself."""
     from flodl_run.control.runstate import RunAborted, StopRequest
 
     stop = StopRequest()
@@ -205,7 +205,8 @@ def test_sigterm_then_ctrl_c_twice_still_writes_the_summary(tmp_path):
 
     until("epoch 1/")
     proc.send_signal(signal.SIGTERM)
-    until("stopping (SIGTERM): saving at the next reduce boundary, within 8 s; Ctrl-C again")
+    until("stopping (SIGTERM): the ranks finish the batch in hand, then the run saves what they "
+          "trained (within 8 s of the last batch); Ctrl-C again")
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
     out = "".join(seen) + proc.communicate(timeout=60)[0]

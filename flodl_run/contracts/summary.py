@@ -36,8 +36,8 @@ class EpochRecord:
     per_rank_cache_hit_rate: List[Dict[str, float]] = field(default_factory=list)
     """Per rank: share of the epoch's rows served by each tier (vram, ram, disk)."""
     eval_ms: float = 0.0
-    """Time of the epoch's eval callback inside epoch_ms, in ms (0: no eval, or it ran outside
-    epoch_ms as in solo runs); the bench subtracts it to compare training throughput."""
+    """Time of the epoch's eval (and, in a distributed run, epoch_fn) inside epoch_ms, in ms
+    (about 0: none due); the bench subtracts it to compare training throughput."""
 
 
 @dataclass

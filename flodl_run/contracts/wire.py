@@ -333,14 +333,23 @@ class ClockEcho(Message):
     replied_ns: int
 
 
+class CutWindow(Message):
+    """The run is stopping (Ctrl-C, SIGTERM): end the window in hand after the batch in hand and
+    report it (WindowDone.left counts what was not trained); every later order of a count or
+    deadline window ends after one batch the same way. An exact window (nccl_sync's steps) is
+    not cut: its steps are collective, and it runs to its end (at most about 2 s of compute)."""
+
+    reason: str
+
+
 class Stop(Message):
     reason: str
 
 
 AnyMessage = Union[RankJoined, Heartbeat, WindowDone, WindowFailed, Reduced, SnapshotTaken,
                    Evaluated, RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Train, SyncNow,
-                   Update, Evaluate, Regroup, SaveCheckpoint, Stop, Listening, AbortGroup,
-                   ClockPing, ClockEcho, TimelineEvents]
+                   Update, Evaluate, Regroup, SaveCheckpoint, CutWindow, Stop, Listening,
+                   AbortGroup, ClockPing, ClockEcho, TimelineEvents]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
@@ -349,7 +358,8 @@ log = logging.getLogger(__name__)
 FACTS = (RankJoined, Heartbeat, WindowDone, WindowFailed, Reduced, SnapshotTaken, Evaluated,
          RankFailed, CheckpointSaved, ReduceFailed, Regrouped, Listening, ClockPing, TimelineEvents)
 """What ranks send; only the coordinator receives these."""
-ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, Stop, AbortGroup, ClockEcho)
+ORDERS = (SyncNow, Train, Update, Evaluate, Regroup, SaveCheckpoint, CutWindow, Stop, AbortGroup,
+          ClockEcho)
 """What the coordinator sends; only ranks receive these. (A type in neither list is taken by
 both sides: the per-direction keys already keep a message from being turned around.)"""
 CONTROL_FRAME_BYTES = 4 << 20

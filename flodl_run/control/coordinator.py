@@ -23,6 +23,7 @@ from flodl_run.contracts.wire import (
     Channel,
     CheckpointSaved,
     ClockPing,
+    CutWindow,
     Evaluated,
     Heartbeat,
     Listening,
@@ -103,6 +104,7 @@ class Coordinator:
         self._start_epoch = 0
         self._resume_uncovered: List[List[int]] = []
         self._train_started: Optional[float] = None
+        self._windows_cut = False  # CutWindow went out (once, on a stop request)
         self.async_loop: Optional[AsyncLoop] = None
         recipe = None  # as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)
         if config.recipe is not None:
@@ -213,8 +215,9 @@ class Coordinator:
     # ---- thread-safe controls ---------------------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Stop at the next reduce boundary and save (SIGINT/SIGTERM); a second request, or no
-        boundary within STOP_GRACE_S, stops at once without saving."""
+        """Cut the windows after the batch in hand, reduce what was trained and save
+        (SIGINT/SIGTERM); a second request, or no save within STOP_GRACE_S of the ranks' last
+        batch, stops at once without saving."""
         self.stop.request(reason)
 
     def report_failure(self, status: str, reason: str) -> None:
@@ -383,7 +386,8 @@ class Coordinator:
         while True:
             if self._failure is not None:
                 raise self._failure
-            self.stop.check()
+            self.stop.check(self.members.any_in_batch())
+            self._cut_windows()
             self.members.check_liveness()  # also while messages flow: a busy socket must not hide a hang
             if self.members.deaths_pending() and self.members.absorb():
                 return None
@@ -435,6 +439,16 @@ class Coordinator:
                 self._deferred.append(received)
             elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
+
+    def _cut_windows(self) -> None:
+        """A stop was asked for: every live rank ends its window after the batch in hand, so
+        the reduce (and the save) come within a batch, not at the window's planned end. Not
+        on nccl_sync's exact path: its steps are collective, and its windows short."""
+        if self._windows_cut or not self.stop.is_set() or self.exact:
+            return
+        self._windows_cut = True
+        for rank in sorted(self.alive & set(self.identities)):
+            self._send(rank, CutWindow(self.stop.reason))
 
     def _shutdown_with_save(self, reason: str, detail: str) -> None:
         """Save from a survivor (when any), then stop with status shutdown_with_save."""

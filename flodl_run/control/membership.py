@@ -75,6 +75,7 @@ class Membership:
         self._deaths: "queue.Queue[Tuple[int, str]]" = queue.Queue()
         self.last_seen: Dict[int, float] = {}
         self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
+        self.in_batch: Set[int] = set()  # ranks whose last heartbeat said they were training
         self.liveness_checked = 0.0
         self.loop_seen: Optional[float] = None  # when the coordinator's loop last came by
         self.verdicts_postponed: Optional[float] = None  # since when queued input put verdicts off
@@ -112,6 +113,11 @@ class Membership:
         last = self.batch_clock.get(beat.rank)
         if last is None or last[0] != beat.batches or not beat.training:
             self.batch_clock[beat.rank] = (beat.batches, now)
+        (self.in_batch.add if beat.training else self.in_batch.discard)(beat.rank)
+
+    def any_in_batch(self) -> bool:
+        """A live rank's last heartbeat (at most a period old) said it was in a batch."""
+        return bool(self.in_batch & self.alive)
 
     def check_liveness(self) -> None:
         """Heartbeat timeouts and hung ranks, at most every LIVENESS_EVERY_S (the coordinator's

@@ -237,13 +237,21 @@ class AsyncLoop:
             self.reduces.fail_nonfinite(self.closed, self._uncovered(self.closed))
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
-        if self.stop.is_set():
-            self._graceful_stop(self.closed, self._uncovered(self.closed))
+        if self.stop.is_set() and not any(self.in_hand.values()):  # cut windows still out: their round first
+            self._graceful_stop(*self.save_point())
         self._maybe_start_round()
 
     def save_point(self) -> Tuple[int, List[List[int]]]:
-        """The epoch a save made now names, and what of it the center does not include yet."""
-        return self.closed, self._uncovered(self.closed)
+        """The epoch a save made now names, and what of it the center does not include yet: the
+        oldest epoch not closed, or past it while the center holds that one whole (its close
+        not run yet), so a resume redoes none of it."""
+        epoch = self.closed
+        while epoch < len(self.spans):
+            uncovered = self._uncovered(epoch)
+            if uncovered:
+                return epoch, uncovered
+            epoch += 1
+        return epoch, []
 
     def _uncovered(self, epoch: int) -> List[List[int]]:
         """What of `epoch` the center does not include yet: undispatched work, and what the

@@ -18,7 +18,8 @@ from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
 POLL_MS = 200
 """How long the coordinator waits on its socket before it checks deaths, liveness and stops."""
 STOP_GRACE_S = 8.0
-"""SIGINT -> save at a reduce boundary within this; ranks are gone within 15 s either way."""
+"""SIGINT -> the ranks end their windows after the batch in hand, then reduce and save: the save
+must begin within this of the last rank leaving its batch, or the run stops unsaved."""
 
 
 class RunAborted(Exception):
@@ -38,11 +39,14 @@ class ShutdownWithSave(Exception):
 
 
 class StopRequest:
-    """A SIGINT/SIGTERM seen by the launcher: stop at the next reduce boundary and save.
+    """A SIGINT/SIGTERM seen by the launcher: the ranks cut their windows after the batch in
+    hand, the coordinator reduces what they trained and saves it, then the run stops.
 
     Owns the request (thread-safe: set from the launcher's thread), its reason, the deadline
     after which the run stops without saving, and whether a bundle is being written (a
-    deadline waits for that save)."""
+    deadline waits for that save). The grace counts from the last batch's end, not from the
+    request: a batch is never cut, however long it takes (a rank that never finishes one is
+    found hung by the liveness rule), and the reduce and save that follow get STOP_GRACE_S."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -53,8 +57,9 @@ class StopRequest:
         """A second request came: stop at once (the grace was cut short, not run out)."""
 
     def request(self, reason: str) -> None:
-        """A second request, or no boundary within STOP_GRACE_S, stops at once without saving.
-        The reason names every signal that came (`interrupted by SIGTERM; then SIGINT`)."""
+        """A second request, or no save within STOP_GRACE_S of the ranks' last batch, stops at
+        once without saving. The reason names every signal that came (`interrupted by SIGTERM;
+        then SIGINT`)."""
         now = time.monotonic()
         self.deadline = now if self._event.is_set() else now + STOP_GRACE_S
         self.again = self._event.is_set()
@@ -66,10 +71,18 @@ class StopRequest:
     def is_set(self) -> bool:
         return self._event.is_set()
 
-    def check(self) -> None:
-        """Raise RunAborted(interrupted) once the grace is over and no save is under way."""
-        if self._event.is_set() and not self.saving and time.monotonic() > self.deadline:
-            why = "stopped at once" if self.again else f"no reduce boundary within {STOP_GRACE_S:.0f}s"
+    def check(self, in_batch: bool = False) -> None:
+        """Raise RunAborted(interrupted) once the grace is over and no save is under way.
+        `in_batch`: a live rank is still in a batch (its heartbeats say so): the grace starts
+        afresh, unless a second request asked to stop at once."""
+        if not self._event.is_set():
+            return
+        now = time.monotonic()
+        if in_batch and not self.again:
+            self.deadline = max(self.deadline, now + STOP_GRACE_S)
+        if not self.saving and now > self.deadline:
+            why = "stopped at once" if self.again else \
+                f"no save within {STOP_GRACE_S:.0f}s of the ranks' last batch"
             raise RunAborted("interrupted", f"{self.reason or 'stopped'} ({why}: not saved)")
 
     @contextmanager

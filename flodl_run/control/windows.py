@@ -95,6 +95,8 @@ class Windows:
         return self.reduces.sync_now(self.reduces.round + rounds, self.reduces.global_step + steps)
 
     def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
+        if self.stop.is_set():  # asked during the last epoch's close: none of this one is trained
+            self._graceful_stop(epoch, pool.uncovered())
         epoch_tally = EpochTally.empty(self.world_size)
         if self.exact is not None:
             self.exact.run_epoch(epoch, pool, epoch_tally)
@@ -151,8 +153,8 @@ class Windows:
                                   sync_sent=folded and self.alive <= set(trains))
             reduces += 1
             in_flight = [s for order in trains.values() for s in order.slices]
-            if self.stop.is_set():
-                self._graceful_stop(epoch, self.uncovered())
+            if not trains:  # orders sent on the reduce (a stop asked meanwhile) are cut and reduced first
+                self.stop_if_asked(epoch)
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
                 self.save_bundle("checkpoint", epoch, self.uncovered() + [as_range(s) for s in in_flight])
 
@@ -192,13 +194,17 @@ class Windows:
             folded = self._sync_window(epoch, parts, window, epoch_tally)
             final = self._is_last_round(epoch) and not self._ahead
             self._reduce(window, epoch_tally, epoch, sync_sent=folded, final=final)
-            if self.stop.is_set() and not self._ahead:  # orders sent ahead run to their reduce first
-                self._graceful_stop(epoch, self.uncovered())
+            if not self._ahead:  # orders sent ahead run to their reduce first
+                self.stop_if_asked(epoch)
 
     def stop_if_asked(self, epoch: int) -> None:
-        """A stop was asked for: save what the epoch has covered and stop (at a window's end)."""
+        """A stop was asked for: save what the consensus holds and stop (after a reduce, with no
+        order out). Uncovered: what of the epoch is not handed out (a cut window's untrained
+        batches went back there) or is held by a rank left out of the round. An epoch held
+        whole is not redone: the resume starts at the next one."""
         if self.stop.is_set():
-            self._graceful_stop(epoch, self.uncovered())
+            uncovered = self.uncovered() + self.holdings.uncovered(epoch)
+            self._graceful_stop(epoch if uncovered else epoch + 1, uncovered)
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
         """A dead rank's share of a sync epoch is split evenly among the survivors, so the

@@ -310,7 +310,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
     """(summary, model or None, the exception the recipe raised or None)."""
     try:
         if plan.in_process:
-            summary, model = _train_in_process(config, observers, recipe, mlflow_run_id)
+            summary, model = _train_in_process(config, observers, recipe, mlflow_run_id, console)
             return summary, model, None
         from flodl_run.launch.supervisor import launch_ranks
 
@@ -416,8 +416,9 @@ def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
 
 
 def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Optional["Recipe"],
-                      mlflow_run_id: Optional[str]) -> tuple:
-    """(summary, model) of the in-process replica; Ctrl-C leaves the summary interrupted."""
+                      mlflow_run_id: Optional[str], console: Console) -> tuple:
+    """(summary, model) of the in-process replica. A first SIGINT/SIGTERM stops it after the
+    batch in hand with a save (summary interrupted); a second one stops it at once, unsaved."""
     from flodl_run.contracts.recipe import load_recipe
     from flodl_run.rank.solo import SoloTrainer
 
@@ -425,23 +426,27 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
         recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
                              config.recipe.loop)
     trainer = SoloTrainer(config, recipe, observer)
-    terms: List[int] = []
 
-    def on_sigterm(signum: int, frame: object) -> None:  # stop like Ctrl-C, named as itself
-        terms.append(signum)
-        raise KeyboardInterrupt
+    def on_signal(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if trainer.stop_reason is not None:  # a second signal: at once, as Ctrl-C always did
+            trainer.stop_reason = f"{trainer.stop_reason}; then {name}"
+            raise KeyboardInterrupt
+        trainer.request_stop(f"interrupted by {name}")
+        say(console, f"stopping ({name}): after the batch in hand, saving what was trained; "
+                     "Ctrl-C again stops at once without saving")
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals} if main else {}
     trainer.mlflow_run_id = mlflow_run_id
     try:
         trainer.run()
-    except KeyboardInterrupt:
-        if terms:  # the trainer marked its summary interrupted; the caller writes it
-            trainer.summary.message = "stopped by SIGTERM"
+    except KeyboardInterrupt:  # the trainer marked its summary interrupted; the caller writes it
+        pass
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return trainer.summary, trainer.replica.model
 
 

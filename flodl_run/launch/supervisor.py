@@ -176,7 +176,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
            console: Console) -> None:
     """Until the coordinator ends: report a rank that exited early, turn each SIGINT/SIGTERM
     noted meanwhile into a stop request, and say what happens next (the screen would not
-    change for up to SAVE_GRACE_S)."""
+    change while the ranks finish their batch in hand, then for up to SAVE_GRACE_S)."""
     reported = set()
     zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
@@ -187,8 +187,8 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
             name, again = _signal_names.pop(0), coordinator.stop.is_set()
             coordinator.request_stop(f"interrupted by {name}")
             say(console, f"stopping ({name}): " + ("at once (a save under way still finishes)" if again else
-                f"saving at the next reduce boundary, within {SAVE_GRACE_S:.0f} s; Ctrl-C again "
-                "stops at once without saving"))
+                "the ranks finish the batch in hand, then the run saves what they trained (within "
+                f"{SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once without saving"))
 
 
 def _report_exits(coordinator: Coordinator, procs: List[RankProcess], reported: set) -> None:

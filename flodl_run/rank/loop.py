@@ -28,6 +28,7 @@ from flodl_run.contracts.recipe import CallbackFailed, load_recipe
 from flodl_run.contracts.wire import (
     Channel,
     CheckpointSaved,
+    CutWindow,
     Evaluate,
     Evaluated,
     RankFailed,
@@ -62,7 +63,8 @@ from flodl_run.rank.worker import Loss, Worker, run_loop
 
 
 class RankWorker:
-    """Follows orders: Train, SyncNow, Update, Evaluate, SaveCheckpoint, Regroup, Stop."""
+    """Follows orders: Train, SyncNow, Update, Evaluate, SaveCheckpoint, Regroup, CutWindow,
+    Stop."""
 
     def __init__(self, env: RankEnv, config: ExperimentConfig):
         self.env, self.config = env, config
@@ -98,6 +100,7 @@ class RankWorker:
         self._training = False  # inside the train loop (not idle, not serving an order)
         self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
         self._stopped = False  # the coordinator's Stop arrived: the batches have ended
+        self._cut = False  # the run is stopping (CutWindow): every window ends after a batch
         self._reduced_round = 0  # the last round whose reduce completed here (orders sent ahead)
         self._heartbeat: Optional[HeartbeatThread] = None
         self.waits = Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
@@ -242,6 +245,17 @@ class RankWorker:
             self._save(order, payloads)
         elif isinstance(order, Regroup):
             self._regroup(order)
+        elif isinstance(order, CutWindow):
+            self._cut_windows()
+
+    def _cut_windows(self) -> None:
+        """The run is stopping: the window in hand ends now if a batch of it was trained (orders
+        are read between batches, so the batch in hand is done), else after its first batch;
+        every later window ends after its first. An exact window is not cut: its steps are
+        collective (the coordinator sends no cut on that path)."""
+        self._cut = True
+        if self.jobs and self.jobs[0].done and not self.jobs[0].micro:
+            self._window_done(self.jobs.popleft())
 
     # ---- training --------------------------------------------------------------------------
 
@@ -295,7 +309,7 @@ class RankWorker:
         self.env.faults.after_batch(self.env.rank, self._batches_total, self._hang)
         if self._sync_pending:
             self._overshoot_used += 1
-        if job.is_over(time.perf_counter()):
+        if job.is_over(time.perf_counter()) or (self._cut and not job.micro):
             self.jobs.popleft()
             self._window_done(job)
 

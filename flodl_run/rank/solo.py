@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator, Optional
+from typing import Any, Generator, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,14 @@ from flodl_run.rank.replica import Replica
 from flodl_run.rank.worker import Loss, Worker, run_loop
 
 log = logging.getLogger(__name__)
+
+
+class _Stopped(Exception):
+    """A stop request was seen between two batches: `trained` samples of `epoch` are in."""
+
+    def __init__(self, epoch: int, trained: int):
+        super().__init__(f"stopped in epoch {epoch}")
+        self.epoch, self.trained = epoch, trained
 
 
 @dataclass
@@ -81,29 +89,43 @@ class SoloTrainer:
                                devices=[device_name(self.device)])
         self.mlflow_run_id: Optional[str] = None
         """The tracked run, recorded in the bundle so a resume can link to it."""
-        self._compute_s = 0.0
+        self._epoch_s = 0.0  # the epochs' time, evals included (what samples_per_s divides by)
         self._trained = 0  # epochs whose training the replica holds: where a resume starts
         self._samples = 0
         self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
+        self.stop_reason: Optional[str] = None  # a SIGINT/SIGTERM asked to stop (request_stop)
+        self._resume_epoch = -1  # where resume_from starts ...
+        self._resume_uncovered: List[List[int]] = []  # ... and what of that epoch it trains
 
     @property
     def total_epochs(self) -> int:
         return self.config.num_epochs * self.config.data.epoch_splits
 
+    def request_stop(self, reason: str) -> None:
+        """Stop after the batch in hand and save what the replica trained, the rest of the
+        epoch listed uncovered (a signal handler calls this; a second signal raises
+        KeyboardInterrupt instead: stopped at once, unsaved)."""
+        self.stop_reason = reason
+
     def run(self) -> TrainResult:
-        """Train every epoch, then the final eval. Ctrl-C marks the summary interrupted and
+        """Train every epoch, then the final eval. A stop request saves what was trained and
+        marks the summary interrupted; Ctrl-C (KeyboardInterrupt) marks it interrupted and
         re-raises; a recipe callback that raises ends the run failed, with a bundle."""
         start = time.perf_counter()
         first = self._restore() if self.config.resume_from else 0
         self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
         self._trained = first
         try:
-            self._run_loop(first)
-            self.summary.final_eval = self._final_eval()
-            self.summary.status = "completed"
-        except KeyboardInterrupt:
+            try:
+                self._run_loop(first)
+                self.summary.final_eval = self._final_eval()
+                self.summary.status = "completed"
+            except _Stopped as stopped:
+                self._graceful_stop(stopped)
+        except KeyboardInterrupt:  # a second signal (or one outside the launcher's handler)
             self.summary.status = "interrupted"
-            self.summary.message = "stopped by SIGINT"
+            self.summary.message = (f"{self.stop_reason} (stopped at once: not saved)"
+                                    if self.stop_reason else "stopped by SIGINT")
             raise
         except CallbackFailed as failure:
             self._fail_callback(failure, self._trained)
@@ -155,13 +177,44 @@ class SoloTrainer:
             saved = f"the save failed: {type(exc).__name__}: {exc}"
         self.summary.message = f"{failure}; {saved}"
 
-    def _epoch_indices(self, epoch: int) -> torch.Tensor:
-        """The slice of the pass that epoch `epoch` covers (epoch_splits cuts a pass into slices)."""
+    def _graceful_stop(self, stopped: _Stopped) -> None:
+        """Save what the replica trained (resume at the stopped epoch, its untrained positions
+        listed; at the next epoch when none is left) and mark the run interrupted."""
+        pass_index, ranges = self._epoch_ranges(stopped.epoch)
+        uncovered, skip = [], stopped.trained
+        for start, end in ranges:  # the epoch's positions were trained in this order
+            done = min(skip, end - start)
+            skip -= done
+            if start + done < end:
+                uncovered.append([pass_index, start + done, end])
+        epoch = stopped.epoch if uncovered else stopped.epoch + 1
+        self._save_bundle("graceful_shutdown", epoch, uncovered, trained=stopped.trained)
+        saved = f"; saved {self.summary.checkpoint}" if self.config.save_path else ""
+        self.summary.status, self.summary.message = "interrupted", f"{self.stop_reason}{saved}"
+
+    def _epoch_ranges(self, epoch: int) -> Tuple[int, List[Tuple[int, int]]]:
+        """The pass epoch `epoch` belongs to and the positions of its permutation it covers
+        (epoch_splits cuts a pass into slices); a resumed epoch only what its bundle left
+        uncovered."""
         splits = self.config.data.epoch_splits
         n = len(self.train_source) * self.config.data.augment
-        order = permutation(n, self.config.seed, epoch // splits) % len(self.train_source)
         part = epoch % splits
-        return order[part * n // splits:(part + 1) * n // splits]
+        whole = (part * n // splits, (part + 1) * n // splits)
+        if epoch == self._resume_epoch and self._resume_uncovered:
+            for i, (_, start, end) in enumerate(self._resume_uncovered):
+                if start < whole[0] or end > whole[1]:
+                    raise ValueError(f"resume_from: coverage.uncovered.{i} {self._resume_uncovered[i]} "
+                                     f"is not within epoch {epoch} (samples {whole[0]}-{whole[1]}): "
+                                     "an edited or damaged bundle")
+            return epoch // splits, [(start, end) for _, start, end in self._resume_uncovered]
+        return epoch // splits, [whole]
+
+    def _epoch_indices(self, epoch: int) -> torch.Tensor:
+        """The samples of epoch `epoch`, in the order they are trained."""
+        pass_index, ranges = self._epoch_ranges(epoch)
+        n = len(self.train_source) * self.config.data.augment
+        order = permutation(n, self.config.seed, pass_index) % len(self.train_source)
+        return torch.cat([order[start:end] for start, end in ranges])
 
     def _batches_in_epoch(self, epoch: int) -> int:
         return num_batches(len(self._epoch_indices(epoch)), self.config.batch_size)
@@ -171,6 +224,7 @@ class SoloTrainer:
         indices = self._epoch_indices(epoch)
         losses = _LossReader(self.observer, epoch)
         began = time.perf_counter()
+        trained = 0
         for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
             step_began = time.perf_counter()
             self._reported = None
@@ -178,18 +232,25 @@ class SoloTrainer:
             if self._reported is not None:
                 losses.add(self._reported)
             self.slowdown.after_step(step_began, self.device)
+            trained = min(trained + self.config.batch_size, len(indices))
+            if self.stop_reason is not None:  # between two batches: the replica is whole
+                raise _Stopped(epoch, trained)
         losses.flush()
         self._trained = epoch + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
         compute_s = time.perf_counter() - began
-        self._compute_s += compute_s
         self._samples += len(indices)
+        eval_began = time.perf_counter()
+        score = self._maybe_eval(epoch)  # timed into epoch_ms, as a distributed epoch's eval is
+        eval_ms = (time.perf_counter() - eval_began) * 1000.0
+        self._epoch_s += compute_s + eval_ms / 1000.0
         return EpochRecord(
             epoch=epoch,
             avg_loss=losses.mean,
-            eval=self._maybe_eval(epoch),
-            epoch_ms=compute_s * 1000.0,
+            eval=score,
+            epoch_ms=compute_s * 1000.0 + eval_ms,
+            eval_ms=eval_ms,
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
             per_rank_batch_share=[1.0],
             samples=len(indices),
@@ -216,7 +277,7 @@ class SoloTrainer:
 
     def _finish(self, wall_s: float) -> None:
         self.summary.wall_s = wall_s
-        self.summary.samples_per_s = self._samples / self._compute_s if self._compute_s else 0.0
+        self.summary.samples_per_s = self._samples / self._epoch_s if self._epoch_s else 0.0
 
     def _maybe_checkpoint(self, epochs_done: int) -> None:
         """`checkpoint_every`: a bundle every n epochs (the last one is saved by run())."""
@@ -224,9 +285,11 @@ class SoloTrainer:
         if every and epochs_done % every == 0 and epochs_done < self.total_epochs:
             self._save_bundle("checkpoint", epochs_done)
 
-    def _save_bundle(self, reason: str, epoch: int) -> None:
+    def _save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]] = (),
+                     trained: int = 0) -> None:
         """The bundle a multi-rank run writes, for a world of one: model, optimizer (also as
-        rank 0's own), meta. `epoch` is where a resume starts."""
+        rank 0's own), meta. `epoch` is where a resume starts, `uncovered` what of it the
+        weights do not include (none listed: all of it), `trained` its samples they do."""
         stem = self.config.save_path
         if not stem:
             return
@@ -240,8 +303,10 @@ class SoloTrainer:
         hashes = {path.name: checkpoint.save_tensors(path, state)
                   for path, state in ((files["model"], model), (files["optim"], optim), (own, optim))}
         data = self.config.data
-        coverage = checkpoint.Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch)
+        coverage = checkpoint.Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
+                                       [list(u) for u in uncovered])
         steps = sum(self._batches_in_epoch(e) for e in range(epoch))
+        steps += num_batches(trained, self.config.batch_size)
         meta = checkpoint.BundleMeta(checkpoint.SCHEMA_VERSION, epoch, steps, 0, 1, reason, {}, coverage,
                                      json.loads(json.dumps(dotted_items(self.config), default=str)),
                                      self.mlflow_run_id, generation=generation, files=hashes)
@@ -260,6 +325,7 @@ class SoloTrainer:
         self.replica.module.load_state_dict(checkpoint.load_tensors(files["model"]))
         self.replica.optimizer.load_state_dict(checkpoint.load_tensors(files["optim"]))
         self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch}")
+        self._resume_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         return meta.epoch
 
 

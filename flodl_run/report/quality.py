@@ -19,8 +19,8 @@ Point = Tuple[float, float]
 
 def train_axis(summary: Dict[str, Any]) -> List[float]:
     """Seconds of training at the end of each epoch: cumulative epoch time less the eval
-    callbacks inside it (`eval_ms`; solo runs time their eval outside epoch_ms), so every run
-    is timed alike. Start-up is never included."""
+    callbacks inside it (`eval_ms`, solo and distributed runs alike), so every run is timed
+    alike. Start-up is never included."""
     return [ms / 1000.0 for ms in accumulate(e["epoch_ms"] - e.get("eval_ms", 0.0)
                                               for e in summary.get("epochs", []))]
 
