@@ -455,7 +455,7 @@ def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
     run_name = cfg.run_name or default_run_name(cfg, e.mode.value, cfg.outer.kind.value)
     cluster = cfg.cluster
     if cluster.topology is Topology.cpu and cluster.threads_per_rank is None and cluster.num_ranks:
-        cores = os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, a sweep's group)
         cluster = dataclasses.replace(cluster, threads_per_rank=max(1, cores // cluster.num_ranks))
     return dataclasses.replace(
         cfg, elche=elche, progressive_dispatch=progressive, save_path=save_path,

@@ -1,6 +1,6 @@
 """What the processes of a run agree on: the control plane's messages and their codec (`wire`),
 the recipe contract (`recipe`), the checkpoint bundle format (`checkpoint`), the run summary
-(`summary`) and user scalars (`scalars`).
+(`summary`), user scalars (`scalars`) and the scheduler's stop signal (`signals`).
 
 Layer 0: imports nothing of flodl_run. Everything above may import it; the coordinator and the
 ranks share nothing else but these contracts and the layers below them.

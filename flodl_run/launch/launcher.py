@@ -21,6 +21,7 @@ from rich.console import Console
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
 from flodl_run.config.validate import Problem, validate
+from flodl_run.contracts.signals import stop_signal
 from flodl_run.contracts.summary import Summary, write_outcome, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.launch.notices import say_what_differs
@@ -412,7 +413,7 @@ def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
     import torch
 
     busy = plan.world_size * (cluster.threads_per_rank or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - busy))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - busy))
 
 
 def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Optional["Recipe"],
@@ -432,16 +433,18 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
         raise KeyboardInterrupt
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    # a scheduler's notice before the job's end (contracts.signals) stops the run as SIGTERM does
+    caught = [s for s in (signal.SIGTERM, stop_signal(os.environ)) if s is not None] if main else []
+    previous = {sig: signal.signal(sig, on_sigterm) for sig in caught}
     trainer.mlflow_run_id = mlflow_run_id
     try:
         trainer.run()
     except KeyboardInterrupt:
         if terms:  # the trainer marked its summary interrupted; the caller writes it
-            trainer.summary.message = "stopped by SIGTERM"
+            trainer.summary.message = f"stopped by {signal.Signals(terms[0]).name}"
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return trainer.summary, trainer.replica.model
 
 

@@ -181,7 +181,7 @@ class MlflowTracker(NullTracker):
 
     # ---- start ------------------------------------------------------------------------------
 
-    def _experiment_id(self) -> str:
+    def experiment_id(self) -> str:
         """The experiment's id, created when new; either way it is marked a model-training one
         (unless it says otherwise), so MLflow 3's UI opens it on its runs, not on GenAI traces."""
         name = self.tracking.experiment
@@ -214,7 +214,7 @@ class MlflowTracker(NullTracker):
 
         from flodl_run.report import sweep
 
-        experiment_id = self._experiment_id()
+        experiment_id = self.experiment_id()
         tags = self._start_tags(config, run_dir, mode, outer)
         parent = sweep.parent_run_id(self.client, experiment_id)
         if parent is not None:
