@@ -211,6 +211,27 @@ def test_submit_refuses_a_config_that_is_not_slurm():
     assert "cluster.topology: must be slurm to submit (add cluster=slurm), got 'cpu'" in proc.stderr
 
 
+def test_submit_dry_run_of_a_sweep_prints_each_job_and_the_job_array(tmp_path, capsys):
+    """Pins `flodl_run.submit --dry-run -m`: every sweep point is a job of one array (`--array`
+    of as many tasks, the stop notice `--signal=USR2@<signal_delay_s>` of the preset), the
+    jobs' overrides are listed in order, nothing is written; a bad point exits 2 naming its job."""
+    from flodl_run.submit import main
+
+    sweep_dir = tmp_path / "multirun"
+    code = main(["--dry-run", "-m", "hydra/launcher=slurm", "elche=nccl_sync,nccl_cadence", "cluster=slurm",
+                 f"hydra.sweep.dir={sweep_dir}"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --array=0-1%2", "#SBATCH --signal=USR2@120", "#SBATCH --cpus-per-task=2",
+                 "# job 0: elche=nccl_sync cluster=slurm", "# job 1: elche=nccl_cadence cluster=slurm"):
+        assert line in out.splitlines()
+    assert f"{sweep_dir}/.submitit/" in out and not sweep_dir.exists()
+    code = main(["--dry-run", "-m", "hydra/launcher=slurm", "cluster=slurm", "elche.min_anchor=5,50",
+                 "elche.max_anchor=20"])
+    assert code == 2
+    assert "job 1: elche.min_anchor: must be <= elche.max_anchor (20), got 50" in capsys.readouterr().err
+
+
 # ---- a real Slurm on this host ---------------------------------------------------------------
 
 
@@ -435,9 +456,11 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
     assert task is not None
     subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
     # Slurm holds a requeued job for minutes (its begin time); the test lets it start at once
-    _wait_for("job 0 requeued", lambda: _array_task(slurm, 0)[1] == "PENDING")
-    subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm, check=True,
-                   timeout=30)
+    _wait_for("job 0 requeued", lambda: _array_task(slurm, 0)[1] == "PENDING"
+              or "resumed from" in _text(sweep_dir / "0" / "cli.log"))
+    if _array_task(slurm, 0)[1] == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm,
+                       check=True, timeout=30)
     out, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
     assert launcher.returncode == 0, out[-3000:]
     cli = _text(sweep_dir / "0" / "cli.log")
