@@ -29,6 +29,7 @@ from flodl_run.launch.zygote import fork_ranks, ready_spare
 from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.observe.timeline import TimelineFile
+from flodl_run.report import sweep
 from flodl_run.report.dashboard import Dashboard
 from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
@@ -160,7 +161,7 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
         live = serve_dashboard(config.dashboard)  # before anything starts: a port in use: config error
         _say_plan(config.cluster.topology, plan, console)
         say_what_differs(config, plan, console)
-        tracker = make_tracker(config.tracking, _uploads(config))
+        tracker = make_tracker(config.tracking, _uploads(config), parent_of=sweep.parent_run_id)
         mode, outer = ("solo", "none") if plan.in_process else (None, None)
         tracker.start(config, run_dir, mode=mode, outer=outer)
         progress = TerminalProgress(console) if show_progress else None

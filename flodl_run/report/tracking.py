@@ -166,12 +166,13 @@ class MlflowTracker(NullTracker):
 
     output = "the MLflow run"
 
-    def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = ()):
+    def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = (),
+                 parent_of: Callable[[Any, str], Optional[str]] = lambda client, experiment_id: None):
         """`artifacts`: files of the run dir (the dashboard, the timeline) uploaded at the end
-        when the run wrote them."""
+        when the run wrote them; `parent_of(client, experiment id)`: the run's parent (a sweep's)."""
         import mlflow  # lazy: only tracked runs pay for it
 
-        self.tracking, self.artifacts = tracking, tuple(artifacts)
+        self.tracking, self.artifacts, self.parent_of = tracking, tuple(artifacts), parent_of
         self.client = mlflow.MlflowClient(tracking_uri=tracking.uri)
         self.run_id: Optional[str] = None
         self._pending: List[Any] = []  # per-reduce Metric objects not sent yet
@@ -212,11 +213,9 @@ class MlflowTracker(NullTracker):
         (an in-process run is `solo`/`none`, as summary.json says)."""
         from mlflow.entities import Param
 
-        from flodl_run.report import sweep
-
         experiment_id = self.experiment_id()
         tags = self._start_tags(config, run_dir, mode, outer)
-        parent = sweep.parent_run_id(self.client, experiment_id)
+        parent = self.parent_of(self.client, experiment_id)
         if parent is not None:
             tags["mlflow.parentRunId"] = parent
         resumed = _resumed_run_id(config.resume_from)
@@ -334,12 +333,16 @@ class MlflowTracker(NullTracker):
                 self.client.log_artifact(self.run_id, str(run_dir / name))
 
 
-def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = ()) -> NullTracker:
+def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = (),
+                 parent_of: Optional[Callable[[Any, str], Optional[str]]] = None) -> NullTracker:
     """The run's tracker: nothing for `tracking=off`, else MLflow uploading `artifacts` (files
-    of the run dir) at the end when they exist."""
+    of the run dir) at the end when they exist, its run the child of `parent_of(client,
+    experiment id)` when that names one (a sweep's parent, `report.sweep.parent_run_id`)."""
     if tracking.kind is TrackingKind.off:
         return NullTracker()
-    return MlflowTracker(tracking, artifacts)
+    if parent_of is None:
+        return MlflowTracker(tracking, artifacts)
+    return MlflowTracker(tracking, artifacts, parent_of=parent_of)
 
 
 SERVER_PROBE_S = 3.0
