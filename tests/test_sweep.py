@@ -224,3 +224,17 @@ def test_the_stop_signal_is_named_by_the_environment_and_ignored_by_ranks():
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.e2e
+def test_a_group_sweep_with_more_jobs_than_cores_exits_2_before_any_job(tmp_path):
+    """Pins the group launcher's refusal: n_jobs above the cores to share is a config error
+    naming hydra.launcher.n_jobs (exit 2, no traceback), and no job starts or leaves a comparison."""
+    sweep_dir = tmp_path / "multirun"
+    cores = len(os.sched_getaffinity(0))
+    proc = run_cli("-m", "hydra/launcher=gpu_groups", f"hydra.launcher.n_jobs={cores + 1}", "seed=1,2",
+                   "cluster=cpu", "tracking=off", f"hydra.sweep.dir={sweep_dir}", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"hydra.launcher.n_jobs: must be <= the cores this process may use ({cores}), got {cores + 1}"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr and not (sweep_dir / "comparison.md").exists()

@@ -76,6 +76,10 @@ class Sweep:
     def finish(self) -> None:
         """Write the comparison into the sweep dir and each parent; close the parents."""
         jobs = self.outcomes()
+        if not jobs:  # the launcher refused before any job started: nothing to compare
+            for client, run_id in self.parents.values():
+                client.set_terminated(run_id, "FAILED")
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         files = [self.dir / TABLE_MD, self.dir / TABLE_CSV]
         files[0].write_text(to_markdown(jobs))

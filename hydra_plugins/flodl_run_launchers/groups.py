@@ -108,8 +108,16 @@ class GroupSweepLauncher(JoblibLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
         assert self.config is not None and self.task_function is not None
-        groups = plan_groups(int(self.joblib.get("n_jobs", 1)), self.devices or visible_devices(),
-                             sorted(os.sched_getaffinity(0)))
+        from rich.console import Console
+
+        from flodl_run.config.app import fail_config
+        from flodl_run.config.materialize import ConfigError
+
+        try:
+            groups = plan_groups(int(self.joblib.get("n_jobs", 1)), self.devices or visible_devices(),
+                                 sorted(os.sched_getaffinity(0)))
+        except ConfigError as exc:  # before any job: exit 2, no traceback (Hydra would print one)
+            fail_config(str(exc), Console(stderr=True))
         folder = Path(str(self.config.hydra.sweep.dir)) / GROUPS_DIR
         if not isinstance(self.task_function, InGroup):
             self.task_function = InGroup(self.task_function, groups, folder)
