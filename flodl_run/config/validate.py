@@ -424,6 +424,8 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
                           "(use tracking=mlflow_server for http)")
     if not t.experiment:
         yield Problem("tracking.experiment", t.experiment, "must not be empty")
+    if not t.system_metrics_interval_s > 0:
+        yield Problem("tracking.system_metrics_interval_s", t.system_metrics_interval_s, "must be > 0")
 
 
 @_check

@@ -179,6 +179,7 @@ class MlflowTracker(NullTracker):
         self._events: List[Dict[str, Any]] = []
         self._nodes_logged: Set[str] = set()
         self._broken = False
+        self._monitor: Optional[Any] = None  # MLflow's system-metrics monitor of this host
 
     # ---- start ------------------------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class MlflowTracker(NullTracker):
         self.client.log_artifact(self.run_id, str(run_dir / "run.yaml"))
         if config.tracking.system_metrics:
             self._log_system()
+            self._monitor = start_monitor(self.run_id, self.tracking)
 
     def _log_system(self, host: Optional[HostInfo] = None) -> None:
         """Once per node: the launcher's at start, the ranks' nodes when they have joined."""
@@ -308,6 +310,8 @@ class MlflowTracker(NullTracker):
         if summary.status != "completed":
             self.on_event(summary.status, summary.message or summary.status)
         self._guarded("flushing reduce metrics", self._flush)
+        if self._monitor is not None:  # its last samples go in before the run ends
+            self._guarded("ending the system-metrics monitor", self._monitor.finish)
         self._guarded("logging the run's outcome", lambda: self._log_outcome(summary, run_dir))
         try:  # even after an error above: the status is what the run list shows
             self.client.set_terminated(self.run_id, STATUS.get(summary.status, "FAILED"))
@@ -331,6 +335,22 @@ class MlflowTracker(NullTracker):
         for name in self.artifacts:
             if (run_dir / name).is_file():
                 self.client.log_artifact(self.run_id, str(run_dir / name))
+
+
+def start_monitor(run_id: str, tracking: TrackingConfig) -> Optional[Any]:
+    """MLflow's system-metrics monitor for this host, logging `system/<host>/...` (the node id
+    the once-per-node figures use) every `tracking.system_metrics_interval_s` into the run; None
+    (said once) where it cannot run."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=tracking.system_metrics_interval_s,
+                                       node_id=metric_safe(this_host().host), tracking_uri=tracking.uri)
+        monitor.start()
+    except Exception as exc:  # psutil missing, an MLflow without the monitor: the run goes on
+        log.warning("mlflow: no system metrics over time (%s: %s)", type(exc).__name__, exc)
+        return None
+    return monitor
 
 
 def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = (),
