@@ -197,6 +197,23 @@ def test_the_launcher_host_is_sampled_over_time_by_mlflows_monitor(pair_run):
 
 
 @pytest.mark.e2e
+def test_each_rank_reports_its_device_busy_over_time(tmp_path, mlflow_db):
+    """Pins per-rank utilisation over time: every rank's heartbeats (one a second) carry its
+    device's busy percent (CPU here: its CPU time per thread), logged as `utilization/rank<k>`
+    at steps 0, 1, ... and plotted in the dashboard beside the shares."""
+    proc, summary = _run(tmp_path, f"tracking.uri=sqlite:///{mlflow_db}", "cluster=cpu_pair",
+                         "num_epochs=80", "dashboard_html=dashboard.html", tracking="mlflow")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    client, run, _ = _run_of(mlflow_db, tmp_path / "run")
+    busy = [client.get_metric_history(run.info.run_id, f"utilization/rank{k}") for k in (0, 1)]
+    for history in busy:
+        assert history and all(0.0 <= m.value <= 100.0 for m in history)
+        assert sorted(m.step for m in history) == list(range(len(history)))
+    html = (tmp_path / "run" / "dashboard.html").read_text()
+    assert 'aria-label="device busy (%)"' in html and 'aria-label="rank 1 device busy (%)"' in html
+
+
+@pytest.mark.e2e
 def test_events_artifact_holds_elche_events(pair_run):
     """Pins events.jsonl: ElChe's events (phase changes at least) as JSON lines."""
     client, run_id = pair_run["client"], pair_run["run"].info.run_id

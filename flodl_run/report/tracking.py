@@ -180,6 +180,7 @@ class MlflowTracker(NullTracker):
         self._nodes_logged: Set[str] = set()
         self._broken = False
         self._monitor: Optional[Any] = None  # MLflow's system-metrics monitor of this host
+        self._busy_steps: Dict[int, int] = {}  # per rank: its busy samples so far
 
     # ---- start ------------------------------------------------------------------------------
 
@@ -278,6 +279,13 @@ class MlflowTracker(NullTracker):
         self._pending.extend(self._metrics(reduce_values(record), record.round))
         if len(self._pending) >= MAX_METRICS_PER_BATCH:
             self._guarded("logging reduce metrics", self._flush)
+
+    def on_busy(self, rank: int, busy_percent: float) -> None:
+        """`utilization/rank<k>` over time (step = the rank's sample, one per heartbeat),
+        buffered with the reduce metrics."""
+        step = self._busy_steps.get(rank, 0)
+        self._busy_steps[rank] = step + 1
+        self._pending.extend(self._metrics({f"utilization/rank{rank}": busy_percent}, step))
 
     def on_report(self, record: ReportRecord) -> None:
         values = {"report/loss": record.avg_loss, "report/epoch": record.epoch + record.fraction}
