@@ -238,3 +238,30 @@ def test_a_group_sweep_with_more_jobs_than_cores_exits_2_before_any_job(tmp_path
     assert (f"hydra.launcher.n_jobs: must be <= the cores this process may use ({cores}), got {cores + 1}"
             in proc.stderr)
     assert "Traceback" not in proc.stderr and not (sweep_dir / "comparison.md").exists()
+
+
+def test_a_group_job_runs_on_its_slots_cores_and_gpus_and_frees_the_slot(tmp_path):
+    """Pins InGroup: the job's process runs on its group's cores (and gets them back after),
+    a GPU group turns cluster=auto into local_gpus on the group's devices while an explicit
+    cluster=cpu keeps its topology, and two jobs at once never hold the same slot."""
+    from omegaconf import OmegaConf
+
+    from flodl_run.config.schema import ExperimentConfig
+    from hydra_plugins.flodl_run_launchers.groups import Group, InGroup, take_slot
+
+    before, core = os.sched_getaffinity(0), min(os.sched_getaffinity(0))
+    seen = []
+    job = InGroup(lambda cfg: seen.append((os.sched_getaffinity(0), OmegaConf.to_container(cfg.cluster))),
+                  [Group(["GPU-a", "GPU-b"], [core])], tmp_path)
+    job(OmegaConf.structured(ExperimentConfig))
+    cpu = OmegaConf.structured(ExperimentConfig)
+    cpu.cluster.topology = "cpu"
+    job(cpu)
+    assert seen[0][0] == {core} and os.sched_getaffinity(0) == before
+    assert (str(seen[0][1]["topology"]), seen[0][1]["devices"]) == ("Topology.local_gpus", ["GPU-a", "GPU-b"])
+    assert (str(seen[1][1]["topology"]), seen[1][1]["devices"]) == ("Topology.cpu", [])
+    first, held = take_slot(tmp_path / "slots", 2)
+    second, other = take_slot(tmp_path / "slots", 2)
+    assert (first, second) == (0, 1)
+    held.close()
+    other.close()

@@ -54,20 +54,20 @@ def plan_groups(num_jobs: int, devices: Sequence[str], cores: Sequence[int]) -> 
 
 def take_slot(folder: Path, num_slots: int) -> tuple:
     """(slot, its lock file): a group no running job of the sweep holds. The lock is the
-    kernel's (flock) and goes with the process, so a job that dies frees its group."""
+    kernel's (flock) and goes with the process, so a job that dies frees its group. joblib runs
+    at most n_jobs jobs at once, one group each, so a slot is free; were none, the job waits for
+    slot 0."""
     folder.mkdir(parents=True, exist_ok=True)
-    while True:
-        for slot in range(num_slots):
-            handle = open(folder / f"{slot}.lock", "w")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return slot, handle
-            except BlockingIOError:
-                handle.close()
-        # joblib runs at most n_jobs jobs at once, one group each: a slot frees as a job ends
-        handle = open(folder / "0.lock", "w")
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        return 0, handle
+    for slot in range(num_slots):
+        handle = open(folder / f"{slot}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return slot, handle
+        except BlockingIOError:
+            handle.close()
+    handle = open(folder / "0.lock", "w")
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    return 0, handle
 
 
 class InGroup:
@@ -80,7 +80,8 @@ class InGroup:
     def __call__(self, cfg: Any) -> Any:
         slot, lock = take_slot(self.folder, len(self.groups))
         group, before = self.groups[slot], os.sched_getaffinity(0)
-        if group.devices and str(cfg.cluster.topology) in ("auto", "local_gpus"):
+        topology = getattr(cfg.cluster.topology, "value", cfg.cluster.topology)  # an enum node
+        if group.devices and str(topology) in ("auto", "local_gpus"):
             cfg.cluster.topology = "local_gpus"
             cfg.cluster.devices = list(group.devices)
         os.sched_setaffinity(0, group.cores)
