@@ -38,7 +38,7 @@ from flodl_run.launch.slurm import (
 )
 from flodl_run.launch.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
-from tests.support import _free_port, run_cli, start_cli, world_rules
+from tests.support import _free_port, run_cli, start_cli, text_of, wait_for, world_rules
 
 REPO = Path(__file__).resolve().parents[1]
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"
@@ -411,22 +411,6 @@ def test_probe_inside_an_allocation_asks_every_node_through_srun(slurm):
 # ---- sweeps: one allocation per job (hydra/launcher=slurm) -----------------------------------
 
 
-def _wait_for(what: str, condition, timeout_s: float = JOB_TIMEOUT_S) -> None:
-    """Until `condition()` holds (polling a file or the queue); a bound on a failure."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.2)
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def _array_task(env: dict, task: int) -> tuple:
     """(queue id `123_0`, state) of the sweep's array task `task`; (None, None) once it left."""
     queue = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T"], env=env, capture_output=True,
@@ -451,19 +435,19 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
                          "cluster.num_ranks=2", "cluster.threads_per_rank=1", "num_epochs=12",
                          f"tracking.uri=sqlite:///{mlflow_db}", f"hydra.sweep.dir={sweep_dir}",
                          env=slurm)
-    _wait_for("job 0 trained an epoch", lambda: "epoch 2/12" in _text(sweep_dir / "0" / "cli.log"))
+    wait_for("job 0 trained an epoch", lambda: "epoch 2/12" in text_of(sweep_dir / "0" / "cli.log"))
     task, _ = _array_task(slurm, 0)
     assert task is not None
     subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
     # Slurm holds a requeued job for minutes (its begin time); the test lets it start at once
-    _wait_for("job 0 requeued", lambda: _array_task(slurm, 0)[1] == "PENDING"
-              or "resumed from" in _text(sweep_dir / "0" / "cli.log"))
+    wait_for("job 0 requeued", lambda: _array_task(slurm, 0)[1] == "PENDING"
+              or "resumed from" in text_of(sweep_dir / "0" / "cli.log"))
     if _array_task(slurm, 0)[1] == "PENDING":
         subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm,
                        check=True, timeout=30)
     out, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
     assert launcher.returncode == 0, out[-3000:]
-    cli = _text(sweep_dir / "0" / "cli.log")
+    cli = text_of(sweep_dir / "0" / "cli.log")
     assert "stopping (SIGUSR2)" in cli and f"resumed from {sweep_dir / '0' / 'checkpoint'}" in cli
     client = mlflow.MlflowClient(f"sqlite:///{mlflow_db}")
     runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])
@@ -481,4 +465,4 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
     for job in ("0", "1"):
         summary = json.loads((sweep_dir / job / "summary.json").read_text())
         assert summary["world_size"] == 2 and len(summary["epochs"]) >= 1
-        assert "task 0 of srun step" in _text(sweep_dir / job / "ranks" / "rank0.log")
+        assert "task 0 of srun step" in text_of(sweep_dir / job / "ranks" / "rank0.log")

@@ -9,14 +9,13 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from flodl_run.report.compare import JobOutcome, rows, to_csv
 from flodl_run.report.sweep import _parent_status, read_jobs, write_job
-from tests.support import run_cli, start_cli
+from tests.support import run_cli, start_cli, text_of, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,26 +88,10 @@ def test_comparison_compares_at_the_last_common_epoch_and_survives_a_crashed_job
 # ---- sweeps whose jobs run in other processes --------------------------------------------------
 
 
-def _wait_for(what: str, condition, timeout_s: float = 240) -> None:
-    """Until `condition()` holds (polling a file); a bound on a failure."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.2)
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def _header(log: Path) -> dict:
     """A rank log's first line as the launcher wrote it: its cores, store port and coordinator."""
-    match = re.search(r"cores (\S+), store port (\d+), coordinator (\S+),", _text(log))
-    assert match, _text(log)[:300]
+    match = re.search(r"cores (\S+), store port (\d+), coordinator (\S+),", text_of(log))
+    assert match, text_of(log)[:300]
     return {"cores": match.group(1), "store": match.group(2), "coordinator": match.group(3)}
 
 
@@ -116,7 +99,7 @@ def _span(run_dir: Path) -> tuple:
     """(first, last) time stamp of a job's cli.log: from its plan to its `wrote:` line."""
     import datetime
 
-    stamps = re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", _text(run_dir / "cli.log"),
+    stamps = re.findall(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]", text_of(run_dir / "cli.log"),
                         re.MULTILINE)
     return tuple(datetime.datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f") for s in (stamps[0], stamps[-1]))
 
@@ -162,13 +145,13 @@ def test_a_local_submitit_job_stopped_by_its_notice_is_requeued_and_resumes(tmp_
     launcher = start_cli("-m", "hydra/launcher=slurm_local", "seed=3", "cluster=solo", "num_epochs=60",
                          "checkpoint_every=1", f"tracking.uri=sqlite:///{mlflow_db}",
                          f"hydra.sweep.dir={sweep_dir}")
-    _wait_for("the job trained an epoch", lambda: "epoch 2/60" in _text(sweep_dir / "0" / "cli.log"))
+    wait_for("the job trained an epoch", lambda: "epoch 2/60" in text_of(sweep_dir / "0" / "cli.log"))
     controller = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit())
     task = int(Path(f"/proc/{controller}/task/{controller}/children").read_text().split()[0])
     os.kill(task, signal.SIGUSR2)
     out, _ = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, out[-3000:]
-    cli = _text(sweep_dir / "0" / "cli.log")
+    cli = text_of(sweep_dir / "0" / "cli.log")
     assert f"resumed from {sweep_dir / '0' / 'checkpoint'} at epoch" in cli, cli[-2000:]
     client = mlflow.MlflowClient(f"sqlite:///{mlflow_db}")
     runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])
