@@ -5,18 +5,24 @@ script whose allocation comes from `cluster.slurm` (nodes, GPUs per node, time, 
 extra options) and whose body is `python -m flodl_run <the same overrides>`, submits it and
 prints the job id and where its output goes. `--dry-run` prints the script and submits
 nothing. Exit 0 submitted (or printed), 1 sbatch refused, 2 bad config.
+
+`--dry-run -m hydra/launcher=slurm <sweep overrides>` prints what a sweep would submit: every
+job's overrides (each checked as the runner will), and the job array's script as submitit
+writes it. A sweep itself is submitted by `python -m flodl_run -m ...`, whose process waits for
+its jobs and then writes their comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, SlurmConfig, Topology
 
@@ -59,7 +65,7 @@ def output_dir(slurm: SlurmConfig, project: Path) -> Path:
     return where if where.is_absolute() else project / where
 
 
-def _config(overrides: Sequence[str]) -> ExperimentConfig:
+def _config(overrides: Sequence[str], need_slurm: bool = True) -> ExperimentConfig:
     """The checked config; ConfigError or ComposeError for what the runner would refuse."""
     from flodl_run.config.compose import compose, to_experiment
     from flodl_run.config.materialize import ConfigError, materialize
@@ -69,7 +75,7 @@ def _config(overrides: Sequence[str]) -> ExperimentConfig:
     if typed is None:
         raise ConfigError(problems)
     config = materialize(typed, check_recipe=False).config
-    if config.cluster.topology is not Topology.slurm:
+    if need_slurm and config.cluster.topology is not Topology.slurm:
         raise ConfigError([Problem("cluster.topology", config.cluster.topology.value,
                                    "must be slurm to submit (add cluster=slurm)")])
     return config
@@ -89,6 +95,78 @@ def submit(script: Path) -> tuple[int, str]:
     return 0, done.stdout.strip().split(";")[0]
 
 
+def sweep_jobs(overrides: Sequence[str]) -> List[List[str]]:
+    """Each job's overrides, as Hydra's basic sweeper expands `a,b` and the other sweep forms."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _launcher_node(overrides: Sequence[str]) -> Dict[str, Any]:
+    """The sweep's `hydra.launcher` node, resolved (folder and job name as a sweep has them)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from flodl_run.config.app import JOB_MODULE
+    from flodl_run.config.compose import conf_dir, register_schemas
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    name = f"hydra.job.name={JOB_MODULE.rsplit('.', 1)[-1]}"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
+        cfg = compose("config", overrides=[*overrides, name], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+
+
+def array_script(launcher: Dict[str, Any], num_jobs: int) -> str:
+    """The job array's sbatch script as hydra-submitit-launcher has submitit write it."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = {k: v for k, v in launcher.items() if k != "_target_"}
+    folder = params.pop("submitit_folder")
+    params.pop("max_num_timeout", None)
+    base = {f.name for f in dataclasses.fields(BaseQueueConf)}
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    slurm = executor._executor
+    return _make_sbatch_string(command=" ".join(slurm._submitit_command_str.split()), folder=folder,
+                               map_count=num_jobs, **slurm.parameters)
+
+
+def sweep_dry_run(overrides: Sequence[str]) -> str:
+    """What `python -m flodl_run -m <overrides>` would submit; ConfigError naming the job."""
+    from flodl_run.config.materialize import ConfigError
+    from flodl_run.config.validate import Problem
+
+    jobs = sweep_jobs(overrides)
+    problems = []
+    for num, job in enumerate(jobs):
+        try:
+            _config(job, need_slurm=False)
+        except ConfigError as exc:
+            problems += [Problem(f"job {num}: {p.key}", p.value, p.rule) for p in exc.problems]
+    if problems:
+        raise ConfigError(problems)
+    launcher = _launcher_node(jobs[0])
+    target = str(launcher.get("_target_", ""))
+    lines = []
+    if target.endswith("SlurmSweepLauncher") or target.endswith("submitit_launcher.SlurmLauncher"):
+        lines.append(array_script(launcher, len(jobs)).rstrip("\n"))
+    else:
+        lines.append("# not a Slurm launcher: nothing goes to a queue (pick hydra/launcher=slurm)")
+    lines.append(f"# sweep: {len(jobs)} job{'s' if len(jobs) != 1 else ''} through {target}, "
+                 "array task k runs job k:")
+    lines += [f"# job {num}: {' '.join(o for o in job if not o.startswith(('hydra/', 'hydra.')))}"
+              for num, job in enumerate(jobs)]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -99,9 +177,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flodl_run.submit",
                                      description="write an sbatch script for a run and submit it")
     parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    parser.add_argument("-m", "--multirun", action="store_true",
+                        help="a sweep (with --dry-run): print each job and the job array's script")
     parser.add_argument("overrides", nargs="*", help="the run's overrides, as for python -m flodl_run")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     err = Console(stderr=True)
+    if args.multirun:
+        return _sweep_main(args, err)
     try:
         config = _config(args.overrides)
     except (ComposeError, ConfigError) as exc:
@@ -124,6 +206,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   highlight=False, soft_wrap=True)
         return code
     print(f"submitted job {said} | script {script} | output {str(output).replace('%j', said)}")
+    return 0
+
+
+def _sweep_main(args: argparse.Namespace, err: Any) -> int:
+    """`-m`: print what the sweep would submit (only with --dry-run)."""
+    from rich.markup import escape
+
+    from flodl_run.config.compose import ComposeError
+    from flodl_run.config.materialize import ConfigError
+
+    if not args.dry_run:
+        err.print("[bold red]flodl_run.submit:[/] -m: a sweep is submitted by `python -m flodl_run -m "
+                  "hydra/launcher=slurm ...`; add --dry-run to see what it would submit",
+                  highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
+    try:
+        sys.stdout.write(sweep_dry_run(args.overrides))
+    except (ComposeError, ConfigError) as exc:
+        err.print(f"[bold red]flodl_run.submit:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return EXIT_CONFIG
     return 0
 
 

@@ -118,6 +118,25 @@ def start_cli(*args: str, env=None):
                                              dict(os.environ if env is None else env))
 
 
+def wait_for(what: str, condition, timeout_s: float = 240) -> None:
+    """Until `condition()` holds (polling a file or a queue); the bound is for a failure."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.2)
+
+
+def text_of(path: Path) -> str:
+    """A file's text, or "" while it does not exist yet."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def _live_ranks(run_dir: Path) -> list[int]:
     """PIDs of the run's rank processes still alive (zombies aside), from the pid each
     ranks/rankN.log names in its first line, written when the supervisor started it. Forked

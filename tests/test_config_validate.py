@@ -121,6 +121,8 @@ RULES = [
     ("local_uri", dict(tracking__uri="http://host:5000"), "tracking.uri", "'http://host:5000'"),
     ("experiment", dict(tracking__experiment=""), "tracking.experiment", "''"),
     ("recipe_batch_size", dict(recipe__batch_size=0), "recipe.batch_size", "0"),
+    ("sysmetrics_interval", dict(tracking__system_metrics_interval_s=0.0), "tracking.system_metrics_interval_s",
+     "0.0"),
 ]
 
 
@@ -220,10 +222,12 @@ def test_resolve_save_path_defaults_into_run_dir(tmp_path):
     assert resolve(make()).save_path is None
 
 
-@pytest.mark.parametrize("cores,num_ranks,expected", [(8, 2, 4), (2, 4, 1), (None, 2, 1)])
+@pytest.mark.parametrize("cores,num_ranks,expected", [(8, 2, 4), (2, 4, 1), (1, 2, 1)])
 def test_resolve_threads_per_rank(monkeypatch, cores, num_ranks, expected):
-    """Pins: CPU ranks' thread count (cores / ranks, at least 1, also when the core count is unknown)."""
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    """Pins: CPU ranks' thread count (the cores this process may use / ranks, at least 1): a
+    process pinned to fewer cores (taskset, a group sweep's job) splits those, not the host's."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert resolve(make(**cpu(num_ranks))).cluster.threads_per_rank == expected
     assert resolve(make(cluster__threads_per_rank=3, **cpu(num_ranks))).cluster.threads_per_rank == 3
 

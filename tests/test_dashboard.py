@@ -26,6 +26,9 @@ def _dashboard(path: Path, theme: str) -> Path:
     for epoch in range(4):
         board.on_epoch(EpochRecord(epoch, 2.0 / (epoch + 1), 0.7 + 0.05 * epoch, 50.0,
                                    [40000.0 + 500 * epoch, 16000.0], [0.7, 0.3], {"grad_norm": 1.0}))
+    for beat in range(6):  # rank 1 keeps its device busier than rank 0 does
+        board.on_busy(0, 40.0 + beat)
+        board.on_busy(1, 90.0)
     board.on_event("phase", "probe -> warmup")
     board.on_event("rank_lost", "rank 1 <script>alert(1)</script>")
     board.finish(Summary(status="completed", mode="nccl_cadence", world_size=2,
@@ -35,12 +38,14 @@ def _dashboard(path: Path, theme: str) -> Path:
 
 def test_dashboard_is_one_offline_file_with_every_chart(tmp_path):
     """Pins the content contract: one HTML file, no external resource (no src/href, no script),
-    the dashboard's charts and escaped event text."""
+    the dashboard's charts (each rank's device busy over time beside the shares) and escaped
+    event text."""
     html = _dashboard(tmp_path / "dash.html", "auto").read_text()
     assert list(tmp_path.iterdir()) == [tmp_path / "dash.html"]
     assert not re.search(r"\b(src|href)=", html) and "<script" not in html
     for title in ("loss", "eval", "throughput (samples/s)", "batch share", "anchor (batches)",
-                  "phase", "batch counts", "sync (ms)", "user scalars"):
+                  "phase", "batch counts", "sync (ms)", "user scalars", "device busy (%)",
+                  "rank 0 device busy (%)", "rank 1 device busy (%)"):
         assert f'aria-label="{title}"' in html, title
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert 'data-theme="auto"' in html and "prefers-color-scheme:dark" in html
@@ -75,3 +80,24 @@ def test_nice_ticks_cover_the_range_with_round_steps():
     assert nice_ticks(1.0, 3.0, 6, integer=True) == [1.0, 2.0, 3.0]
     ticks = nice_ticks(0.013, 0.097)
     assert all(0.013 <= t <= 0.097 for t in ticks) and len(ticks) >= 3
+
+
+def test_a_cpu_ranks_busy_share_is_its_cpu_time_per_thread_capped_at_its_budget(monkeypatch):
+    """Pins rank.busy on the CPU: CPU time used since the last sample over wall time and the
+    rank's threads (1 s of CPU in 2 s on 1 thread is 50 %, on 2 threads 25 %), never above 100
+    (helper threads count too), and no figure for an empty interval."""
+    import time
+
+    import torch
+
+    from flodl_run.rank import busy
+
+    clock = {"wall": 0.0, "cpu": 0.0}
+    monkeypatch.setattr(time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(time, "process_time", lambda: clock["cpu"])
+    one, two = busy.BusySampler(torch.device("cpu"), 1), busy.BusySampler(torch.device("cpu"), 2)
+    clock.update(wall=2.0, cpu=1.0)
+    assert (one.sample(), two.sample()) == (50.0, 25.0)
+    clock.update(wall=3.0, cpu=4.0)
+    assert one.sample() == 100.0
+    assert one.sample() is None

@@ -9,6 +9,8 @@ The parsing and mapping pieces are unit-tested without a cluster.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -36,7 +38,7 @@ from flodl_run.launch.slurm import (
 )
 from flodl_run.launch.slurm_task import expand_counts, task_environ
 from flodl_run.submit import sbatch_script
-from tests.support import _free_port, run_cli, world_rules
+from tests.support import _free_port, run_cli, start_cli, text_of, wait_for, world_rules
 
 REPO = Path(__file__).resolve().parents[1]
 SBIN = "/usr/sbin:/usr/local/sbin:/sbin"
@@ -207,6 +209,27 @@ def test_submit_refuses_a_config_that_is_not_slurm():
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cluster.topology: must be slurm to submit (add cluster=slurm), got 'cpu'" in proc.stderr
+
+
+def test_submit_dry_run_of_a_sweep_prints_each_job_and_the_job_array(tmp_path, capsys):
+    """Pins `flodl_run.submit --dry-run -m`: every sweep point is a job of one array (`--array`
+    of as many tasks, the stop notice `--signal=USR2@<signal_delay_s>` of the preset), the
+    jobs' overrides are listed in order, nothing is written; a bad point exits 2 naming its job."""
+    from flodl_run.submit import main
+
+    sweep_dir = tmp_path / "multirun"
+    code = main(["--dry-run", "-m", "hydra/launcher=slurm", "elche=nccl_sync,nccl_cadence", "cluster=slurm",
+                 f"hydra.sweep.dir={sweep_dir}"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --array=0-1%2", "#SBATCH --signal=USR2@120", "#SBATCH --cpus-per-task=2",
+                 "# job 0: elche=nccl_sync cluster=slurm", "# job 1: elche=nccl_cadence cluster=slurm"):
+        assert line in out.splitlines()
+    assert f"{sweep_dir}/.submitit/" in out and not sweep_dir.exists()
+    code = main(["--dry-run", "-m", "hydra/launcher=slurm", "cluster=slurm", "elche.min_anchor=5,50",
+                 "elche.max_anchor=20"])
+    assert code == 2
+    assert "job 1: elche.min_anchor: must be <= elche.max_anchor (20), got 50" in capsys.readouterr().err
 
 
 # ---- a real Slurm on this host ---------------------------------------------------------------
@@ -383,3 +406,63 @@ def test_probe_inside_an_allocation_asks_every_node_through_srun(slurm):
     row = next(line for line in done.stdout.splitlines() if f" {host} " in line)
     assert " srun " in row and "yes" in row
     assert "1 host: ready" in done.stdout
+
+
+# ---- sweeps: one allocation per job (hydra/launcher=slurm) -----------------------------------
+
+
+def _array_task(env: dict, task: int) -> tuple:
+    """(queue id `123_0`, state) of the sweep's array task `task`; (None, None) once it left."""
+    queue = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T"], env=env, capture_output=True,
+                           text=True)
+    found = [line.split() for line in queue.stdout.splitlines() if line.split()[0].endswith(f"_{task}")]
+    return tuple(found[0]) if found else (None, None)
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("slurm")
+def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(slurm, tmp_path,
+                                                                                   mlflow_db):
+    """Pins `-m hydra/launcher=slurm`: each sweep point is a task of one job array, running 2 CPU
+    ranks as its own srun step; the MLflow parent is made before submitting and every job's run
+    is its child; the scheduler's notice (USR2, as before a timeout) stops job 0 with a save,
+    submitit requeues it and the requeued job resumes from that bundle; the comparison, written
+    once both jobs ended, has both jobs completed and job 0's overrides without the resume."""
+    import mlflow
+
+    sweep_dir = tmp_path / "multirun"
+    launcher = start_cli("-m", "hydra/launcher=slurm", "elche=nccl_sync,nccl_cadence", "cluster=slurm",
+                         "cluster.num_ranks=2", "cluster.threads_per_rank=1", "num_epochs=12",
+                         f"tracking.uri=sqlite:///{mlflow_db}", f"hydra.sweep.dir={sweep_dir}",
+                         env=slurm)
+    wait_for("job 0 trained an epoch", lambda: "epoch 2/12" in text_of(sweep_dir / "0" / "cli.log"))
+    task, _ = _array_task(slurm, 0)
+    assert task is not None
+    subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
+    # Slurm holds a requeued job for minutes (its begin time); the test lets it start at once
+    wait_for("job 0 requeued", lambda: _array_task(slurm, 0)[1] == "PENDING"
+              or "resumed from" in text_of(sweep_dir / "0" / "cli.log"))
+    if _array_task(slurm, 0)[1] == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm,
+                       check=True, timeout=30)
+    out, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
+    assert launcher.returncode == 0, out[-3000:]
+    cli = text_of(sweep_dir / "0" / "cli.log")
+    assert "stopping (SIGUSR2)" in cli and f"resumed from {sweep_dir / '0' / 'checkpoint'}" in cli
+    client = mlflow.MlflowClient(f"sqlite:///{mlflow_db}")
+    runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("mode") == "sweep")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(c.info.status for c in children) == ["FINISHED", "FINISHED", "KILLED"]
+    resumed = next(c for c in children if "resumed_from_run_id" in c.data.tags)
+    assert resumed.data.tags["resumed_from_run_id"] == next(
+        c.info.run_id for c in children if c.info.status == "KILLED")
+    assert parent.info.status == "FINISHED"
+    table = list(csv.DictReader(io.StringIO((sweep_dir / "comparison.csv").read_text())))
+    assert [(r["overrides"], r["status"]) for r in table] == [
+        ("elche=nccl_sync", "completed"), ("elche=nccl_cadence", "completed")]
+    assert table[0]["mlflow_run_id"] == resumed.info.run_id
+    for job in ("0", "1"):
+        summary = json.loads((sweep_dir / job / "summary.json").read_text())
+        assert summary["world_size"] == 2 and len(summary["epochs"]) >= 1
+        assert "task 0 of srun step" in text_of(sweep_dir / job / "ranks" / "rank0.log")

@@ -1,17 +1,21 @@
-"""Hydra multirun sweeps: one MLflow parent run, each job a child, the comparison at the end."""
+"""Hydra multirun sweeps: one MLflow parent run, each job a child, the comparison at the end;
+sweeps whose jobs run in other processes (submitit's local executor, one host's groups)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
 
 from flodl_run.report.compare import JobOutcome, rows, to_csv
-from flodl_run.report.sweep import _parent_status
-from tests.support import run_cli
+from flodl_run.report.sweep import _parent_status, read_jobs, write_job
+from tests.support import run_cli, start_cli, text_of, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,3 +83,166 @@ def test_comparison_compares_at_the_last_common_epoch_and_survives_a_crashed_job
     assert _parent_status([j.status for j in jobs]) == "FAILED"
     assert _parent_status(["completed", "interrupted"]) == "KILLED"
     assert _parent_status(["completed", "completed"]) == "FINISHED"
+
+
+# ---- sweeps whose jobs run in other processes --------------------------------------------------
+
+
+def _header(log: Path) -> dict:
+    """A rank log's first line as the launcher wrote it: its cores, store port and coordinator."""
+    match = re.search(r"cores (\S+), store port (\d+), coordinator (\S+),", text_of(log))
+    assert match, text_of(log)[:300]
+    return {"cores": match.group(1), "store": match.group(2), "coordinator": match.group(3)}
+
+
+def _span(sweep_dir: Path, job: str) -> tuple:
+    """(start, end) of a job: when it left its entry in the sweep dir (Hydra's on_job_start,
+    before the run imports anything) and when it wrote its summary."""
+    return ((sweep_dir / ".jobs" / f"{job}.json").stat().st_mtime,
+            (sweep_dir / job / "summary.json").stat().st_mtime)
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two core groups need two cores")
+def test_a_group_sweep_runs_its_jobs_at_once_on_disjoint_cores_and_ports(tmp_path):
+    """Pins `-m hydra/launcher=gpu_groups` on a CPU host: two jobs of two CPU ranks each train at
+    the same time, every rank of one job pinned to cores no rank of the other may use (the
+    kernel's affinity of the rank processes), and no store or coordinator port shared."""
+    sweep_dir = tmp_path / "multirun"
+    proc = run_cli("-m", "hydra/launcher=gpu_groups", "seed=1,2", "cluster=cpu", "cluster.num_ranks=2",
+                   "num_epochs=2", "tracking=off", f"hydra.sweep.dir={sweep_dir}", timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = list(csv.DictReader(io.StringIO((sweep_dir / "comparison.csv").read_text())))
+    assert [(r["overrides"], r["status"]) for r in table] == [("seed=1", "completed"),
+                                                               ("seed=2", "completed")]
+    heads = {job: [_header(sweep_dir / job / "ranks" / f"rank{k}.log") for k in (0, 1)]
+             for job in ("0", "1")}
+    cores = {job: {h["cores"] for h in hs} for job, hs in heads.items()}
+    assert len(cores["0"]) == len(cores["1"]) == 1 and cores["0"] != cores["1"]
+
+    def core_set(text: str) -> set:
+        return {c for part in text.split(",") for c in range(int(part.split("-")[0]),
+                                                             int(part.split("-")[-1]) + 1)}
+    assert not core_set(*cores["0"]) & core_set(*cores["1"])
+    for key in ("store", "coordinator"):
+        assert {h[key] for h in heads["0"]}.isdisjoint({h[key] for h in heads["1"]})
+    (start0, end0), (start1, end1) = _span(sweep_dir, "0"), _span(sweep_dir, "1")
+    assert start0 < end1 and start1 < end0  # side by side, not one after the other
+
+
+@pytest.mark.e2e
+def test_a_local_submitit_job_stopped_by_its_notice_is_requeued_and_resumes(tmp_path, mlflow_db):
+    """Pins `-m hydra/launcher=slurm_local` (submitit's local executor): the parent run is made
+    before the job starts and the job's run is its child; the scheduler's notice (submitit's
+    SIGUSR2, sent to the job's process as the executor does before a timeout) stops the
+    in-process run, submitit requeues it through the checkpoint hook and the requeued job resumes
+    from the job's last bundle; one comparison row, the resumed run's, without the resume."""
+    import mlflow
+
+    sweep_dir = tmp_path / "multirun"
+    launcher = start_cli("-m", "hydra/launcher=slurm_local", "seed=3", "cluster=solo", "num_epochs=60",
+                         "checkpoint_every=1", f"tracking.uri=sqlite:///{mlflow_db}",
+                         f"hydra.sweep.dir={sweep_dir}")
+    wait_for("the job trained an epoch", lambda: "epoch 2/60" in text_of(sweep_dir / "0" / "cli.log"))
+    controller = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit())
+    task = int(Path(f"/proc/{controller}/task/{controller}/children").read_text().split()[0])
+    os.kill(task, signal.SIGUSR2)
+    out, _ = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, out[-3000:]
+    cli = text_of(sweep_dir / "0" / "cli.log")
+    assert f"resumed from {sweep_dir / '0' / 'checkpoint'} at epoch" in cli, cli[-2000:]
+    client = mlflow.MlflowClient(f"sqlite:///{mlflow_db}")
+    runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])
+    parent = next(r for r in runs if r.data.tags.get("mode") == "sweep")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(c.info.status for c in children) == ["FINISHED", "KILLED"]
+    finished = next(c.info.run_id for c in children if c.info.status == "FINISHED")
+    table = list(csv.DictReader(io.StringIO((sweep_dir / "comparison.csv").read_text())))
+    assert [(r["status"], r["mlflow_run_id"]) for r in table] == [("completed", finished)]
+    assert "resume_from" not in (sweep_dir / "comparison.md").read_text()
+
+
+def test_a_job_entry_drops_only_the_resume_its_requeue_added(tmp_path):
+    """Pins the comparison's view of a requeued job: its `resume_from` of its own run dir's
+    bundle is left out of its overrides (the same sweep point), a resume_from of another
+    run's bundle stays, and the second attempt's entry replaces the first."""
+    run_dir = tmp_path / "0"
+    write_job(tmp_path, (0, ["seed=1"], run_dir))
+    write_job(tmp_path, (0, ["seed=1", f"resume_from={run_dir / 'checkpoint'}"], run_dir))
+    write_job(tmp_path, (1, ["seed=2", "resume_from=/elsewhere/checkpoint"], tmp_path / "1"))
+    assert read_jobs(tmp_path) == [(0, ["seed=1"], run_dir),
+                                   (1, ["seed=2", "resume_from=/elsewhere/checkpoint"], tmp_path / "1")]
+
+
+def test_groups_share_out_devices_and_cores_disjointly_and_refuse_an_empty_share():
+    """Pins the group plan: n_jobs equal, disjoint shares of the GPUs and of the cores (what
+    does not divide is left unused), and a share that would be empty is a config error naming
+    hydra.launcher.n_jobs."""
+    from flodl_run.config.materialize import ConfigError
+    from hydra_plugins.flodl_run_launchers.groups import Group, plan_groups
+
+    assert plan_groups(2, ["a", "b", "c", "d"], [0, 1, 2, 3, 4]) == [
+        Group(["a", "b"], [0, 1]), Group(["c", "d"], [2, 3])]
+    assert plan_groups(2, [], [0, 1]) == [Group([], [0]), Group([], [1])]
+    with pytest.raises(ConfigError, match=r"hydra.launcher.n_jobs: must be <= the cores this process "
+                                          r"may use \(2\), got 3"):
+        plan_groups(3, [], [0, 1])
+    with pytest.raises(ConfigError, match=r"hydra.launcher.n_jobs: must be <= the GPUs to share"):
+        plan_groups(3, ["a", "b"], list(range(8)))
+
+
+def test_the_stop_signal_is_named_by_the_environment_and_ignored_by_ranks():
+    """Pins the launcher/rank agreement on the scheduler's notice: FLODL_RUN_STOP_SIGNAL names
+    it with or without SIG, unknown or unset is none, and a rank's ignore leaves it ignored."""
+    from flodl_run.contracts.signals import ignore_stop_signal, stop_signal
+
+    assert stop_signal({"FLODL_RUN_STOP_SIGNAL": "USR2"}) is signal.SIGUSR2
+    assert stop_signal({"FLODL_RUN_STOP_SIGNAL": "SIGUSR1"}) is signal.SIGUSR1
+    assert stop_signal({"FLODL_RUN_STOP_SIGNAL": "NOPE"}) is None and stop_signal({}) is None
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        ignore_stop_signal({"FLODL_RUN_STOP_SIGNAL": "USR2"})
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.e2e
+def test_a_group_sweep_with_more_jobs_than_cores_exits_2_before_any_job(tmp_path):
+    """Pins the group launcher's refusal: n_jobs above the cores to share is a config error
+    naming hydra.launcher.n_jobs (exit 2, no traceback), and no job starts or leaves a comparison."""
+    sweep_dir = tmp_path / "multirun"
+    cores = len(os.sched_getaffinity(0))
+    proc = run_cli("-m", "hydra/launcher=gpu_groups", f"hydra.launcher.n_jobs={cores + 1}", "seed=1,2",
+                   "cluster=cpu", "tracking=off", f"hydra.sweep.dir={sweep_dir}", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"hydra.launcher.n_jobs: must be <= the cores this process may use ({cores}), got {cores + 1}"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr and not (sweep_dir / "comparison.md").exists()
+
+
+def test_a_group_job_runs_on_its_slots_cores_and_gpus_and_frees_the_slot(tmp_path):
+    """Pins InGroup: the job's process runs on its group's cores (and gets them back after),
+    a GPU group turns cluster=auto into local_gpus on the group's devices while an explicit
+    cluster=cpu keeps its topology, and two jobs at once never hold the same slot."""
+    from omegaconf import OmegaConf
+
+    from flodl_run.config.schema import ExperimentConfig
+    from hydra_plugins.flodl_run_launchers.groups import Group, InGroup, take_slot
+
+    before, core = os.sched_getaffinity(0), min(os.sched_getaffinity(0))
+    seen = []
+    job = InGroup(lambda cfg: seen.append((os.sched_getaffinity(0), OmegaConf.to_container(cfg.cluster))),
+                  [Group(["GPU-a", "GPU-b"], [core])], tmp_path)
+    job(OmegaConf.structured(ExperimentConfig))
+    cpu = OmegaConf.structured(ExperimentConfig)
+    cpu.cluster.topology = "cpu"
+    job(cpu)
+    assert seen[0][0] == {core} and os.sched_getaffinity(0) == before
+    assert (str(seen[0][1]["topology"]), seen[0][1]["devices"]) == ("Topology.local_gpus", ["GPU-a", "GPU-b"])
+    assert (str(seen[1][1]["topology"]), seen[1][1]["devices"]) == ("Topology.cpu", [])
+    first, held = take_slot(tmp_path / "slots", 2)
+    second, other = take_slot(tmp_path / "slots", 2)
+    assert (first, second) == (0, 1)
+    held.close()
+    other.close()

@@ -87,7 +87,8 @@ def pair_run(tmp_path_factory):
     proc, _ = _run(root, f"tracking.uri=sqlite:///{db}", "cluster=cpu_pair", "num_epochs=3",
                    "run_name=tracked", "recipe=custom", "recipe.module=tracked_recipe",
                    "reports_per_epoch=2", "record_log_dir=records", "dashboard_html=dashboard.html",
-                   "+scalar_reductions.batch_max_abs=max", tracking="mlflow",
+                   "+scalar_reductions.batch_max_abs=max", "tracking.system_metrics_interval_s=0.2",
+                   tracking="mlflow",
                    env=dict(os.environ, PYTHONPATH=str(recipe_repo)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -177,6 +178,39 @@ def test_system_metrics_once_for_the_launcher_node(pair_run):
     nodes = pair_run["summary"]["nodes"]
     assert [(n["host"], n["cpu_count"], n["gpus"]) for n in nodes] == [
         (socket.gethostname(), os.cpu_count(), [])]
+
+
+@pytest.mark.e2e
+def test_the_launcher_host_is_sampled_over_time_by_mlflows_monitor(pair_run):
+    """Pins utilisation over time: MLflow's system-metrics monitor samples this host into the
+    run under the same node id as its once-per-node figures (`system/<host>/...`), CPU
+    utilisation as a percentage and memory in use, at more than one step."""
+    import socket
+
+    from flodl_run.hardware.hostinfo import metric_safe
+
+    host = metric_safe(socket.gethostname())
+    cpu = _history(pair_run, f"system/{host}/cpu_utilization_percentage")
+    assert len(cpu) >= 2 and all(0.0 <= m.value <= 100.0 for m in cpu)
+    assert sorted(m.step for m in cpu) == list(range(len(cpu)))
+    assert _history(pair_run, f"system/{host}/system_memory_usage_megabytes")
+
+
+@pytest.mark.e2e
+def test_each_rank_reports_its_device_busy_over_time(tmp_path, mlflow_db):
+    """Pins per-rank utilisation over time: every rank's heartbeats (one a second) carry its
+    device's busy percent (CPU here: its CPU time per thread), logged as `utilization/rank<k>`
+    at steps 0, 1, ... and plotted in the dashboard beside the shares."""
+    proc, summary = _run(tmp_path, f"tracking.uri=sqlite:///{mlflow_db}", "cluster=cpu_pair",
+                         "num_epochs=80", "dashboard_html=dashboard.html", tracking="mlflow")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    client, run, _ = _run_of(mlflow_db, tmp_path / "run")
+    busy = [client.get_metric_history(run.info.run_id, f"utilization/rank{k}") for k in (0, 1)]
+    for history in busy:
+        assert history and all(0.0 <= m.value <= 100.0 for m in history)
+        assert sorted(m.step for m in history) == list(range(len(history)))
+    html = (tmp_path / "run" / "dashboard.html").read_text()
+    assert 'aria-label="device busy (%)"' in html and 'aria-label="rank 1 device busy (%)"' in html
 
 
 @pytest.mark.e2e

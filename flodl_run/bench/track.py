@@ -51,7 +51,7 @@ class MlflowBenchTracker(BenchTracker):
     def start(self, params: Dict[str, Any], tags: Dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        self.experiment_id = self._runner._experiment_id()
+        self.experiment_id = self._runner.experiment_id()
         run = self.client.create_run(self.experiment_id, run_name=tags.get("name", "bench"),
                                      tags={"mode": "bench", **_short(tags)})
         self.run_id = run.info.run_id

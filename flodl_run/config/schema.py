@@ -383,7 +383,10 @@ class TrackingConfig:
     experiment: str = "flodl_run"
     """MLflow experiment name."""
     system_metrics: bool = True
-    """Log host and GPU figures once per node."""
+    """Log host and GPU figures once per node, and the launcher's host over time (MLflow's
+    system-metrics monitor: CPU, memory, disk, network, each GPU's utilisation and memory)."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between two samples of the system-metrics monitor; > 0."""
 
 
 @dataclass

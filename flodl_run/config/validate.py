@@ -426,6 +426,8 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
                           "(use tracking=mlflow_server for http)")
     if not t.experiment:
         yield Problem("tracking.experiment", t.experiment, "must not be empty")
+    if not t.system_metrics_interval_s > 0:
+        yield Problem("tracking.system_metrics_interval_s", t.system_metrics_interval_s, "must be > 0")
 
 
 @_check
@@ -458,7 +460,7 @@ def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,
     run_name = cfg.run_name or default_run_name(cfg, e.mode.value, cfg.outer.kind.value)
     cluster = cfg.cluster
     if cluster.topology is Topology.cpu and cluster.threads_per_rank is None and cluster.num_ranks:
-        cores = os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, a sweep's group)
         cluster = dataclasses.replace(cluster, threads_per_rank=max(1, cores // cluster.num_ranks))
     return dataclasses.replace(
         cfg, elche=elche, progressive_dispatch=progressive, save_path=save_path,

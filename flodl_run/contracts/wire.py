@@ -68,6 +68,9 @@ class Heartbeat(Message):
     """Batches this rank has finished so far (its progress: a hung rank's count stands still)."""
     training: bool = False
     """The rank is working through a Train order (not idle, not in a reduce, eval or save)."""
+    busy_percent: Optional[float] = None
+    """How busy the rank's device was since its last beat, in percent (rank.busy); None when
+    not sampled (tracking.system_metrics off) or the device cannot say."""
 
 
 class WindowDone(Message):

@@ -411,6 +411,8 @@ class Coordinator:
             if rank is not None:
                 self.members.heard(rank, time.monotonic(),
                                    message if isinstance(message, Heartbeat) else None)
+            if isinstance(message, Heartbeat) and message.busy_percent is not None:
+                self.observer.on_busy(message.rank, message.busy_percent)
             if isinstance(message, (ClockPing, TimelineEvents)):
                 self.timeline.receive(message, received.identity, self.channel)
                 continue

@@ -21,6 +21,7 @@ from rich.console import Console
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentConfig, Topology
 from flodl_run.config.validate import Problem, validate
+from flodl_run.contracts.signals import stop_signal
 from flodl_run.contracts.summary import Summary, write_outcome, write_summary
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.launch.notices import say_what_differs
@@ -28,6 +29,7 @@ from flodl_run.launch.zygote import fork_ranks, ready_spare
 from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.observe.timeline import FILE_NAME as TIMELINE_FILE
 from flodl_run.observe.timeline import TimelineFile
+from flodl_run.report import sweep
 from flodl_run.report.dashboard import Dashboard
 from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
@@ -159,7 +161,7 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
         live = serve_dashboard(config.dashboard)  # before anything starts: a port in use: config error
         _say_plan(config.cluster.topology, plan, console)
         say_what_differs(config, plan, console)
-        tracker = make_tracker(config.tracking, _uploads(config))
+        tracker = make_tracker(config.tracking, _uploads(config), parent_of=sweep.parent_run_id)
         mode, outer = ("solo", "none") if plan.in_process else (None, None)
         tracker.start(config, run_dir, mode=mode, outer=outer)
         progress = TerminalProgress(console) if show_progress else None
@@ -412,7 +414,7 @@ def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
     import torch
 
     busy = plan.world_size * (cluster.threads_per_rank or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - busy))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - busy))
 
 
 def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Optional["Recipe"],
@@ -437,7 +439,8 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
                      "Ctrl-C again stops at once without saving")
 
     main = threading.current_thread() is threading.main_thread()
-    signals = (signal.SIGINT, signal.SIGTERM)
+    # a scheduler's notice before the job's end (contracts.signals) stops the run as SIGTERM does
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM, stop_signal(os.environ)) if s is not None]
     previous = {sig: signal.signal(sig, on_signal) for sig in signals} if main else {}
     trainer.mlflow_run_id = mlflow_run_id
     try:

@@ -154,6 +154,8 @@ def srun_argv(cluster: ClusterConfig, plan: SlurmPlan, python: str = sys.executa
             "--kill-on-bad-exit=0",  # a rank that dies is a death the others carry on through
             "--no-kill",             # so is a node that fails: the step keeps the other nodes
             "--label", "--unbuffered", "--input=none", "--export=ALL", f"--chdir={os.getcwd()}"]
+    if "SLURM_STEP_ID" in os.environ:  # a sweep's job runs the launcher as a task of its own
+        argv.append("--overlap")        # step (submitit's srun), which holds every resource
     if plan.gpus:
         argv += [f"--ntasks-per-node={plan.allocation.gpus_per_node}", "--gpus-per-task=1"]
     else:  # srun does not inherit the batch script's --cpus-per-task: ask for the rank's cores
@@ -165,6 +167,8 @@ def step_environment(cluster: ClusterConfig, plan: SlurmPlan, coord: str, master
                      secret_file: Path, run_file: Path) -> Dict[str, str]:
     """srun's environment, passed to every task: ours, without the secret itself."""
     env = {k: v for k, v in os.environ.items() if k != "FLODL_RUN_SECRET"}
+    if "SLURM_STEP_ID" in env:  # the launcher's own step (a sweep's job): its layout is not ours
+        env.pop("SLURM_NTASKS_PER_NODE", None)
     env.update({
         "MASTER_ADDR": plan.addr, "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
         "FLODL_RUN_FILE": str(run_file), "FLODL_RUN_SECRET_FILE": str(secret_file),

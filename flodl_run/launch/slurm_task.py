@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from flodl_run.contracts.signals import ignore_stop_signal
+
 _COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 
@@ -59,6 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "`python -m flodl_run cluster=slurm` inside an allocation)", file=sys.stderr)
         return 2
     argv = [sys.executable, "-m", "flodl_run.rank", *(argv or [])]
+    ignore_stop_signal(env)  # before torch loads: Slurm signals every task of the job
     os.execve(sys.executable, argv, env)
     return 0  # pragma: no cover - execve does not return
 

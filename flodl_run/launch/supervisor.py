@@ -23,6 +23,7 @@ from rich.console import Console
 
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run, run_prefix
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, RecipeConfig
+from flodl_run.contracts.signals import stop_signal
 from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import frame_limit, new_secret
 from flodl_run.control.coordinator import Coordinator
@@ -85,8 +86,9 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
             stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)  # Ctrl-C reaches the launcher only; it stops ranks in order
         proc = RankProcess(rank, process, open(log_dir / f"rank{rank}.log", "w"), store=store)
-        proc.log.write(f"# rank {rank} of {world_size}: pid {process.pid} on this host, started "
-                       f"{datetime.datetime.now().isoformat(timespec='seconds')}\n")
+        proc.log.write(f"# rank {rank} of {world_size}: pid {process.pid} on this host, cores "
+                       f"{_cores_of(process.pid)}, store port {master_port}, coordinator {coord}, "
+                       f"started {datetime.datetime.now().isoformat(timespec='seconds')}\n")
         proc.log.flush()  # a rank that prints nothing still leaves who it was and when it ran
         proc.forwarder = threading.Thread(target=forward, args=(proc, console, f"rank {rank}"),
                                           daemon=True)
@@ -95,6 +97,21 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
     if zygote is not None:
         zygote.seal()
     return procs
+
+
+def _cores_of(pid: int) -> str:
+    """The cores a process may run on, as the kernel says (`0-1`, `2,5`); `?` once it is gone."""
+    try:
+        cores = sorted(os.sched_getaffinity(pid))
+    except OSError:
+        return "?"
+    spans: List[List[int]] = []
+    for core in cores:
+        if spans and core == spans[-1][1] + 1:
+            spans[-1][1] = core
+        else:
+            spans.append([core, core])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
@@ -294,6 +311,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
                               name="coordinator", daemon=True)
     _signal_names.clear()
     previous, previous_int = signal.signal(signal.SIGTERM, _raise_interrupt), None
+    stop, previous_stop = stop_signal(os.environ), None
     procs: List[RankProcess] = []
     try:
         thread.start()
@@ -316,12 +334,16 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         coordinator.on_rank_dead = _killer(procs)
         previous_int = signal.signal(signal.SIGINT, _note_signal)  # from here on, signals are noted
         signal.signal(signal.SIGTERM, _note_signal)
+        if stop is not None:  # a scheduler's notice before the job's end: as SIGTERM
+            previous_stop = signal.signal(stop, _note_signal)
         _watch(coordinator, thread, procs, console)
     finally:
         stop_ranks(procs, hurry=_took_signal)
         signal.signal(signal.SIGTERM, previous)
         if previous_int is not None:
             signal.signal(signal.SIGINT, previous_int)
+        if previous_stop is not None:  # the sweep launcher's handler again (it requeues)
+            signal.signal(stop, previous_stop)
         remove_run(shm_prefix)  # also what a killed rank left behind
     summary = summary_box[0] if summary_box else coordinator.summary
     _name_the_cause(summary, procs)

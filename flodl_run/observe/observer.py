@@ -47,6 +47,10 @@ class Observer:
     def on_nodes(self, nodes: List[HostInfo]) -> None:
         """Once, when every rank has joined: the static facts of each node they run on."""
 
+    def on_busy(self, rank: int, busy_percent: float) -> None:
+        """A rank's heartbeat said how busy its device was since the last one, in percent (its
+        GPU's utilisation, or its CPU time per thread). Distributed runs, system_metrics on."""
+
 
 class Observers(Observer):
     """Fans every hook out to several observers, in order; one that cannot write is said once
@@ -83,6 +87,9 @@ class Observers(Observer):
 
     def on_nodes(self, nodes: List[HostInfo]) -> None:
         self._fan("on_nodes", nodes)
+
+    def on_busy(self, rank: int, busy_percent: float) -> None:
+        self._fan("on_busy", rank, busy_percent)
 
 
 class OutputErrors:

@@ -7,7 +7,7 @@ collective. The main channel (orders in, facts out) belongs to the control loop.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import zmq
 
@@ -26,9 +26,12 @@ class HeartbeatThread(threading.Thread):
     hang) but not the orphan watch."""
 
     def __init__(self, ctx: zmq.Context, env: RankEnv, progress: Callable[[], Tuple[int, bool]],
-                 on_beat: Callable[[Channel], None] = lambda channel: None):
+                 on_beat: Callable[[Channel], None] = lambda channel: None,
+                 busy: Callable[[], Optional[float]] = lambda: None):
+        """`busy()`: the device's busy percent since the last beat (rank.busy), or None."""
         super().__init__(daemon=True, name=f"heartbeat-{env.rank}")
         self.ctx, self.env, self.progress, self.on_beat = ctx, env, progress, on_beat
+        self.busy = busy
         self.stopped = threading.Event()
         self.silenced = threading.Event()
 
@@ -44,7 +47,7 @@ class HeartbeatThread(threading.Thread):
                 leave_orphaned(self.env)
             if self.silenced.is_set():
                 continue
-            channel.send(Heartbeat(self.env.rank, *self.progress()))
+            channel.send(Heartbeat(self.env.rank, *self.progress(), self.busy()))
             self.on_beat(channel)  # the timeline's clock pings, counters and shipment
         sock.close()
 

@@ -51,6 +51,7 @@ from flodl_run.hardware.hostinfo import node_facts
 from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
+from flodl_run.rank.busy import BusySampler
 from flodl_run.rank.channels import HeartbeatThread, ListenerThread
 from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
@@ -131,8 +132,10 @@ class RankWorker:
             self.group.join(0, list(range(self.env.world_size)))
             if self.exact is not None:
                 self.exact.rebuild()
+        busy = BusySampler(self.device, torch.get_num_threads()).sample \
+            if self.config.tracking.system_metrics else (lambda: None)
         heartbeat = HeartbeatThread(self.ctx, self.env, lambda: (self._batches_total, self._training),
-                                    self.timeline.on_beat)
+                                    self.timeline.on_beat, busy)
         heartbeat.start()
         self._heartbeat = heartbeat
         listener = ListenerThread(self.ctx, self.env, self.group.abort, self.group.watch)

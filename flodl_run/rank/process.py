@@ -19,6 +19,7 @@ import zmq
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.contracts.recipe import raised_by_recipe, user_traceback
+from flodl_run.contracts.signals import ignore_stop_signal
 from flodl_run.contracts.wire import Channel, RankFailed, connect_dealer
 from flodl_run.rank.env import RankEnv, is_orphaned
 from flodl_run.rank.loop import RankWorker
@@ -30,6 +31,7 @@ def main() -> int:
     """Run one rank; an exception (the recipe's, or ours) or the recipe's sys.exit is reported
     to the coordinator and printed once (`rank 1: failed:`, the traces of the code that raised
     it, then the one error line), and the rank exits 1."""
+    ignore_stop_signal(os.environ)  # the launcher's to act on (a scheduler signals us all)
     env = RankEnv.from_environ(dict(os.environ))
     config = experiment_from_yaml(env.run_file.read_text())
     worker: Optional[RankWorker] = None

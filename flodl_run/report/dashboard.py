@@ -3,8 +3,9 @@ page served live while the run goes (`dashboard.serve`, see `liveserver`).
 
 Owns collecting what the Observer hooks report (thread-safe: the coordinator thread writes,
 the live server's thread reads) and laying it out: the run's outcome, loss and eval curves,
-per-rank tabs (host, throughput, batch share, VRAM, anchor rank), anchor, phase and sync time
-over reduces, and the events. One renderer serves both: the file is `page()`, the live page is
+per-rank tabs (host, throughput, batch share, VRAM, anchor rank, device busy over time), the
+ranks' shares beside their devices' busy percent, anchor, phase and sync time over reduces,
+and the events. One renderer serves both: the file is `page()`, the live page is
 the same body that a short script re-fetches. Charts are inline SVG (`svgchart`), the theme is
 CSS (light, dark, or the viewer's preference with auto); the file needs no network and no
 script. Never fails a run: a file that cannot be written is warned about.
@@ -85,6 +86,8 @@ class Dashboard(Observer):
         self.windows: Dict[int, Deque[Tuple[float, float]]] = {}
         """Per rank: (seconds since start, samples/s of compute) of its newest windows."""
         self.device_bytes: Dict[int, int] = {}
+        self.busy: Dict[int, Deque[Tuple[float, float]]] = {}
+        """Per rank: (seconds since start, its device's busy percent) of its newest beats."""
         self.hosts: List[str] = []
         self.world_size = 0
         self.total_epochs = 0
@@ -114,6 +117,12 @@ class Dashboard(Observer):
             points = self.windows.setdefault(rank, deque(maxlen=WINDOW_POINTS))
             points.append((time.time() - self._started, samples * 1000.0 / wall_ms))
             self.device_bytes[rank] = device_bytes
+            self._changed()
+
+    def on_busy(self, rank: int, busy_percent: float) -> None:
+        with self._lock:
+            points = self.busy.setdefault(rank, deque(maxlen=WINDOW_POINTS))
+            points.append((time.time() - self._started, busy_percent))
             self._changed()
 
     def on_epoch(self, record: EpochRecord) -> None:
@@ -159,6 +168,7 @@ class Dashboard(Observer):
             copy.epochs, copy.reduces = list(self.epochs), list(self.reduces)
             copy.reports, copy.events = list(self.reports), list(self.events)
             copy.windows = {r: deque(p) for r, p in self.windows.items()}
+            copy.busy = {r: deque(p) for r, p in self.busy.items()}
             copy.device_bytes, copy.hosts = dict(self.device_bytes), list(self.hosts)
             copy.world_size, copy.total_epochs = self.world_size, self.total_epochs
             copy.summary, copy.version, copy._started = self.summary, self.version, self._started
@@ -263,6 +273,7 @@ class Dashboard(Observer):
                 "device_bytes": self.device_bytes.get(rank),
                 "batches_planned": _at(last_reduce.batch_counts, rank) if last_reduce else None,
                 "anchor_rank": bool(last_reduce and last_reduce.anchor_rank == rank),
+                "busy_percent": self.busy[rank][-1][1] if self.busy.get(rank) else None,
                 "windows": len(points or ())}
 
     def _rank_tabs(self) -> str:
@@ -293,13 +304,11 @@ class Dashboard(Observer):
              else f'{st["batches_planned"]:.0f} batches'),
             ("anchor rank", "yes" if st["anchor_rank"] else "no"),
         ]
-        points = list(self.windows.get(rank, ()))
-        chart = ""
-        if points:
-            chart = line_chart(f"rank {rank} throughput (samples/s)",
-                               [Series(f"rank {rank}", [t for t, _ in points], [v for _, v in points])],
-                               "seconds")
-        return _table(rows) + chart
+        charts = [line_chart(title, [Series(f"rank {rank}", [t for t, _ in pts], [v for _, v in pts])],
+                             "seconds")
+                  for title, pts in ((f"rank {rank} throughput (samples/s)", self.windows.get(rank)),
+                                     (f"rank {rank} device busy (%)", self.busy.get(rank))) if pts]
+        return _table(rows) + "".join(charts)
 
     def _training_charts(self) -> List[str]:
         epoch_x = [e.epoch + 1 for e in self.epochs]
@@ -323,8 +332,13 @@ class Dashboard(Observer):
             return [Series(f"rank {r}", epoch_x,
                            [_at(getattr(e, field), r) for e in self.epochs]) for r in range(ranks)]
 
-        return [line_chart("throughput (samples/s)", per_rank("per_rank_throughput"), "epoch"),
-                line_chart("batch share", per_rank("per_rank_batch_share"), "epoch")]
+        charts = [line_chart("throughput (samples/s)", per_rank("per_rank_throughput"), "epoch"),
+                  line_chart("batch share", per_rank("per_rank_batch_share"), "epoch")]
+        if self.busy:  # beside the share: whether a rank's device kept up with what it was given
+            charts.append(line_chart("device busy (%)", [
+                Series(f"rank {r}", [t for t, _ in self.busy[r]], [v for _, v in self.busy[r]])
+                for r in sorted(self.busy)], "seconds"))
+        return charts
 
     def _reduce_charts(self) -> List[str]:
         x = [r.round for r in self.reduces]

@@ -1,28 +1,36 @@
 """Hydra multirun sweeps: one MLflow parent run per sweep, each job a child of it, and the
 comparison (table and plot) in the parent and the multirun directory when the sweep ends.
 
-Owns the sweep's lifetime in this process. Hydra's basic launcher runs the jobs one after
-another in the process that started the sweep, so the parent is created once (by the first
-job's tracker) and every job sees it. `SweepCallback` is named in conf/config.yaml; Hydra calls
-its methods by name, so this module does not import Hydra and the tracker can ask it for the
-parent without Hydra. Outside a sweep every function here is a no-op.
+Owns the sweep's lifetime. Hydra's basic launcher runs the jobs one after another in the
+process that started the sweep: the parent is created there by the first job's tracker. Other
+launchers (Slurm through submitit, side-by-side groups through joblib) run each job in another
+process, maybe on another node: the parent is created before any job is submitted and left in
+the sweep dir (`.parents.json`) for the jobs' trackers. Either way each job leaves its entry in
+`.jobs/` of the sweep dir, and the process that started the sweep writes the comparison from
+those entries once the launcher says every job has ended. `SweepCallback` is named in
+conf/config.yaml; Hydra calls its methods by name, so this module does not import Hydra.
+Outside a sweep every function here is a no-op.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from rich.console import Console
 
+from flodl_run.config.schema import TrackingConfig, TrackingKind
 from flodl_run.report.compare import JobOutcome, plot, to_csv, to_markdown
 
 log = logging.getLogger(__name__)
 
 TABLE_MD, TABLE_CSV, PLOT_PNG = "comparison.md", "comparison.csv", "comparison.png"
 MAX_NAME_CHARS = 250
+JOBS_DIR, PARENTS_FILE = ".jobs", ".parents.json"
 
 
 @dataclass
@@ -31,7 +39,6 @@ class Sweep:
 
     dir: Path
     overrides: List[str]
-    jobs: List[Tuple[int, List[str], Path]] = field(default_factory=list)
     parents: Dict[Tuple[str, str], Tuple[Any, str]] = field(default_factory=dict)
     """(tracking uri, experiment id) -> (client, parent run id)."""
 
@@ -46,12 +53,33 @@ class Sweep:
             self.parents[key] = (client, run.info.run_id)
         return self.parents[key][1]
 
+    def open_parents(self, tracking: TrackingConfig) -> None:
+        """For jobs in other processes: the parent now, before any job is submitted, written to
+        the sweep dir where each job's tracker finds it (none for tracking=off). Creating the
+        store here also keeps jobs starting at once from racing to create a new SQLite store."""
+        if tracking.kind is TrackingKind.off:
+            return
+        from flodl_run.report.tracking import MlflowTracker
+
+        tracker = MlflowTracker(tracking)
+        experiment_id = tracker.experiment_id()
+        run_id = self.parent_run_id(tracker.client, experiment_id)
+        record = [{"uri": tracker.client.tracking_uri, "experiment_id": experiment_id,
+                   "run_id": run_id}]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_json(self.dir / PARENTS_FILE, record)
+
     def outcomes(self) -> List[JobOutcome]:
-        return [JobOutcome.read(num, overrides, run_dir) for num, overrides, run_dir in self.jobs]
+        return [JobOutcome.read(num, overrides, run_dir)
+                for num, overrides, run_dir in read_jobs(self.dir)]
 
     def finish(self) -> None:
         """Write the comparison into the sweep dir and each parent; close the parents."""
         jobs = self.outcomes()
+        if not jobs:  # the launcher refused before any job started: nothing to compare
+            for client, run_id in self.parents.values():
+                client.set_terminated(run_id, "FAILED")
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         files = [self.dir / TABLE_MD, self.dir / TABLE_CSV]
         files[0].write_text(to_markdown(jobs))
@@ -85,6 +113,9 @@ def _parent_status(statuses: List[str]) -> str:
 
 
 _active: Optional[Sweep] = None
+"""The sweep started in this process."""
+_joined: Optional[Path] = None
+"""The sweep dir of the job this process runs for a sweep started elsewhere."""
 
 
 def active() -> Optional[Sweep]:
@@ -92,8 +123,56 @@ def active() -> Optional[Sweep]:
 
 
 def parent_run_id(client: Any, experiment_id: str) -> Optional[str]:
-    """The sweep's parent run for a job's tracker; None outside a sweep."""
-    return _active.parent_run_id(client, experiment_id) if _active is not None else None
+    """The sweep's parent run for a job's tracker; None outside a sweep, and for a job whose
+    store is not the one its sweep made a parent in (then it says so)."""
+    if _active is not None:
+        return _active.parent_run_id(client, experiment_id)
+    if _joined is None:
+        return None
+    try:
+        parents = json.loads((_joined / PARENTS_FILE).read_text())
+    except (OSError, ValueError):
+        parents = []
+    for parent in parents:
+        if (parent["uri"], parent["experiment_id"]) == (client.tracking_uri, experiment_id):
+            return str(parent["run_id"])
+    log.warning("sweep %s: no parent run in %s (experiment %s); this job's run has none",
+                _joined, client.tracking_uri, experiment_id)
+    return None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Whole or not at all: a job started on another node never reads half a file."""
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text(json.dumps(value))
+    os.replace(part, path)
+
+
+def write_job(sweep_dir: Path, entry: Tuple[int, List[str], Path]) -> None:
+    """Leave a job's entry for the comparison; a requeued job's replaces its first attempt's
+    (and leaves out the resume_from its requeue added: the job is the same sweep point)."""
+    num, overrides, run_dir = entry
+    own = [o for o in overrides if not _resumes_itself(o, run_dir)]
+    (sweep_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+    _write_json(sweep_dir / JOBS_DIR / f"{num}.json",
+                {"num": num, "overrides": own, "run_dir": str(run_dir)})
+
+
+def _resumes_itself(override: str, run_dir: Path) -> bool:
+    key, _, value = override.partition("=")
+    return key.lstrip("+") == "resume_from" and Path(value).parent == Path(run_dir)
+
+
+def read_jobs(sweep_dir: Path) -> List[Tuple[int, List[str], Path]]:
+    """The entries the sweep's jobs left, in job order."""
+    entries = []
+    for path in (sweep_dir / JOBS_DIR).glob("*.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        entries.append((int(entry["num"]), list(entry["overrides"]), Path(entry["run_dir"])))
+    return sorted(entries)
 
 
 def end_active() -> None:
@@ -127,6 +206,17 @@ class UnusedHooks:
         pass
 
 
+def sweep_tracking(tracking: Any) -> TrackingConfig:
+    """The store the sweep's jobs log to, from the composed `tracking` node (its uri resolved
+    as a job resolves it, against ./outputs)."""
+    from flodl_run.config.validate import resolve_tracking
+
+    kind = tracking.kind if isinstance(tracking.kind, TrackingKind) else TrackingKind(str(tracking.kind))
+    typed = TrackingConfig(kind=kind, uri=tracking.uri,
+                           experiment=str(tracking.experiment))
+    return resolve_tracking(typed, str(Path.cwd() / "outputs"))
+
+
 class SweepCallback(UnusedHooks):
     """Hydra callback (`hydra.callbacks.sweep` in conf/config.yaml). Hydra calls the on_* methods
     by name; in single runs (no multirun) it does nothing."""
@@ -134,15 +224,22 @@ class SweepCallback(UnusedHooks):
     def on_multirun_start(self, config: Any, **_: Any) -> None:
         global _active
         launcher = str(config.hydra.launcher.get("_target_", ""))
-        if not launcher.endswith("BasicLauncher"):
-            log.warning("sweep: launcher %s may run jobs in parallel or elsewhere; flodl_run "
-                        "sweeps expect Hydra's basic launcher (jobs one after another)", launcher)
         _active = Sweep(Path(str(config.hydra.sweep.dir)).resolve(),
                         [str(o) for o in config.hydra.overrides.task])
+        if not launcher.endswith("BasicLauncher"):  # jobs in other processes, maybe other nodes
+            if launcher.startswith("hydra_plugins.hydra_submitit_launcher"):
+                log.warning("sweep: %s restarts a requeued job from scratch; hydra/launcher=slurm "
+                            "resumes it from its own bundle", launcher)
+            _active.open_parents(sweep_tracking(config.tracking))
 
     def on_job_start(self, config: Any, **_: Any) -> None:
-        if _active is not None:
-            _active.jobs.append(job_entry(config))
+        """In the job's own process: leave its entry; join the sweep started elsewhere."""
+        global _joined
+        entry = job_entry(config)
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        if _active is None:
+            _joined = sweep_dir
+        write_job(sweep_dir, entry)
 
     def on_multirun_end(self, config: Any, **_: Any) -> None:
         end_active()

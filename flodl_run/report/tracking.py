@@ -166,22 +166,25 @@ class MlflowTracker(NullTracker):
 
     output = "the MLflow run"
 
-    def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = ()):
+    def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = (),
+                 parent_of: Callable[[Any, str], Optional[str]] = lambda client, experiment_id: None):
         """`artifacts`: files of the run dir (the dashboard, the timeline) uploaded at the end
-        when the run wrote them."""
+        when the run wrote them; `parent_of(client, experiment id)`: the run's parent (a sweep's)."""
         import mlflow  # lazy: only tracked runs pay for it
 
-        self.tracking, self.artifacts = tracking, tuple(artifacts)
+        self.tracking, self.artifacts, self.parent_of = tracking, tuple(artifacts), parent_of
         self.client = mlflow.MlflowClient(tracking_uri=tracking.uri)
         self.run_id: Optional[str] = None
         self._pending: List[Any] = []  # per-reduce Metric objects not sent yet
         self._events: List[Dict[str, Any]] = []
         self._nodes_logged: Set[str] = set()
         self._broken = False
+        self._monitor: Optional[Any] = None  # MLflow's system-metrics monitor of this host
+        self._busy_steps: Dict[int, int] = {}  # per rank: its busy samples so far
 
     # ---- start ------------------------------------------------------------------------------
 
-    def _experiment_id(self) -> str:
+    def experiment_id(self) -> str:
         """The experiment's id, created when new; either way it is marked a model-training one
         (unless it says otherwise), so MLflow 3's UI opens it on its runs, not on GenAI traces."""
         name = self.tracking.experiment
@@ -212,11 +215,9 @@ class MlflowTracker(NullTracker):
         (an in-process run is `solo`/`none`, as summary.json says)."""
         from mlflow.entities import Param
 
-        from flodl_run.report import sweep
-
-        experiment_id = self._experiment_id()
+        experiment_id = self.experiment_id()
         tags = self._start_tags(config, run_dir, mode, outer)
-        parent = sweep.parent_run_id(self.client, experiment_id)
+        parent = self.parent_of(self.client, experiment_id)
         if parent is not None:
             tags["mlflow.parentRunId"] = parent
         resumed = _resumed_run_id(config.resume_from)
@@ -230,6 +231,7 @@ class MlflowTracker(NullTracker):
         self.client.log_artifact(self.run_id, str(run_dir / "run.yaml"))
         if config.tracking.system_metrics:
             self._log_system()
+            self._monitor = start_monitor(self.run_id, self.tracking)
 
     def _log_system(self, host: Optional[HostInfo] = None) -> None:
         """Once per node: the launcher's at start, the ranks' nodes when they have joined."""
@@ -278,6 +280,13 @@ class MlflowTracker(NullTracker):
         if len(self._pending) >= MAX_METRICS_PER_BATCH:
             self._guarded("logging reduce metrics", self._flush)
 
+    def on_busy(self, rank: int, busy_percent: float) -> None:
+        """`utilization/rank<k>` over time (step = the rank's sample, one per heartbeat),
+        buffered with the reduce metrics."""
+        step = self._busy_steps.get(rank, 0)
+        self._busy_steps[rank] = step + 1
+        self._pending.extend(self._metrics({f"utilization/rank{rank}": busy_percent}, step))
+
     def on_report(self, record: ReportRecord) -> None:
         values = {"report/loss": record.avg_loss, "report/epoch": record.epoch + record.fraction}
         values.update({f"report/{metric_safe(k)}": v for k, v in record.scalars.items()})
@@ -309,6 +318,8 @@ class MlflowTracker(NullTracker):
         if summary.status != "completed":
             self.on_event(summary.status, summary.message or summary.status)
         self._guarded("flushing reduce metrics", self._flush)
+        if self._monitor is not None:  # its last samples go in before the run ends
+            self._guarded("ending the system-metrics monitor", self._monitor.finish)
         self._guarded("logging the run's outcome", lambda: self._log_outcome(summary, run_dir))
         try:  # even after an error above: the status is what the run list shows
             self.client.set_terminated(self.run_id, STATUS.get(summary.status, "FAILED"))
@@ -334,12 +345,32 @@ class MlflowTracker(NullTracker):
                 self.client.log_artifact(self.run_id, str(run_dir / name))
 
 
-def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = ()) -> NullTracker:
+def start_monitor(run_id: str, tracking: TrackingConfig) -> Optional[Any]:
+    """MLflow's system-metrics monitor for this host, logging `system/<host>/...` (the node id
+    the once-per-node figures use) every `tracking.system_metrics_interval_s` into the run; None
+    (said once) where it cannot run."""
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=tracking.system_metrics_interval_s,
+                                       node_id=metric_safe(this_host().host), tracking_uri=tracking.uri)
+        monitor.start()
+    except Exception as exc:  # psutil missing, an MLflow without the monitor: the run goes on
+        log.warning("mlflow: no system metrics over time (%s: %s)", type(exc).__name__, exc)
+        return None
+    return monitor
+
+
+def make_tracker(tracking: TrackingConfig, artifacts: Sequence[str] = (),
+                 parent_of: Optional[Callable[[Any, str], Optional[str]]] = None) -> NullTracker:
     """The run's tracker: nothing for `tracking=off`, else MLflow uploading `artifacts` (files
-    of the run dir) at the end when they exist."""
+    of the run dir) at the end when they exist, its run the child of `parent_of(client,
+    experiment id)` when that names one (a sweep's parent, `report.sweep.parent_run_id`)."""
     if tracking.kind is TrackingKind.off:
         return NullTracker()
-    return MlflowTracker(tracking, artifacts)
+    if parent_of is None:
+        return MlflowTracker(tracking, artifacts)
+    return MlflowTracker(tracking, artifacts, parent_of=parent_of)
 
 
 SERVER_PROBE_S = 3.0
