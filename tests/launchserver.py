@@ -19,7 +19,8 @@ directory) start a real `python -m flodl_run` instead. `LaunchServer.start` give
 launcher as a Popen-like handle, for tests that read its output as it comes or signal it.
 
 Protocol (one server per pytest worker, started by `support.LaunchServer`): each request is one
-SOCK_SEQPACKET message, JSON {"argv", "cwd", "env"}, with the write ends of the stdout and stderr
+SOCK_SEQPACKET message, JSON {"argv", "cwd", "env"} and optionally "module" (another entry
+point of the package, e.g. flodl_run.review; default flodl_run), with the write ends of the stdout and stderr
 pipes attached (SCM_RIGHTS). The server answers {"started": pid}, and {"pid", "code"} when that
 child exits (`Popen.returncode`'s form: negative for a signal). It exits when the client's end
 closes.
@@ -86,8 +87,8 @@ def _take_output(stdout: int, stderr: int) -> None:
 
 
 def _become_launcher(request: dict, base_path: List[str]) -> None:
-    """Take the request's directory, environment, path and arguments, then run the CLI module
-    as `python -m flodl_run` does. Raises SystemExit with the CLI's exit code."""
+    """Take the request's directory, environment, path and arguments, then run the request's
+    module (default flodl_run) as `python -m <module>` does. Raises SystemExit with the CLI's exit code."""
     from flodl_run.launch.zygote import fresh_random_state, fresh_stdio
 
     cwd, env = request["cwd"], request["env"]
@@ -99,7 +100,7 @@ def _become_launcher(request: dict, base_path: List[str]) -> None:
     sys.path[:] = [cwd, *extra, *base_path]
     sys.argv = ["-m", *request["argv"]]
     fresh_random_state()  # as the rank zygote does for the ranks it forks
-    runpy.run_module("flodl_run", run_name="__main__", alter_sys=True)
+    runpy.run_module(request.get("module", "flodl_run"), run_name="__main__", alter_sys=True)
     raise SystemExit(0)
 
 
@@ -136,22 +137,23 @@ class LaunchServer:
             cls._instance = cls(repo)
         return cls._instance
 
-    def run(self, argv: List[str], cwd: str, env: Dict[str, str], timeout: float):
-        """(pid, returncode, stdout, stderr) of `python -m flodl_run *argv`; on timeout the run
+    def run(self, argv: List[str], cwd: str, env: Dict[str, str], timeout: float,
+            module: str = "flodl_run"):
+        """(pid, returncode, stdout, stderr) of `python -m <module> *argv`; on timeout the run
         is killed and subprocess.TimeoutExpired raised, as `communicate` would."""
-        launched = self.start(argv, cwd, env, merge_stderr=False)
+        launched = self.start(argv, cwd, env, merge_stderr=False, module=module)
         out, err = launched.communicate(timeout=timeout)
         return launched.pid, launched.returncode, out, err
 
     def start(self, argv: List[str], cwd: str, env: Dict[str, str],
-              merge_stderr: bool = True) -> "Launched":
-        """`python -m flodl_run *argv` forked and running: a handle that behaves like the
+              merge_stderr: bool = True, module: str = "flodl_run") -> "Launched":
+        """`python -m <module> *argv` forked and running: a handle that behaves like the
         `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT or PIPE, text=True)` of it."""
         out_r, out_w = os.pipe()
         err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
         try:
-            socket.send_fds(self.sock, [json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()],
-                            [out_w, err_w])
+            request = {"argv": argv, "cwd": cwd, "env": env, "module": module}
+            socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
         finally:
             os.close(out_w)
             if err_r is not None:
@@ -159,7 +161,7 @@ class LaunchServer:
         pid = None
         while pid is None:
             pid = self._message().get("started")
-        return Launched(self, pid, argv, out_r, err_r)
+        return Launched(self, pid, [module, *argv], out_r, err_r)
 
     def _message(self, timeout: Optional[float] = None) -> dict:
         """The server's next message ({} when none came within `timeout`)."""
@@ -183,7 +185,8 @@ class Launched:
 
     def __init__(self, server: LaunchServer, pid: int, argv: List[str], out_fd: int,
                  err_fd: Optional[int]):
-        self.server, self.pid, self.args = server, pid, ["python", "-m", "flodl_run", *argv]
+        """`argv`: the module, then its arguments."""
+        self.server, self.pid, self.args = server, pid, ["python", "-m", *argv]
         self.stdout = open(out_fd, "r", buffering=1)
         self.stderr = None if err_fd is None else open(err_fd, "r", buffering=1)
         self.returncode: Optional[int] = None

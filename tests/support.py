@@ -79,6 +79,21 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
     return proc, summary
 
 
+def run_module(module: str, *args: str, timeout: float = 180, env=None,
+               cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m <module> *args` (another entry point of the package: flodl_run.review,
+    .bench, .sim, .submit) run to its end as `run_cli` runs the CLI, forked from the launch
+    server; FLODL_TESTS_FRESH=1 starts a fresh interpreter instead."""
+    if os.environ.get("FLODL_TESTS_FRESH") == "1":
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    pid, code, out, err = LaunchServer.get(str(REPO)).run(
+        list(args), str(cwd), dict(os.environ if env is None else env), timeout, module=module)
+    proc = subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out, err)
+    proc.pid = pid
+    return proc
+
+
 def run_cli(*args: str, timeout: float = 180, env=None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m flodl_run *args` run to its end in `cwd` (the repo unless given), as
     `subprocess.run(..., capture_output=True, text=True)` would, with the launcher's `pid`

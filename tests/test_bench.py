@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from flodl_run.bench.run import (
 )
 from flodl_run.config.schema import ClusterConfig, Mode, OuterKind, Topology
 from flodl_run.contracts.summary import Summary
-from tests.support import _pair_rig, _summary, cadence_bench_jobs
+from tests.support import _pair_rig, _summary, cadence_bench_jobs, run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ('bench.recipes=[{name:synthetic_mlp,overrides:["recipe.params.num_samples=512",'
@@ -42,9 +41,8 @@ SUMMARY_KEYS = {f.name for f in dataclasses.fields(Summary)}
 
 def run_bench(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "flodl_run.bench", f"hydra.run.dir={tmp_path}",
-                           "tracking=off", *overrides], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+    return run_module("flodl_run.bench", f"hydra.run.dir={tmp_path}", "tracking=off", *overrides,
+                      cwd=ROOT, env=env, timeout=240)
 
 
 def test_plan_runs_solo_at_each_speed_then_peers_then_modes_by_outer():

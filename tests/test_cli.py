@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from flodl_run import review
 from flodl_run.config.compose import experiment_from_yaml
-from tests.support import run_cli
+from tests.support import run_cli, run_module
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
@@ -33,8 +32,7 @@ def run(module: str, *args: str, env: dict | None = None) -> subprocess.Complete
     full_env.pop("FLODL_RUN_TRACEBACK", None)
     if module == "flodl_run":
         return run_cli(*args, env=full_env)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=180)
+    return run_module(module, *args, env=full_env)
 
 
 def train(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -54,12 +54,12 @@ def test_dashboard_is_one_offline_file_with_every_chart(tmp_path):
 @pytest.mark.e2e
 @needs_chromium
 def test_dashboard_renders_in_headless_chromium(tmp_path):
-    """Pins that a real browser draws it without network: the rendered DOM holds the nine
-    charts with their lines, and the screenshot's background follows the theme."""
+    """Pins that a real browser draws it without network: the rendered DOM holds the twelve
+    charts with their lines (nine, then each rank's device busy and both ranks' together), and the screenshot's background follows the theme."""
     light = _dashboard(tmp_path / "light" / "dash.html", "light")
     dom = _chromium("--dump-dom", light.as_uri(), tmp_path=tmp_path)
     assert dom.returncode == 0, dom.stderr[-2000:]
-    assert dom.stdout.count('<svg class="chart"') == 9
+    assert dom.stdout.count('<svg class="chart"') == 12
     assert dom.stdout.count("<polyline") >= 12 and "pair-run" in dom.stdout
     import matplotlib.image
 

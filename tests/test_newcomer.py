@@ -22,7 +22,7 @@ from flodl_run.config.compose import register_schemas
 from flodl_run.config.helppage import choose_when
 from flodl_run.config.overrides import check
 from flodl_run.config.schema import ExperimentConfig
-from tests.support import run_cli
+from tests.support import run_cli, run_module
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
@@ -35,8 +35,7 @@ def cli(cwd: Path, *args: str, module: str = "flodl_run", columns: int = 200) ->
     env.pop("FLODL_RUN_TRACEBACK", None)
     if module == "flodl_run":
         return run_cli(*args, env=env, cwd=cwd, timeout=300)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_module(module, *args, env=env, cwd=cwd, timeout=300)
 
 
 # --- 1. a mistyped key -----------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import List
 
@@ -16,6 +15,7 @@ from flodl_run.config.compose import compose, register_schemas
 from flodl_run.config.schema import ElCheConfig, Mode
 from flodl_run.sim.cli import SCHEMA, SimRunConfig, check, sim_json
 from flodl_run.sim.rig import ColdStartSkew, RankGroup, SimConfig, simulate
+from tests.support import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_KEYS = {"window", "phase", "anchor", "anchor_rank", "batch_counts", "overhead",
@@ -26,9 +26,8 @@ SUMMARY_KEYS = {"samples_per_s", "ideal_samples_per_s", "ratio_to_ideal", "idle_
 
 def run_sim(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "flodl_run.sim", f"hydra.run.dir={tmp_path}",
-                           *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return run_module("flodl_run.sim", f"hydra.run.dir={tmp_path}", *overrides, cwd=ROOT, env=env,
+                      timeout=120)
 
 
 @pytest.mark.e2e
