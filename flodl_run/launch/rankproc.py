@@ -100,11 +100,14 @@ def host_store(addr: str, port: int) -> StoreHost:
         raise
     watch_r, watch_w = os.pipe()
     ready_r, ready_w = os.pipe()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # none runs a
-    pid = os.fork()                           # handler of ours in the child before it drops them
-    if pid == 0:  # pragma: no cover  (the child never returns)
-        _serve_store(addr, listener.fileno(), watch_r, ready_w, mask)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # blocked across the fork: the child runs none of our handlers before it drops them
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover  (the child never returns)
+            _serve_store(addr, listener.fileno(), watch_r, ready_w, mask)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.close(watch_r)
     os.close(ready_w)
     port = listener.getsockname()[1]
