@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -325,6 +326,30 @@ def test_the_rendezvous_store_is_another_process_with_only_its_own_descriptors()
     finally:
         store.close()
         mine.close()
+
+
+def test_the_rendezvous_store_runs_none_of_the_launchers_signal_handlers(monkeypatch):
+    """Pins the store child's signals: it is forked from the launcher, and Slurm signals every
+    process of a sweep job's step, so a Python handler it kept (submitit's preemption handler)
+    ran there and requeued the job at once, before the launcher saved. The child catches none
+    of them; the scheduler's stop signal is ignored, as in a rank (its default would end the
+    store under the ranks)."""
+    monkeypatch.setenv("FLODL_RUN_STOP_SIGNAL", "USR2")
+    ours = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
+    kept = {sig: signal.signal(sig, lambda *_: None) for sig in ours}
+    try:
+        store = host_store("127.0.0.1", 0)
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+    try:
+        with open(f"/proc/{store.pid}/status") as status:
+            masks = dict(line.split(":", 1) for line in status if line.startswith("Sig"))
+    finally:
+        store.close()
+    bits = {name: int(masks[name], 16) for name in ("SigCgt", "SigIgn")}
+    assert not bits["SigCgt"] & sum(1 << (sig - 1) for sig in (*ours, signal.SIGINT))
+    assert bits["SigIgn"] & 1 << (signal.SIGUSR2 - 1)
 
 
 def test_the_frame_limit_is_sized_from_the_model():

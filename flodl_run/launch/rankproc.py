@@ -17,10 +17,12 @@ import socket
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Optional, TextIO
+from typing import Optional, Set, TextIO
 
 from rich.console import Console
 from rich.markup import escape
+
+from flodl_run.contracts.signals import ignore_stop_signal
 
 
 @dataclass
@@ -98,9 +100,14 @@ def host_store(addr: str, port: int) -> StoreHost:
         raise
     watch_r, watch_w = os.pipe()
     ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover  (the child never returns)
-        _serve_store(addr, listener.fileno(), watch_r, ready_w)
+    # blocked across the fork: the child runs none of our handlers before it drops them
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover  (the child never returns)
+            _serve_store(addr, listener.fileno(), watch_r, ready_w, mask)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.close(watch_r)
     os.close(ready_w)
     port = listener.getsockname()[1]
@@ -114,7 +121,8 @@ def host_store(addr: str, port: int) -> StoreHost:
     return StoreHost(pid, port, watch_w)
 
 
-def _serve_store(addr: str, listen_fd: int, watch_fd: int, ready_fd: int) -> None:
+def _serve_store(addr: str, listen_fd: int, watch_fd: int, ready_fd: int,
+                 mask: Set[signal.Signals]) -> None:
     """The store's child: torch's master store on `listen_fd` until `watch_fd` reads its end.
     Only descriptors it uses stay open (a copy of the launcher's would keep their files, pipes
     and ports alive); no collection runs (a finalizer could close a number torch reuses)."""
@@ -123,8 +131,8 @@ def _serve_store(addr: str, listen_fd: int, watch_fd: int, ready_fd: int) -> Non
     gc.disable()
     try:
         os.setsid()  # a Ctrl-C for the launcher does not end the store under the ranks
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _drop_handlers()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         keep = sorted({0, 1, 2, listen_fd, watch_fd, ready_fd})
         for low, high in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]):
             os.closerange(low + 1, high)
@@ -144,3 +152,14 @@ def _serve_store(addr: str, listen_fd: int, watch_fd: int, ready_fd: int) -> Non
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _drop_handlers() -> None:
+    """In the store's child: none of the launcher's Python signal handlers, forked with it,
+    runs here. A sweep job's launcher holds submitit's preemption handler, and Slurm signals
+    every process of the job step: in the store, that handler requeued the job at once (every
+    step cancelled, no bundle saved). The scheduler's stop signal is ignored, as in a rank."""
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.SIG_DFL)
+    ignore_stop_signal(os.environ)
