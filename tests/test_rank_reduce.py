@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
-from flodl_run.config.schema import OuterConfig, OuterKind
+from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import AbortGroup, Reduced, ReduceFailed, SyncNow
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
