@@ -171,6 +171,7 @@ WARNINGS = [
     ("deadline_sync", dict(elche__mode=Mode.cpu_sync, elche__anchor=1,
                            elche__window_end=WindowEnd.deadline), "elche.window_end"),
     ("outer_none_momentum", dict(outer__momentum=0.9), "outer.lr/outer.momentum"),
+    ("outer_none_reset", dict(outer__reset_inner_state=True), "outer.reset_inner_state"),
     ("max_failure_above_world", dict(max_failure__absolute=3, **cpu(2)), "max_failure.absolute"),
     ("checkpoint_at_epoch_sync", dict(elche__mode=Mode.nccl_sync, checkpoint_at_epoch=1),
      "checkpoint_at_epoch"),

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
-from flodl_run.config.schema import OuterConfig, OuterKind
+from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import AbortGroup, Reduced, ReduceFailed, SyncNow
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
@@ -33,7 +33,7 @@ def _lone_reduce(seeks: list) -> tuple:
     replica = SimpleNamespace(seek_schedule=seeks.append, optimizer=SimpleNamespace(state={}))
     flat = FlatParams(torch.nn.Linear(3, 2))
     reduce = CollectiveReduce(0, replica, flat, OuterOptimizer(OuterConfig()), group, Recorder(),
-                              GAMMA, OuterKind.none, track_start=True)
+                              GAMMA, track_start=True)
     return reduce, group
 
 
@@ -72,7 +72,7 @@ import sys, torch
 from types import SimpleNamespace
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
-from flodl_run.config.schema import OuterConfig, OuterKind
+from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import AbortGroup, SyncNow
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
@@ -82,7 +82,7 @@ group = RankGroup(rank, torch.device("cpu"), limit_s=float(sys.argv[2]))
 group.join(0, [0, 1])
 replica = SimpleNamespace(seek_schedule=lambda step: None, optimizer=SimpleNamespace(state={}))
 reduce = CollectiveReduce(rank, replica, FlatParams(torch.nn.Linear(3, 2)),
-                          OuterOptimizer(OuterConfig()), group, Recorder(), 0.5, OuterKind.none,
+                          OuterOptimizer(OuterConfig()), group, Recorder(), 0.5,
                           track_start=True)
 if rank == 0:
     group.abort(AbortGroup(0, [2]))

@@ -40,7 +40,8 @@ class CentralResult:
     """D = max_k ||theta_k - consensus|| / ||consensus||."""
     weights: List[float]
     outer_stepped: bool = False
-    """The outer optimizer moved the parameters (DiLoCo then resets inner optimizer state)."""
+    """The outer optimizer moved the parameters (ranks then reset their inner
+    optimizer state when outer.reset_inner_state asks)."""
     nonfinite: List[int] = field(default_factory=list)
     """Ranks whose snapshot was non-finite: they contributed nothing and adopt the result."""
 

@@ -202,6 +202,8 @@ class OuterConfig:
     """Outer learning rate; > 0."""
     momentum: float = 0.0
     """Outer momentum mu; in [0, 1)."""
+    reset_inner_state: bool = False
+    """Clear every rank's inner optimizer state after each outer step (DiLoCo's published reset)."""
 
 
 @dataclass

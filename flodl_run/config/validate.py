@@ -207,6 +207,8 @@ def _outer(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
         yield Problem("outer.momentum", o.momentum, "must be in [0, 1)")
     if o.kind is OuterKind.none and (o.momentum != 0 or o.lr != 1.0):
         yield "outer.lr/outer.momentum have no effect with outer=none (plain averaging)"
+    if o.kind is OuterKind.none and o.reset_inner_state:
+        yield "outer.reset_inner_state has no effect with outer=none (no outer step to reset after)"
 
 
 @_check

@@ -113,7 +113,7 @@ class RankWorker:
                                      aligns=config.elche.window_end is WindowEnd.deadline)
         self.recorder = self.timeline.recorder
         self.collective = CollectiveReduce(env.rank, self.replica, self.flat, self.outer, self.group,
-                                           self.recorder, config.elche.gamma, config.outer.kind,
+                                           self.recorder, config.elche.gamma,
                                            track_start=self.mode is Mode.nccl_cadence)
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
@@ -386,7 +386,7 @@ class RankWorker:
         a Train order folded into the update is queued."""
         self.exchange.apply_(update, payloads)
         if update.outer_stepped:
-            after_outer_step(self.replica, self.config.outer.kind)
+            after_outer_step(self.replica, self.config.outer)
         if update.reset:  # we were non-finite: so are the optimizer's moments
             self.replica.optimizer.state.clear()
         self.replica.seek_schedule(update.global_step)

@@ -23,17 +23,18 @@ from flodl_run.averaging.collective import (
 )
 from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.outer import OuterOptimizer
-from flodl_run.config.schema import OuterKind
+from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import Reduced, ReduceFailed, SyncNow
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
 from flodl_run.rank.replica import Replica
 
 
-def after_outer_step(replica: Replica, kind: OuterKind) -> None:
-    """What an outer step means for the inner optimizer (in every mode)."""
-    if kind is OuterKind.diloco:
-        replica.optimizer.state.clear()  # DiLoCo: inner state restarts from the new global
+def after_outer_step(replica: Replica, outer: OuterConfig) -> None:
+    """What an outer step means for the inner optimizer (in every mode): its state is kept
+    unless `outer.reset_inner_state` asks for DiLoCo's published reset."""
+    if outer.reset_inner_state:
+        replica.optimizer.state.clear()  # inner state restarts from the new global
 
 
 @dataclass
@@ -51,10 +52,9 @@ class CollectiveReduce:
     """One rank's reduces over its RankGroup. `run` is called on the main thread per SyncNow."""
 
     def __init__(self, rank: int, replica: Replica, flat: FlatParams, outer: OuterOptimizer,
-                 group: RankGroup, recorder: Recorder, gamma: float, outer_kind: OuterKind,
-                 track_start: bool):
+                 group: RankGroup, recorder: Recorder, gamma: float, track_start: bool):
         self.rank, self.replica, self.flat, self.outer = rank, replica, flat, outer
-        self.group, self.recorder, self.gamma, self.outer_kind = group, recorder, gamma, outer_kind
+        self.group, self.recorder, self.gamma = group, recorder, gamma
         self._last: Optional[_Undo] = None
         # nccl_cadence: where this window began (the last consensus), for the divergence's
         # cosine/magnitude; a spare buffer of the same size takes the next one (no allocation).
@@ -86,7 +86,7 @@ class CollectiveReduce:
         averaged_ns = self.recorder.now()
         self._last = _Undo(order.round, outcome.scratch, steps, outer_before, self._start)
         if outcome.applied and self.outer.step_(self.flat.buffers):
-            after_outer_step(self.replica, self.outer_kind)
+            after_outer_step(self.replica, self.outer.config)
         if self._start is not None:
             self._begin_window()
         self.replica.seek_schedule(order.global_step)

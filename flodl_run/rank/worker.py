@@ -26,8 +26,8 @@ class Worker:
 
     - `model`: the replica's model (the reduce averages every parameter and float buffer of it).
     - `optimizer`: what the recipe's build_optimizer returned (one optimizer, or a tuple, list or
-      dict of them); the runtime scales their LRs, resets their state (DiLoCo, a non-finite
-      replica) and checkpoints them as it does one optimizer.
+      dict of them); the runtime scales their LRs, resets their state (outer.reset_inner_state,
+      a non-finite replica) and checkpoints them as it does one optimizer.
     - `scheduler`: the recipe's scheduler or None; a loop steps it once per batch, as the
       built-in step does (the rank re-seeks it to the cohort's step at each reduce).
     - `batches()`: the coordinator's plan, one batch per yield, until the run ends.
