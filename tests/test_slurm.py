@@ -419,6 +419,20 @@ def _array_task(env: dict, task: int) -> tuple:
     return tuple(found[0]) if found else (None, None)
 
 
+def _start_if_pending(env: dict, task: str, seen: list) -> bool:
+    """Let array task 0 start now while it is pending: Slurm holds a requeued job for minutes
+    (its begin time), and the requeue may set that time after an earlier update, so a waiting
+    test asks again each time it looks (and releases a hold, harmless when there is none).
+    Notes each state seen in `seen`, for the failure message. False, so the wait goes on."""
+    state = _array_task(env, 0)[1]
+    if not seen or seen[-1] != state:
+        seen.append(state)
+    if state == "PENDING":
+        for change in (["update", f"JobId={task}", "StartTime=now"], ["release", task]):
+            subprocess.run(["scontrol", *change], env=env, capture_output=True, timeout=30)
+    return False
+
+
 @pytest.mark.e2e
 @pytest.mark.xdist_group("slurm")
 def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(slurm, tmp_path,
@@ -439,12 +453,12 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
     task, _ = _array_task(slurm, 0)
     assert task is not None
     subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
-    # Slurm holds a requeued job for minutes (its begin time); the test lets it start at once
-    wait_for("job 0 requeued", lambda: _array_task(slurm, 0)[1] == "PENDING"
-              or "resumed from" in text_of(sweep_dir / "0" / "cli.log"))
-    if _array_task(slurm, 0)[1] == "PENDING":
-        subprocess.run(["scontrol", "update", f"JobId={task}", "StartTime=now"], env=slurm,
-                       check=True, timeout=30)
+    seen: list = []
+    try:
+        wait_for("job 0 requeued and resumed", lambda: _start_if_pending(slurm, task, seen)
+                 or "resumed from" in text_of(sweep_dir / "0" / "cli.log"))
+    except AssertionError as failed:
+        raise AssertionError(f"{failed}; job 0's states: {seen}") from None
     out, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
     assert launcher.returncode == 0, out[-3000:]
     cli = text_of(sweep_dir / "0" / "cli.log")
