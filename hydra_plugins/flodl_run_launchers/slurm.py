@@ -75,25 +75,21 @@ def _resubmission(launcher: Any, args: Sequence[Any]) -> Any:
     return submitit.helpers.DelayedSubmission(launcher, overrides, *rest)
 
 
-class SlurmSweepLauncher(SlurmLauncher):
+class _Resumes:
+    """What both sweep launchers add to submitit's: a requeued job resumes from its bundle."""
+
+    resume_from: Optional[str] = None
+
+    def __call__(self, *args: Any) -> Any:
+        return _run_resumable(self, super().__call__, args)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        return _resubmission(self, args)
+
+
+class SlurmSweepLauncher(_Resumes, SlurmLauncher):
     """hydra-submitit-launcher's Slurm launcher; a requeued job resumes from its bundle."""
 
-    resume_from: Optional[str] = None
 
-    def __call__(self, *args: Any) -> Any:
-        return _run_resumable(self, super().__call__, args)
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        return _resubmission(self, args)
-
-
-class LocalSweepLauncher(LocalLauncher):
+class LocalSweepLauncher(_Resumes, LocalLauncher):
     """The same on submitit's local executor: each job a process of this host."""
-
-    resume_from: Optional[str] = None
-
-    def __call__(self, *args: Any) -> Any:
-        return _run_resumable(self, super().__call__, args)
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        return _resubmission(self, args)
