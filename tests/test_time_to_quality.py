@@ -12,6 +12,8 @@ import torch
 
 from flodl_run.bench.peers import PeerRank
 from flodl_run.bench.report import RecipeBench, RunOutcome, bench_document, tables, to_markdown
+from flodl_run.control.dispatch import EpochPool
+from flodl_run.data.passes import permutation
 from flodl_run.report.compare import JobOutcome, rows
 from flodl_run.report.compare import to_markdown as comparison_markdown
 from flodl_run.report.quality import NOT_REACHED, eval_points, speedup, time_to_bar
@@ -126,6 +128,26 @@ def test_peer_epochs_under_epoch_splits_cut_a_ranks_pass_at_batch_boundaries():
     parts = [rows_of(3, e) for e in (3, 4, 5)]
     assert torch.equal(torch.cat(parts), whole) and len(whole) == 25
     assert [len(p) for p in parts] == [8, 8, 9]  # 7 batches of 4: 2 + 2 + 3, last one short
+
+
+
+def test_ddp_peer_steps_train_the_samples_of_nccl_syncs_steps():
+    """Pins the peers' deal: DDP's global step s (the union of every rank's batch s) is the set
+    of pass positions nccl_sync's step s trains (its windows take world x batch positions from
+    the front of the pass), so on a homogeneous rig both follow one trajectory up to float
+    order and time to quality compares speed alone."""
+    world, batch, num = 3, 4, 50
+    config = SimpleNamespace(seed=7, batch_size=batch, data=SimpleNamespace(epoch_splits=1))
+    peers = [PeerRank._my_rows(SimpleNamespace(config=config, num_samples=num, world_size=world,
+                                               rank=r, device=torch.device("cpu")), 0)
+             for r in range(world)]
+    order = permutation(num, config.seed, 0).tolist()
+    pool = EpochPool(0, [(0, num)])
+    for step in range(num // world // batch):
+        ddp = sorted(x for rows in peers for x in rows[step * batch:(step + 1) * batch].tolist())
+        exact = sorted(order[p] for _, start, n in pool.take(world * batch)
+                       for p in range(start, start + n))
+        assert ddp == exact, step
 
 
 def _job(tmp_path, num, evals, epoch_ms=1000.0, status="completed"):

@@ -9,8 +9,9 @@ recipe and writes summary.json (mode = PEER) into DIR. Peers:
 - `torch_localsgd`: torch's own local SGD, `PeriodicModelAverager(period)` after each step.
 
 Every peer trains the same data as flodl_run's ranks: the data set moved to the device once, the
-same per-pass permutation, batches gathered on the device, an equal split among ranks, and no
-host sync per step (losses are summed on the device and read once per epoch). The rig's
+same per-pass permutation (dealt to ranks as DistributedSampler deals it, so DDP's step s trains
+the samples of nccl_sync's step s), batches gathered on the device, an equal split among ranks,
+and no host sync per step (losses are summed on the device and read once per epoch). The rig's
 `emulate_slowdown` applies as on our ranks: a rank of factor f > 1 waits for each step and sleeps
 (f - 1) x its time (the first step excepted, flodl_run/hardware/slowdown.py says why). Without RANK in
 the environment a collective peer spawns one process per rank with the torchrun contract. None
@@ -99,17 +100,20 @@ class PeerRank:
         return self.config.num_epochs * self.config.data.epoch_splits
 
     def _my_rows(self, epoch: int) -> torch.Tensor:
-        """This rank's equal share of the pass's permutation, on the device; under
-        data.epoch_splits s, part epoch % s of it, cut at batch boundaries (the steps of a pass
-        are the same for any s: only where it is scored moves). Every rank gets N // world_size
-        rows a pass, so all run the same number of steps (DDP needs that)."""
+        """This rank's equal share of the pass's permutation, on the device, dealt the way
+        torch's DistributedSampler deals it (rank r takes positions r, r + W, r + 2W, ... of the
+        first W x (N // W)), so global step s trains positions [s*W*B, (s+1)*W*B) of the pass:
+        the samples nccl_sync's step s trains. Under data.epoch_splits s, part epoch % s of it,
+        cut at batch boundaries (the steps of a pass are the same for any s: only where it is
+        scored moves). Every rank gets N // world_size rows a pass, so all run the same number
+        of steps (DDP needs that)."""
         splits = self.config.data.epoch_splits
         order = permutation(self.num_samples, self.config.seed, epoch // splits)
         share = self.num_samples // self.world_size
         batches = -(-share // self.config.batch_size)
         part = epoch % splits
         first, end = (batches * p // splits * self.config.batch_size for p in (part, part + 1))
-        mine = order[self.rank * share:(self.rank + 1) * share]
+        mine = order[:share * self.world_size][self.rank::self.world_size]
         return mine[first:end].to(self.device)
 
     def _step(self, index: torch.Tensor) -> torch.Tensor:
