@@ -12,7 +12,7 @@ import torch
 
 from flodl_run.bench.peers import PeerRank
 from flodl_run.bench.report import RecipeBench, RunOutcome, bench_document, tables, to_markdown
-from flodl_run.control.dispatch import EpochPool
+from flodl_run.control.dispatch import EpochPool, epoch_span
 from flodl_run.data.passes import permutation
 from flodl_run.report.compare import JobOutcome, rows
 from flodl_run.report.compare import to_markdown as comparison_markdown
@@ -114,40 +114,30 @@ def test_without_ddp_the_bar_is_the_declared_target_and_no_ratio_is_given():
             str(tables(doc)[0].caption)
 
 
-def test_peer_epochs_under_epoch_splits_cut_a_ranks_pass_at_batch_boundaries():
-    """Pins the peers' sub-epoch evals: with data.epoch_splits 3 a rank's three epochs of a
-    pass are its unsplit pass, in order, each a whole number of batches, so DDP trains the
-    same steps whatever bench.evals_per_epoch is."""
-    def rows_of(splits, epoch):
-        config = SimpleNamespace(seed=0, batch_size=4, data=SimpleNamespace(epoch_splits=splits))
-        peer = SimpleNamespace(config=config, num_samples=50, world_size=2, rank=1,
-                               device=torch.device("cpu"))
-        return PeerRank._my_rows(peer, epoch)
-
-    whole = rows_of(1, 1)  # the second pass
-    parts = [rows_of(3, e) for e in (3, 4, 5)]
-    assert torch.equal(torch.cat(parts), whole) and len(whole) == 25
-    assert [len(p) for p in parts] == [8, 8, 9]  # 7 batches of 4: 2 + 2 + 3, last one short
-
-
-
 def test_ddp_peer_steps_train_the_samples_of_nccl_syncs_steps():
-    """Pins the peers' deal: DDP's global step s (the union of every rank's batch s) is the set
-    of pass positions nccl_sync's step s trains (its windows take world x batch positions from
-    the front of the pass), so on a homogeneous rig both follow one trajectory up to float
-    order and time to quality compares speed alone."""
-    world, batch, num = 3, 4, 50
-    config = SimpleNamespace(seed=7, batch_size=batch, data=SimpleNamespace(epoch_splits=1))
-    peers = [PeerRank._my_rows(SimpleNamespace(config=config, num_samples=num, world_size=world,
-                                               rank=r, device=torch.device("cpu")), 0)
-             for r in range(world)]
-    order = permutation(num, config.seed, 0).tolist()
-    pool = EpochPool(0, [(0, num)])
-    for step in range(num // world // batch):
-        ddp = sorted(x for rows in peers for x in rows[step * batch:(step + 1) * batch].tolist())
-        exact = sorted(order[p] for _, start, n in pool.take(world * batch)
-                       for p in range(start, start + n))
-        assert ddp == exact, step
+    """Pins the peers' deal: in every epoch (here 3 per pass, data.epoch_splits as the bench's
+    evals_per_epoch sets it) DDP's global step j (the union of every rank's batch j) is the set
+    of pass positions nccl_sync's step j trains (its windows take world x batch positions from
+    the front of the epoch's span), all ranks run the same steps, and an epoch loses fewer
+    than world samples. So on a homogeneous rig both follow one trajectory up to float order
+    and time to quality compares speed alone."""
+    world, batch, num, splits = 3, 4, 70, 3
+    config = SimpleNamespace(seed=7, batch_size=batch, data=SimpleNamespace(epoch_splits=splits))
+    order = permutation(num, config.seed, 1).tolist()
+    for epoch in range(splits, 2 * splits):  # the second pass
+        rows = [PeerRank._my_rows(SimpleNamespace(config=config, num_samples=num,
+                                                  world_size=world, rank=r,
+                                                  device=torch.device("cpu")), epoch).tolist()
+                for r in range(world)]
+        span = epoch_span(epoch, num, 1, splits)
+        assert len({len(r) for r in rows}) == 1 and span.size - world < sum(map(len, rows))
+        pool = EpochPool.whole(span)
+        for step in range(-(-len(rows[0]) // batch)):
+            ddp = [x for mine in rows for x in mine[step * batch:(step + 1) * batch]]
+            exact = {order[p] for _, start, n in pool.take(world * batch)
+                     for p in range(start, start + n)}
+            assert set(ddp) <= exact and len(exact) - len(ddp) < world, (epoch, step)
+            assert len(ddp) == len(set(ddp)) and (len(exact) == len(ddp) or step), (epoch, step)
 
 
 def _job(tmp_path, num, evals, epoch_ms=1000.0, status="completed"):

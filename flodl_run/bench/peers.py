@@ -40,6 +40,7 @@ from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, lr_factor
 from flodl_run.contracts.recipe import load_recipe
 from flodl_run.contracts.summary import EpochRecord, Summary, write_summary
+from flodl_run.control.dispatch import epoch_span
 from flodl_run.data.passes import map_tensors, permutation, to_device
 from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.rank.replica import Replica
@@ -100,21 +101,17 @@ class PeerRank:
         return self.config.num_epochs * self.config.data.epoch_splits
 
     def _my_rows(self, epoch: int) -> torch.Tensor:
-        """This rank's equal share of the pass's permutation, on the device, dealt the way
-        torch's DistributedSampler deals it (rank r takes positions r, r + W, r + 2W, ... of the
-        first W x (N // W)), so global step s trains positions [s*W*B, (s+1)*W*B) of the pass:
-        the samples nccl_sync's step s trains. Under data.epoch_splits s, part epoch % s of it,
-        cut at batch boundaries (the steps of a pass are the same for any s: only where it is
-        scored moves). Every rank gets N // world_size rows a pass, so all run the same number
-        of steps (DDP needs that)."""
-        splits = self.config.data.epoch_splits
-        order = permutation(self.num_samples, self.config.seed, epoch // splits)
-        share = self.num_samples // self.world_size
-        batches = -(-share // self.config.batch_size)
-        part = epoch % splits
-        first, end = (batches * p // splits * self.config.batch_size for p in (part, part + 1))
-        mine = order[:share * self.world_size][self.rank::self.world_size]
-        return mine[first:end].to(self.device)
+        """This rank's equal share of the epoch's slice of the pass, on the device. The slice is
+        the runner's (dispatch.epoch_span: 1/data.epoch_splits of the pass), dealt the way
+        torch's DistributedSampler deals a data set (rank r takes positions r, r + W, r + 2W, ...
+        of its first W x (size // W)), so global step j of the epoch trains slice positions
+        [j*W*B, (j+1)*W*B): the samples nccl_sync's step j trains. Every rank gets size // W
+        rows, so all run the same number of steps (DDP needs that)."""
+        span = epoch_span(epoch, self.num_samples, 1, self.config.data.epoch_splits)
+        order = permutation(self.num_samples, self.config.seed, span.pass_index)
+        share = span.size // self.world_size
+        mine = order[span.start:span.start + share * self.world_size][self.rank::self.world_size]
+        return mine.to(self.device)
 
     def _step(self, index: torch.Tensor) -> torch.Tensor:
         began = time.perf_counter()
