@@ -36,11 +36,6 @@ WHOLE_CONFIG = {
     "flodl_run.launch.supervisor.launch_ranks": "builds the Coordinator, which runs the whole run",
     "flodl_run.control.coordinator.Coordinator.__init__": "the coordinator runs the whole run",
     "flodl_run.rank.loop.RankWorker.__init__": "the rank process trains its replica of the whole run",
-    "flodl_run.control.saving.Saving.__init__": "a bundle's meta records the whole run's config",
-    "flodl_run.control.epochs.Epochs.__init__": "inside control/: the coordinator's part for epochs",
-    "flodl_run.control.windows.Windows.__init__": "inside control/: the coordinator's part for windows",
-    "flodl_run.control.reduces.Reduces.__init__": "inside control/: the coordinator's part for reduces",
-    "flodl_run.control.overlap.AsyncLoop.__init__": "inside control/: the coordinator's cpu_async loop",
     "flodl_run.rank.solo.SoloTrainer.__init__": "the in-process trainer trains the whole run",
     "flodl_run.rank.solo.train_solo": "the in-process trainer trains the whole run",
     "flodl_run.data.dataplane.DataPlane.__init__":

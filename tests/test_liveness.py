@@ -8,14 +8,15 @@ import os
 import re
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from flodl_run.config.schema import MaxFailureConfig
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig
 from flodl_run.contracts.wire import Heartbeat
+from flodl_run.control.context import RunContext
 from flodl_run.control.membership import Membership, hung_limit_s
 from flodl_run.control.runstate import ShutdownWithSave
-from flodl_run.observe.observer import Observer
 from tests.support import REPO, _live_ranks, _run, start_cli
 
 # Rank 1 blocks forever in its 5th train_step; its heartbeat thread keeps beating.
@@ -47,8 +48,12 @@ def _membership(on_lost, smoothed=lambda: [2000.0, None], world=2, **limits):
     never reached by liveness and death handling in the coordinator backend)."""
     limits = dict(dict(heartbeat_timeout_s=1e9, progress_factor=20.0, progress_floor_s=10.0,
                        max_failure=MaxFailureConfig()), **limits)
-    return Membership(world, False, channel=None, send=None, next=None, smoothed_ms=smoothed,
-                      on_lost=on_lost, observer=Observer(), **limits)
+    config = ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"), max_failure=limits["max_failure"],
+                              heartbeat_timeout_secs=limits["heartbeat_timeout_s"],
+                              progress_factor=limits["progress_factor"],
+                              progress_timeout_secs=limits["progress_floor_s"])
+    ctx = RunContext(config, world, balance=SimpleNamespace(smoothed_ms=smoothed))
+    return Membership(ctx, channel=None, on_lost=on_lost)
 
 
 def test_the_hung_limit_is_a_multiple_of_the_batch_time_with_a_floor():

@@ -12,8 +12,9 @@ from flodl_run.averaging.frames import as_frame
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import SnapshotTaken, WindowDone
+from flodl_run.control.context import RunContext
 from flodl_run.control.reduces import Reduces
-from flodl_run.control.runstate import Balance, Holdings, RunAborted
+from flodl_run.control.runstate import RunAborted
 from flodl_run.observe.observer import Observer
 
 
@@ -29,12 +30,10 @@ def _reduces(**config):
     """Reduces of a cpu_cadence pair, with the frames of one small snapshot as `payloads()`."""
     frames = [as_frame(torch.ones(3)), as_frame(torch.zeros(1))]  # parameters, float buffers
     observer = _Events()
-    reduces = Reduces(2, ElCheConfig.preset("cpu_cadence").mode,
-                      ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"), **config),
-                      SimpleNamespace(alive={0, 1}, regroup_needed=False), Balance(), Holdings(2),
-                      averager=None, recorder=None, summary=Summary(), observer=observer, send=None,
-                      next=None, payloads=lambda: frames, shm_prefix=None, regroup=None,
-                      save_bundle=None, uncovered_now=None, epoch_batches=None)
+    ctx = RunContext(ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"), **config), 2,
+                     payloads=lambda: frames, observer=observer, summary=Summary())
+    reduces = Reduces(ctx, members=SimpleNamespace(alive={0, 1}, regroup_needed=False),
+                      averager=None, shm_prefix=None, run=None)
     return reduces, observer
 
 

@@ -9,10 +9,10 @@ import pytest
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
+from flodl_run.control.context import RunContext
 from flodl_run.control.dispatch import EpochPool
-from flodl_run.control.runstate import Balance, Holdings, StopRequest
+from flodl_run.control.runstate import Holdings
 from flodl_run.control.windows import Windows
-from flodl_run.observe.observer import Observer
 from flodl_run.observe.timeline import Recorder
 
 BATCH = 4
@@ -84,9 +84,8 @@ def test_a_regroup_voids_the_orders_sent_ahead_and_their_batches_are_trained_onc
     holdings = Holdings(2)
     ranks, members = _Ranks(holdings), SimpleNamespace(alive={0, 1}, regroup_needed=False)
     reduces = _Reduces(ranks)
-    windows = Windows(2, config.elche.mode, config, members, reduces, Balance(), StopRequest(),
-                      holdings, ranks.send, ranks.next, Observer(), save_bundle=None,
-                      graceful_stop=None)
+    ctx = RunContext(config, 2, send=ranks.send, next=ranks.next, holdings=holdings)
+    windows = Windows(ctx, members=members, reduces=reduces, bundles=None)
 
     def regroup():
         voided = windows.orders_ahead()

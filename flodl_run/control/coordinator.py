@@ -43,6 +43,7 @@ from flodl_run.contracts.wire import (
     WindowFailed,
     bind_router,
 )
+from flodl_run.control.context import RunContext
 from flodl_run.control.dispatch import EpochPool, EpochSpan, epoch_span
 from flodl_run.control.epochs import Epochs
 from flodl_run.control.exact import ExactWindows
@@ -51,11 +52,8 @@ from flodl_run.control.overlap import AsyncLoop
 from flodl_run.control.reduces import Reduces
 from flodl_run.control.runstate import (
     POLL_MS,
-    Balance,
-    Holdings,
     RunAborted,
     ShutdownWithSave,
-    StopRequest,
 )
 from flodl_run.control.saving import Saving
 from flodl_run.control.windows import Windows
@@ -71,11 +69,13 @@ class Coordinator:
     """Runs on a thread of the launcher; `run()` returns the Summary of the whole run.
 
     Owns the control socket and the message pump (`_send`, `_next`: deferred answers, the
-    frames of the last message), the ranks' identities and join reports, the summary, where a
-    resume starts, and its parts, each holding its own state: `stop` (the stop request),
-    `balance` (ElChe and its plan), `holdings` (work since the last fold), `members`
-    (membership), `reduces`, `windows`, `saving`, `epochs`, and in cpu_async the `async_loop`.
-    The parts get what they use, and call back only through the bound methods handed to them."""
+    frames of the last message), the ranks' identities and join reports, where a resume
+    starts, and the order of a run. It builds the run's `context` (config, send/next/payloads,
+    observer, recorder, summary, and the shared facts: `stop`, `balance`, `holdings`) and its
+    parts, each holding its own state and given by name the parts it asks of: `members`
+    (membership), `reduces`, `saving`, `epochs`, `windows`, and in cpu_async the `async_loop`.
+    What it offers them itself is named in `control.context` (`Run`, `Group`): the regroup,
+    which also drops the old group's answers from its pump, and the facts only it knows."""
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
@@ -113,33 +113,24 @@ class Coordinator:
         self._compose(shm_prefix, recipe)
 
     def _compose(self, shm_prefix: Optional[str], recipe: Optional[Recipe]) -> None:
-        """Build the parts; each gets what it uses (see their docstrings)."""
-        config, world, mode = self.config, self.world_size, self.mode
-        self.stop, self.balance, self.holdings = StopRequest(), Balance(), Holdings(world)
-        self.members = Membership(
-            world, mode.is_collective, self.channel, self._send, self._next, self.balance.smoothed_ms,
-            self._on_lost, self.observer, heartbeat_timeout_s=config.heartbeat_timeout_secs,
-            progress_factor=config.progress_factor, progress_floor_s=config.progress_timeout_secs,
-            max_failure=config.max_failure)
-        self.epochs = Epochs(
-            config, mode, world, recipe, self.members, self.balance, self.averager, self.summary,
-            self.observer, self._send, self._next, self.save_bundle, self.fail_callback)
-        self.reduces = Reduces(
-            world, mode, config, self.members, self.balance, self.holdings, self.averager,
-            self.recorder, self.summary, self.observer, self._send, self._next, self._frames,
-            shm_prefix, self._regroup, self.save_bundle, self._uncovered_now, self._epoch_batches)
-        self.saving = Saving(
-            config, mode, world, self.members, self.balance, self.averager, self.stop, self._send,
-            self._next, self.epochs.callback_rank, self.reduces.trajectory,
-            self.summary, self.observer)
-        self.windows = Windows(
-            world, mode, config, self.members, self.reduces, self.balance, self.stop, self.holdings,
-            self._send, self._next, self.observer, self.save_bundle, self.saving.graceful_stop)
+        """Build the run's context, then the parts, each given by name the parts it asks of
+        (docs/architecture.md has the table of who may call whom)."""
+        self.context = ctx = RunContext(
+            self.config, self.world_size, send=self._send, next=self._next, payloads=self._frames,
+            observer=self.observer, recorder=self.recorder, summary=self.summary)
+        self.stop, self.balance, self.holdings = ctx.stop, ctx.balance, ctx.holdings
+        self.members = Membership(ctx, channel=self.channel, on_lost=self._on_lost)
+        self.reduces = Reduces(ctx, members=self.members, averager=self.averager,
+                               shm_prefix=shm_prefix, run=self)
+        self.saving = Saving(ctx, members=self.members, averager=self.averager,
+                             trajectory=self.reduces)
+        self.epochs = Epochs(ctx, recipe=recipe, members=self.members, averager=self.averager,
+                             bundles=self.saving)
+        self.windows = Windows(ctx, members=self.members, reduces=self.reduces, bundles=self.saving)
         if self.exact:
-            self.windows.exact = ExactWindows(self.windows, self.reduces, self._send, self._next,
-                                              self._regroup)
+            self.windows.exact = ExactWindows(ctx, windows=self.windows, reduces=self.reduces, group=self)
 
-    # ---- what the parts share, through the coordinator ---------------------------------------
+    # ---- what the coordinator offers its parts (context.Run, context.Group) -------------------
 
     @property
     def alive(self):
@@ -184,7 +175,7 @@ class Coordinator:
         has_loop = self.recipe is not None and self.recipe.loop is not None
         return self.config.elche.averages_gradients and not has_loop
 
-    def _regroup(self, source: int = -1) -> None:
+    def regroup(self, source: int = -1) -> None:
         """Void the orders sent ahead (their batches back to the pool), rebuild the group, then
         drop the reduce answers that came before it. A survivor answers in order on its one
         channel, so whatever it sent before its Regrouped answered an attempt of the old group:
@@ -208,7 +199,7 @@ class Coordinator:
                 self.async_loop.give_back(epoch, slices)
         self.balance.forget_rank(rank)
 
-    def _uncovered_now(self) -> List[List[int]]:
+    def uncovered_now(self) -> List[List[int]]:
         """What of the current epoch the survivors' weights may not include."""
         return self.windows.uncovered() + self.holdings.uncovered(self.windows.pool_epoch)
 
@@ -288,14 +279,14 @@ class Coordinator:
         self.summary.nodes = [node.record() for node in nodes]
         self.observer.on_nodes(nodes)
         self.balance.elche = ElChe(self.config.elche, self.world_size,
-                                   epoch_batches=self._epoch_batches(0), reduce_ms=self._reduce_ms())
+                                   epoch_batches=self.epoch_batches(0), reduce_ms=self._reduce_ms())
         if self.config.resume_from:
             self._restore(self.config.resume_from)
         self.balance.plan = self.balance.elche.plan()
 
     def _restore(self, stem: str) -> None:
         """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
-        meta = self.saving.restore(stem, self._epoch_batches(0))
+        meta = self.saving.restore(stem, self.epoch_batches(0))
         self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         self.reduces.resume(meta.global_step, meta.sync_round)
         span = self._span(meta.epoch)  # only now known: the train set's size came with the ranks
@@ -314,7 +305,8 @@ class Coordinator:
         self._pending_events.append(("reduce_timed", f"one reduce before training: {max(timed):.1f} ms"))
         return max(timed)
 
-    def _epoch_batches(self, epoch: int) -> int:
+    def epoch_batches(self, epoch: int) -> int:
+        """The batches of batch_size the epoch's samples make."""
         span = self._span(epoch)
         return -(-span.size // self.config.batch_size)
 
@@ -324,7 +316,7 @@ class Coordinator:
 
     def _train_all_epochs(self) -> None:
         total = self.config.num_epochs * self.config.data.epoch_splits
-        self.observer.on_start(total, self._epoch_batches(0), self.world_size)
+        self.observer.on_start(total, self.epoch_batches(0), self.world_size)
         for kind, message in self._pending_events:  # noted while the ranks joined: after the start
             self.observer.on_event(kind, message)
         self._train_started = time.perf_counter()
@@ -339,13 +331,11 @@ class Coordinator:
     def _run_async(self, total: int) -> None:
         """cpu_async: the async loop trains every epoch from the resume point on."""
         start = self._start_epoch
-        self.async_loop = AsyncLoop(
-            self.world_size, self.config, [self._span(e) for e in range(total)],
-            [self._epoch_pool(e) if e >= start else EpochPool(0, []) for e in range(total)], start,
-            self.members, self.balance, self.windows, self.reduces, self.holdings, self.averager,
-            self.recorder, self.stop, self._send, self._next, self.epochs.close,
-            self.saving.graceful_stop)
-        self.async_loop.run()
+        self.async_loop = AsyncLoop(self.context, members=self.members, windows=self.windows,
+                                    reduces=self.reduces, epochs=self.epochs, bundles=self.saving)
+        self.async_loop.run([self._span(e) for e in range(total)],
+                            [self._epoch_pool(e) if e >= start else EpochPool(0, []) for e in range(total)],
+                            start)
 
     def _epoch_pool(self, epoch: int) -> EpochPool:
         """The whole epoch, or only what a resumed mid-epoch bundle left uncovered."""
@@ -459,7 +449,7 @@ class Coordinator:
         if self.alive:
             try:
                 epoch, uncovered = (self.async_loop.save_point() if self.async_loop is not None
-                                    else (self.windows.pool_epoch, self._uncovered_now()))
+                                    else (self.windows.pool_epoch, self.uncovered_now()))
                 stem = self.save_bundle(reason, epoch, uncovered)
             except (RunAborted, zmq.ZMQError) as exc:
                 detail = f"{detail}; the save failed: {exc}"

@@ -7,16 +7,16 @@ trains is the windows' part (or the async loop's).
 from __future__ import annotations
 
 import time
-from typing import Callable, List, NoReturn, Optional, Set
+from typing import List, Optional, Set
 
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
-from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.config.schema import Mode
 from flodl_run.contracts.recipe import CallbackFailed, Recipe
 from flodl_run.contracts.scalars import roll_up
-from flodl_run.contracts.summary import EpochRecord, Summary
+from flodl_run.contracts.summary import EpochRecord
 from flodl_run.contracts.wire import Evaluate, Evaluated
-from flodl_run.control.runstate import Balance, Next, Send
+from flodl_run.control.context import Bundles, Members, RunContext
 from flodl_run.control.tallies import EpochTally
 from flodl_run.data.datametrics import DataTally
 
@@ -25,24 +25,21 @@ class Epochs:
     """Closes epochs in order and runs the evals.
 
     Owns: each rank's compute time over the run (`compute_ms`, for its idle fraction), the
-    data-plane metrics per epoch and rank (`data`, fed every WindowDone), the choice of the
-    callback rank, and the recipe whose callbacks run in this process.
-    Given: the config, mode and world size; the membership (who is alive); the balance (the
-    fastest rank by smoothed batch time); the central averager (the EASGD center is what an
-    eval scores in cpu_async); the summary and observer; `send`/`next`; and `save_bundle`,
-    `fail_callback` for checkpoint_every and a callback that raised."""
+    data-plane metrics per epoch and rank (`data`, fed every WindowDone), and the recipe whose
+    callbacks run in this process.
+    Given: the run context; the recipe; the membership (who is alive, the callback rank, the
+    eval's deadline); the central averager (the EASGD center is what an eval scores in
+    cpu_async); and the bundles (`save_bundle` for checkpoint_every, `fail_callback` for a
+    callback that raised)."""
 
-    def __init__(self, config: ExperimentConfig, mode: Mode, world_size: int,
-                 recipe: Optional[Recipe], members, balance: Balance, averager: CentralAverager,
-                 summary: Summary, observer, send: Send, next: Next,
-                 save_bundle: Callable[..., Optional[str]],
-                 fail_callback: Callable[[CallbackFailed, int, List[List[int]]], NoReturn]):
-        self.config, self.mode, self.world_size, self.recipe = config, mode, world_size, recipe
-        self.members, self.balance, self.averager = members, balance, averager
-        self.summary, self.observer, self._send, self._next = summary, observer, send, next
-        self.save_bundle, self._fail_callback = save_bundle, fail_callback
-        self.compute_ms = [0.0] * world_size
-        self.data = DataTally(world_size)  # per-rank data-plane metrics, per epoch
+    def __init__(self, ctx: RunContext, *, recipe: Optional[Recipe], members: Members,
+                 averager: CentralAverager, bundles: Bundles):
+        self.ctx, self.recipe, self.members = ctx, recipe, members
+        self.averager, self.bundles = averager, bundles
+        self.config, self.mode, self.world_size = ctx.config, ctx.mode, ctx.world_size
+        self.summary, self.observer = ctx.summary, ctx.observer
+        self.compute_ms = [0.0] * self.world_size
+        self.data = DataTally(self.world_size)  # per-rank data-plane metrics, per epoch
 
     @property
     def alive(self) -> Set[int]:
@@ -60,11 +57,11 @@ class Epochs:
             if self.recipe is not None:
                 self.recipe.report_epoch(record)  # eval_result_fn, metrics_fn: in this process
         except CallbackFailed as failure:
-            self._fail_callback(failure, epoch + 1, [])
+            self.bundles.fail_callback(failure, epoch + 1, [])
         every = self.config.checkpoint_every
         total = self.config.num_epochs * self.config.data.epoch_splits
         if every and (epoch + 1) % every == 0 and epoch + 1 < total:
-            self.save_bundle("checkpoint", epoch + 1, [])
+            self.bundles.save_bundle("checkpoint", epoch + 1, [])
 
     def final_eval(self, total: int) -> None:
         """The run's final eval: the last epoch's, or (when that epoch scored none) one more
@@ -76,7 +73,7 @@ class Epochs:
                 if last_eval is not None:
                     self.recipe.run_callback("eval_result_fn", total - 1, last_eval)
             except CallbackFailed as failure:
-                self._fail_callback(failure, total, [])
+                self.bundles.fail_callback(failure, total, [])
             self.summary.final_eval = last_eval
         elif last is not None:
             self.summary.final_eval = last.eval
@@ -111,29 +108,24 @@ class Epochs:
         return [c / total for c in counts]
 
     def callback_rank(self) -> int:
-        policy = self.config.epoch_callback_policy
-        if policy.startswith("rank:") and int(policy.split(":", 1)[1]) in self.alive:
-            return int(policy.split(":", 1)[1])
-        known = [(ms, rank) for rank, ms in enumerate(self.balance.smoothed_ms())
-                 if ms is not None and rank in self.alive]
-        return min(known)[1] if known else min(self.alive)
+        return self.members.callback_rank()
 
     def evaluate(self, epoch: int, score: bool = True, epoch_fn: bool = False) -> Optional[float]:
         """The eval on the callback rank (`score`), then the recipe's epoch_fn there (`epoch_fn`)."""
         rank = self.callback_rank()
         center = self.averager.center if self.mode is Mode.cpu_async else None
         if center is not None:  # under EASGD, eval scores the center, not a replica
-            self._send(rank, Evaluate(epoch, dtype_names(center), score, epoch_fn),
+            self.ctx.send(rank, Evaluate(epoch, dtype_names(center), score, epoch_fn),
                        [as_frame(p) for p in center])
         else:
-            self._send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
+            self.ctx.send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
         began = time.monotonic()
         deadline = began + self.members.orders.limit_s("eval")
-        result = self._next(expect=Evaluated, deadline=deadline)
+        result = self.ctx.next(expect=Evaluated, deadline=deadline)
         while result is None or result.rank not in self.alive:
             if rank not in self.alive:  # the callback rank died or hung: ask another
                 return self.evaluate(epoch, score, epoch_fn)
             self.members.overdue("eval", {rank}, began)  # past its limit: declared hung
-            result = self._next(expect=Evaluated, deadline=deadline)
+            result = self.ctx.next(expect=Evaluated, deadline=deadline)
         self.members.orders.took("eval", time.monotonic() - began)
         return result.score if score and result.score == result.score else None  # NaN: no eval set

@@ -12,12 +12,14 @@ observers) is the reduces' part; the pool and the window numbers are the windows
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 from flodl_run.contracts.wire import Train, WindowDone, WindowFailed
+from flodl_run.control.context import Group, RunContext
 from flodl_run.control.dispatch import EpochPool, SliceT, cut_step
-from flodl_run.control.runstate import Next, Send
+from flodl_run.control.reduces import Reduces
 from flodl_run.control.tallies import EpochTally, WindowTally
+from flodl_run.control.windows import Windows
 from flodl_run.elche.shares import step_shares
 
 Step = List[SliceT]  # the samples of one global step
@@ -27,17 +29,17 @@ every few seconds (progress, a stop at the window's end, a death's redo stays sh
 
 
 class ExactWindows:
-    """Trains the epochs of nccl_sync's exact path. Given: the windows (the pool, window
-    numbers, the stop request, progress), the reduces (round and step counters, ElChe's report,
-    the non-finite streak, the observers), `send`/`next`, and `regroup(source)`, which rebuilds
-    the survivors' group and has them adopt member `source`'s state (-1: none)."""
+    """Trains the epochs of nccl_sync's exact path. Given: the run context (`send`/`next`),
+    the windows (the pool, window numbers, the stop request, progress), the reduces (round and
+    step counters, ElChe's report, the non-finite streak, the observers), and the `group`,
+    whose `regroup(source)` rebuilds the survivors' group and has them adopt member `source`'s
+    state (-1: none)."""
 
-    def __init__(self, windows, reduces, send: Send, next: Next, regroup: Callable[[int], None]):
-        self.windows, self.reduces, self._regroup = windows, reduces, regroup
-        self._send, self._next = send, next
+    def __init__(self, ctx: RunContext, *, windows: Windows, reduces: Reduces, group: Group):
+        self.ctx, self.windows, self.reduces, self.group = ctx, windows, reduces, group
         # the global batch DDP would use, fixed for the run: a death moves the dead rank's
         # samples of each step to the survivors, so the trajectory (and the LR) stay the same
-        self.global_batch = windows.world_size * windows.config.batch_size
+        self.global_batch = ctx.world_size * ctx.config.batch_size
         self._boundary = time.perf_counter()
         self._walls: Dict[int, float] = {}  # each rank's window wall (steps, all-reduces included)
 
@@ -74,12 +76,12 @@ class ExactWindows:
         done = 0
         while done < len(steps):
             if self.members.regroup_needed:
-                self._regroup(-1)
+                self.group.regroup(-1)
             asked = set(self.members.alive)
             self.windows.next_window()
             orders = self._orders(epoch, steps[done:], sorted(asked))
             for rank, order in orders.items():
-                self._send(rank, order)
+                self.ctx.send(rank, order)
             completed = self._collect(asked, len(steps) - done, window, epoch, epoch_tally)
             broke = self.members.regroup_needed or any(n < len(steps) - done for n in completed.values())
             if not broke:
@@ -87,7 +89,7 @@ class ExactWindows:
             most = max(completed.values(), default=0)
             leader = min((r for r, n in completed.items() if n == most), default=-1)
             behind = any(n < most for n in completed.values())
-            self._regroup(leader if behind else -1)
+            self.group.regroup(leader if behind else -1)
             _credit(epoch_tally, orders, completed, most, len(steps) - done)
             done += most
         return window
@@ -118,7 +120,7 @@ class ExactWindows:
         completed: Dict[int, int] = {}
         number = self.windows.window
         while asked & self.members.alive - set(completed):
-            answer = self._next(expect=(WindowDone, WindowFailed), accept=lambda m: m.window == number)
+            answer = self.ctx.next(expect=(WindowDone, WindowFailed), accept=lambda m: m.window == number)
             if answer is None or answer.window != number:
                 continue
             if isinstance(answer, WindowFailed):

@@ -10,13 +10,13 @@ import logging
 import math
 import queue
 import time
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import zmq
 
-from flodl_run.config.schema import MaxFailureConfig
 from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, RankFailed, Regroup, Regrouped
-from flodl_run.control.runstate import Next, RunAborted, Send, ShutdownWithSave
+from flodl_run.control.context import OnLost, RunContext
+from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 
 __all__ = ["Membership", "OrderClock", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
 
@@ -53,25 +53,22 @@ class Membership:
 
     Owns: `alive`, the queue of reported deaths, when each rank was last heard (`last_seen`)
     and its progress clock, the ranks told to stop, the exceptions ranks reported (`raised`),
-    each collective rank's listener socket, and the process-group `generation` with whether a
-    regroup is due (`regroup_needed`).
-    Given: the world size and the limits (heartbeat timeout, progress factor and floor,
-    max_failure), the channel (abort notices go straight to listeners), `send`/`next` to
-    order a regroup, the smoothed batch times (`smoothed_ms`), and `on_lost(rank, reason)`,
-    called for each death before the failure policy is applied (the caller gives the rank's
-    work back and re-plans)."""
+    each collective rank's listener socket, the process-group `generation` with whether a
+    regroup is due (`regroup_needed`), and the choice of the callback rank.
+    Given: the run context (the limits: heartbeat timeout, progress factor and floor,
+    max_failure; `send`/`next` to order a regroup; the balance's smoothed batch times), the
+    channel (abort notices go straight to listeners), and `on_lost(rank, reason)`, called for
+    each death before the failure policy is applied (the caller gives the rank's work back
+    and re-plans)."""
 
-    def __init__(self, world_size: int, collective: bool, channel: Channel, send: Send, next: Next,
-                 smoothed_ms: Callable[[], List[Optional[float]]],
-                 on_lost: Callable[[int, str], None], observer, heartbeat_timeout_s: float,
-                 progress_factor: float, progress_floor_s: float, max_failure: MaxFailureConfig):
-        self.world_size, self.collective = world_size, collective
-        self.channel, self._send, self._next = channel, send, next
-        self._smoothed_ms, self._on_lost, self.observer = smoothed_ms, on_lost, observer
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.progress_factor, self.progress_floor_s = progress_factor, progress_floor_s
-        self.max_failure = max_failure
-        self.alive: Set[int] = set(range(world_size))
+    def __init__(self, ctx: RunContext, *, channel: Optional[Channel], on_lost: OnLost):
+        config = ctx.config
+        self.ctx, self.channel, self._on_lost = ctx, channel, on_lost
+        self.world_size, self.collective = ctx.world_size, ctx.mode.is_collective
+        self.heartbeat_timeout_s = config.heartbeat_timeout_secs
+        self.progress_factor, self.progress_floor_s = config.progress_factor, config.progress_timeout_secs
+        self.max_failure = config.max_failure
+        self.alive: Set[int] = set(range(self.world_size))
         self._deaths: "queue.Queue[Tuple[int, str]]" = queue.Queue()
         self.last_seen: Dict[int, float] = {}
         self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
@@ -84,7 +81,17 @@ class Membership:
         self.listeners: Dict[int, bytes] = {}  # each collective rank's listener (AbortGroup goes there)
         self.generation = 0
         self.regroup_needed = False
-        self.orders = OrderClock(progress_factor, progress_floor_s)
+        self.orders = OrderClock(self.progress_factor, self.progress_floor_s)
+
+    def callback_rank(self) -> int:
+        """The rank that runs the evals and writes the model: epoch_callback_policy's
+        `rank:k` while k is alive, else the fastest live rank by smoothed batch time."""
+        policy = self.ctx.config.epoch_callback_policy
+        if policy.startswith("rank:") and int(policy.split(":", 1)[1]) in self.alive:
+            return int(policy.split(":", 1)[1])
+        known = [(ms, rank) for rank, ms in enumerate(self.ctx.balance.smoothed_ms())
+                 if ms is not None and rank in self.alive]
+        return min(known)[1] if known else min(self.alive)
 
     # ---- what the coordinator hears ----------------------------------------------------------
 
@@ -159,7 +166,7 @@ class Membership:
                 for rank, seen in self.last_seen.items() if rank in self.alive and now - seen > timeout]
 
     def _hung(self, now: float) -> List[Tuple[int, str]]:
-        smoothed = self._smoothed_ms()
+        smoothed = self.ctx.balance.smoothed_ms()
         hung = []
         for rank, (batches, since) in self.batch_clock.items():
             ms = smoothed[rank] if rank < len(smoothed) else None
@@ -231,16 +238,16 @@ class Membership:
         self.generation += 1
         members = sorted(self.alive)
         for rank in members:
-            self._send(rank, Regroup(self.generation, members, source if source in members else -1))
+            self.ctx.send(rank, Regroup(self.generation, members, source if source in members else -1))
         joined: Set[int] = set()
         while joined < self.alive:
-            msg = self._next(expect=Regrouped)
+            msg = self.ctx.next(expect=Regrouped)
             if msg is None:  # another death while regrouping: start over with fewer members
                 return self.regroup(source)
             if msg.generation == self.generation:
                 joined.add(msg.rank)
         self.regroup_needed = False
-        self.observer.on_event("regroup", f"generation {self.generation}: ranks {members}")
+        self.ctx.observer.on_event("regroup", f"generation {self.generation}: ranks {members}")
 
     def failed_ranks(self, fallback: str) -> str:
         """`rank k failed: <its exception>` for the ranks that raised (their RankFailed may

@@ -9,14 +9,15 @@ while ranks keep training, and epochs close in ascending order once all their ch
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
-from flodl_run.averaging.central import CentralAverager, Snapshot
-from flodl_run.config.schema import ExperimentConfig
+from flodl_run.averaging.central import Snapshot
 from flodl_run.contracts.wire import SnapshotTaken, WindowDone
+from flodl_run.control.context import Bundles, Closes, Members, RunContext
 from flodl_run.control.dispatch import EpochPool, EpochSpan
-from flodl_run.control.runstate import Balance, Holdings, Next, Send, StopRequest
+from flodl_run.control.reduces import Reduces
 from flodl_run.control.tallies import EpochTally, WindowTally
+from flodl_run.control.windows import Windows
 
 
 class AsyncLoop:
@@ -25,28 +26,27 @@ class AsyncLoop:
     Owns: the epochs' pools and tallies, the chunks each rank has in hand, the window gate
     (this round's and the next's), the snapshots of the round in flight, each rank's overshoot
     budget, and which epochs are closed.
-    Given: the world size and config; `spans`/`pools` of every epoch (from the resume point);
-    the membership (who is alive), the balance (the plan's counts and overshoot), the windows
-    (Train orders, the window number, progress), the reduces (round, snapshots, the average's
-    bookkeeping), the holdings (reset after each round), the averager and recorder, the stop
-    request, `send`/`next`, and `close_epoch` / `graceful_stop`."""
+    Given: the run context (the balance: the plan's counts and overshoot; the holdings, reset
+    after each round; the stop request; the recorder); the membership (who is alive); the
+    windows (Train orders, the window number, deadlines, progress); the reduces (round,
+    snapshots, the average and its bookkeeping); the epochs (`close`); and the bundles
+    (`graceful_stop`). `run` takes the epochs' spans and pools from the resume point on."""
 
-    def __init__(self, world_size: int, config: ExperimentConfig, spans: List[EpochSpan],
-                 pools: List[EpochPool], start_epoch: int, members, balance: Balance, windows,
-                 reduces, holdings: Holdings, averager: CentralAverager, recorder,
-                 stop: StopRequest, send: Send, next: Next,
-                 close_epoch: Callable[[int, EpochTally], None],
-                 graceful_stop: Callable[[int, List[List[int]]], NoReturn]):
-        self.world, self.config = world_size, config
-        self.members, self.balance, self.windows, self.reduces = members, balance, windows, reduces
-        self.holdings, self.averager, self.recorder, self.stop = holdings, averager, recorder, stop
-        self._send, self._next = send, next
-        self._close_epoch, self._graceful_stop = close_epoch, graceful_stop
-        total_epochs = len(spans)
-        self.spans, self.pools = spans, pools
-        self.outstanding = [0] * total_epochs
+    def __init__(self, ctx: RunContext, *, members: Members, windows: Windows, reduces: Reduces,
+                 epochs: Closes, bundles: Bundles):
+        self.ctx, self.members, self.windows, self.reduces = ctx, members, windows, reduces
+        self.epochs, self.bundles = epochs, bundles
+        self.world, self.config = ctx.world_size, ctx.config
+        self.balance, self.holdings = ctx.balance, ctx.holdings
+        self.stop, self.recorder = ctx.stop, ctx.recorder
+        # the epochs, from `run` on: their spans and pools, orders out, tallies, the oldest
+        # epoch with work to hand out and the first not closed
+        self.spans: List[EpochSpan] = []
+        self.pools: List[EpochPool] = []
+        self.outstanding: List[int] = []
+        self.tallies: List[EpochTally] = []
+        self.dispatch_epoch = self.closed = 0
         self.in_hand: Dict[int, List[tuple]] = {r: [] for r in range(self.world)}  # (epoch, slices)
-        self.tallies = [EpochTally.empty(self.world) for _ in range(total_epochs)]
         self.new_window = lambda: WindowTally.empty(self.world)
         self.window = self.new_window()
         self.window_done: Set[int] = set()
@@ -63,8 +63,6 @@ class AsyncLoop:
         self.unfolded: Dict[int, List[WindowDone]] = {r: [] for r in range(self.world)}
         self.unfolded_after: Dict[int, List[WindowDone]] = {r: [] for r in range(self.world)}
         self.idle: Set[int] = set()
-        self.dispatch_epoch = start_epoch
-        self.closed = start_epoch
         self.snapshots: Optional[List[Snapshot]] = None
         self.overshoot = [0] * self.world  # budget of each rank's latest chunk
         self.rounds_started = 0
@@ -96,11 +94,16 @@ class AsyncLoop:
                 self.dispatch_epoch = min(e for e, p in enumerate(self.pools) if p.remaining)
                 self._give(rank)
 
-    def run(self) -> None:
+    def run(self, spans: List[EpochSpan], pools: List[EpochPool], start_epoch: int) -> None:
+        """Train every epoch of `spans` from `start_epoch` on (`pools`: what each hands out)."""
+        self.spans, self.pools = spans, pools
+        self.outstanding = [0] * len(spans)
+        self.tallies = [EpochTally.empty(self.world) for _ in spans]
+        self.dispatch_epoch = self.closed = start_epoch
         for rank in range(self.world):
             self._give(rank)
         while self.closed < len(self.spans):
-            message = self._next(expect=(WindowDone, SnapshotTaken), deadline=self._deadline())
+            message = self.ctx.next(expect=(WindowDone, SnapshotTaken), deadline=self._deadline())
             self._forget_dead()
             if isinstance(message, WindowDone):
                 self._on_window_done(message)
@@ -129,7 +132,7 @@ class AsyncLoop:
         if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
             self.tallies[epoch].started = time.perf_counter()
         self.overshoot[rank] = self._overshoot(count)
-        self._send(rank, self.windows.train_order(epoch, slices, self.overshoot[rank]))
+        self.ctx.send(rank, self.windows.train_order(epoch, slices, self.overshoot[rank]))
 
     def _overshoot(self, count: int) -> int:
         """Batches past the window a rank may run before SyncNow; below its next count so a
@@ -177,7 +180,7 @@ class AsyncLoop:
         self.reduces.begin_round()
         self.rounds_started += 1
         for rank in sorted(self.alive):
-            self._send(rank, self.reduces.sync_now(self.reduces.round, self.reduces.global_step))
+            self.ctx.send(rank, self.reduces.sync_now(self.reduces.round, self.reduces.global_step))
         self.snapshots = []
         self.round_began = time.monotonic()
 
@@ -221,7 +224,7 @@ class AsyncLoop:
         # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
         # the fast rank idle at the round gate.
         began, began_ns = time.perf_counter(), self.recorder.now()
-        result = self.averager.reduce(snapshots)
+        result = self.reduces.average(snapshots)
         sync_ms = (time.perf_counter() - began) * 1000.0
         self.recorder.span("reduce.average", began_ns, self.reduces.round)
         self.reduces.add_steps(sum(s.steps for s in snapshots))
@@ -238,7 +241,7 @@ class AsyncLoop:
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
         if self.stop.is_set() and not any(self.in_hand.values()):  # cut windows still out: their round first
-            self._graceful_stop(*self.save_point())
+            self.bundles.graceful_stop(*self.save_point())
         self._maybe_start_round()
 
     def save_point(self) -> Tuple[int, List[List[int]]]:
@@ -264,5 +267,5 @@ class AsyncLoop:
         while self.closed < len(self.spans) and self.snapshots is None \
                 and not self.pools[self.closed].remaining \
                 and self.outstanding[self.closed] == 0 and not self.window_done:
-            self._close_epoch(self.closed, self.tallies[self.closed])
+            self.epochs.close(self.closed, self.tallies[self.closed])
             self.closed += 1

@@ -14,9 +14,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 from flodl_run.averaging.central import CentralAverager, CentralResult, Snapshot
 from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
 from flodl_run.averaging.shm import Mapper, Slab
-from flodl_run.config.schema import ExperimentConfig, Mode, lr_factor
+from flodl_run.config.schema import Mode, lr_factor
 from flodl_run.contracts.scalars import roll_up
-from flodl_run.contracts.summary import ReduceRecord, ReportRecord, Summary
+from flodl_run.contracts.summary import ReduceRecord, ReportRecord
 from flodl_run.contracts.wire import (
     Reduced,
     ReduceFailed,
@@ -26,7 +26,8 @@ from flodl_run.contracts.wire import (
     Update,
     WindowDone,
 )
-from flodl_run.control.runstate import Balance, Holdings, Next, RunAborted, Send, ShutdownWithSave
+from flodl_run.control.context import Members, Run, RunContext
+from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 from flodl_run.control.tallies import EpochTally, WindowTally
 from flodl_run.elche.balancer import ReduceReport
 
@@ -42,30 +43,23 @@ class Reduces:
     bookkeeping (ranks found non-finite, the streak, the replicas the next update replaces),
     each rank's alignment to the consensus, and the shared-memory state of the coordinator
     backend (the mapper of the ranks' slabs, which ranks use it, the update slab).
-    Given: the world size, mode and config; the membership (who is alive; a regroup due);
-    the balance (ElChe's report and plan); the holdings (reset after each round); the central
-    averager; the recorder, summary and observer; `send`/`next` and `payloads()` (the frames
-    of the message `next` returned last); and callables for what happens around a reduce:
-    `regroup` (void the orders sent ahead, then rebuild the group), `save_bundle`,
-    `uncovered_now` and `epoch_batches`."""
+    Given: the run context (its balance: ElChe's report and plan; its holdings, reset after
+    each round; `payloads()`: the frames of the message `next` returned last); the
+    membership (who is alive; a regroup due); the central averager; where this run's
+    shared-memory slabs live (`shm_prefix`: ranks on the launcher's host, or None); and what
+    the run offers around a reduce (`run`: regroup, save_bundle, uncovered_now,
+    epoch_batches)."""
 
-    def __init__(self, world_size: int, mode: Mode, config: ExperimentConfig, members,
-                 balance: Balance, holdings: Holdings, averager: CentralAverager, recorder,
-                 summary: Summary, observer, send: Send, next: Next,
-                 payloads: Callable[[], List[memoryview]], shm_prefix: Optional[str],
-                 regroup: Callable[[], None], save_bundle: Callable[..., Optional[str]],
-                 uncovered_now: Callable[[], List[List[int]]], epoch_batches: Callable[[int], int]):
-        self.world_size, self.mode, self.config = world_size, mode, config
-        self.members, self.balance, self.holdings, self.averager = members, balance, holdings, averager
-        self.recorder, self.summary, self.observer = recorder, summary, observer
-        self._send, self._next, self._payloads = send, next, payloads
-        self._regroup, self.save_bundle = regroup, save_bundle
-        self._uncovered_now, self._epoch_batches = uncovered_now, epoch_batches
+    def __init__(self, ctx: RunContext, *, members: Members, averager: CentralAverager,
+                 shm_prefix: Optional[str], run: Run):
+        self.ctx, self.members, self.averager, self.run = ctx, members, averager, run
+        self.world_size, self.mode, self.config = ctx.world_size, ctx.mode, ctx.config
+        self.balance, self.holdings = ctx.balance, ctx.holdings
+        self.recorder, self.summary, self.observer = ctx.recorder, ctx.summary, ctx.observer
         self.round = 0
         self.global_step = 0
         self.sync_ms: List[float] = []
         self._shm_prefix = shm_prefix
-        """Where this run's shared-memory slabs live (ranks on the launcher's host), or None."""
         self._shm = Mapper(shm_prefix)
         self.shm_ranks: Set[int] = set()  # ranks whose last snapshot came through shared memory
         self._update_slab: Optional[Slab] = None
@@ -117,6 +111,10 @@ class Reduces:
         """A rank was found non-finite since the last reduce (the next one acts on it)."""
         return bool(self._nonfinite)
 
+    def average(self, snapshots: List[Snapshot]) -> Optional[CentralResult]:
+        """cpu_async: the EASGD round over the snapshots in (the async loop times it)."""
+        return self.averager.reduce(snapshots)
+
     def note_alignment(self) -> None:
         """The averager's breakdown of the last central reduce, for `observe_reduce`."""
         self._alignment = self.averager.breakdown()
@@ -137,7 +135,7 @@ class Reduces:
             divergence = self._collective_round(sync_sent)
         else:
             for rank in sorted(self.alive):
-                self._send(rank, self.sync_now(self.round, self.global_step))
+                self.ctx.send(rank, self.sync_now(self.round, self.global_step))
             result = self._central_round(window, wait_all=final)
             divergence = result.divergence if result else 0.0
         sync_ms = (time.perf_counter() - began) * 1000.0
@@ -157,7 +155,7 @@ class Reduces:
             self.send_updates(result, trains)
         else:
             for rank, order in trains.items():
-                self._send(rank, order)
+                self.ctx.send(rank, order)
         # the ranks train again before the breakdown of D and the observers (tracking, records,
         # progress) take their time
         if not self.mode.is_collective:
@@ -165,7 +163,7 @@ class Reduces:
         self.observe_reduce(epoch, sync_ms, divergence, window)
         self._maybe_report(epoch, epoch_tally)
         if stop:  # every rank has adopted the consensus by now: that is what gets saved
-            self.fail_nonfinite(epoch, self._uncovered_now())
+            self.fail_nonfinite(epoch, self.run.uncovered_now())
         return trains
 
     def note_skipped(self, rank: int, skipped: int) -> None:
@@ -191,7 +189,7 @@ class Reduces:
         self.observe_reduce(epoch, sync_ms, None)
         self._maybe_report(epoch, epoch_tally)
         if stop:
-            self.fail_nonfinite(epoch, self._uncovered_now())
+            self.fail_nonfinite(epoch, self.run.uncovered_now())
 
     def _tally_skipped(self) -> bool:
         """Windows in a row with a skipped step: True when that reaches max_nonfinite."""
@@ -214,11 +212,11 @@ class Reduces:
         began = time.monotonic()
         while True:
             if self.members.regroup_needed:
-                self._regroup()
+                self.run.regroup()
                 sync_sent = False
             asked = set(self.alive)
             for rank in sorted(asked) if not sync_sent else ():
-                self._send(rank, self.sync_now(self.round, self.global_step))
+                self.ctx.send(rank, self.sync_now(self.round, self.global_step))
             sync_sent = False
             divergences, failed = self._collect_reduced(asked)
             if not failed and not self.members.regroup_needed:
@@ -232,7 +230,7 @@ class Reduces:
         failed = False
         answered: Set[int] = set()
         while not asked & self.alive <= answered:
-            msg = self._next(expect=(Reduced, ReduceFailed), accept=lambda m: m.round <= self.round)
+            msg = self.ctx.next(expect=(Reduced, ReduceFailed), accept=lambda m: m.round <= self.round)
             if msg is None:
                 failed = True  # the round lost a member: regroup and retry it
                 continue
@@ -289,7 +287,7 @@ class Reduces:
             if deadline is not None and snapshots and time.monotonic() >= deadline:
                 self.leave_out(self.alive - set(snapshots))
                 break
-            taken = self._next(expect=SnapshotTaken, deadline=deadline if snapshots else None)
+            taken = self.ctx.next(expect=SnapshotTaken, deadline=deadline if snapshots else None)
             if taken is None:
                 continue
             snap = self.take_snapshot(taken, window.batches[taken.rank], allowance=0)
@@ -358,8 +356,8 @@ class Reduces:
         else:
             self.shm_ranks.discard(taken.rank)
             count = len(taken.dtypes)
-            params = from_frames(self._payloads()[:count], taken.dtypes)
-        buffers = from_frames(self._payloads()[count:], ["torch.float32"])[0]
+            params = from_frames(self.ctx.payloads()[:count], taken.dtypes)
+        buffers = from_frames(self.ctx.payloads()[count:], ["torch.float32"])[0]
         self._resetting.discard(taken.rank)  # it applied its reset update before this snapshot
         if not taken.finite:
             self._nonfinite.setdefault(taken.rank, "parameters")
@@ -389,12 +387,12 @@ class Reduces:
         self._resetting |= reset
         for rank in sorted(self.alive):
             if rank in self.late:  # left out: keep its own parameters, just move on
-                self._send(rank, Update(self.round, self.global_step, 0.0, False, [], False,
+                self.ctx.send(rank, Update(self.round, self.global_step, 0.0, False, [], False,
                                         trains.get(rank)))
                 continue
             via_shm = bool(shared) and rank in self.shm_ranks
             mix = 1.0 if rank in reset else blend  # a NaN replica is replaced, never blended
-            self._send(rank, Update(self.round, self.global_step, mix, buffers, dtypes, stepped,
+            self.ctx.send(rank, Update(self.round, self.global_step, mix, buffers, dtypes, stepped,
                                     trains.get(rank), reset=rank in reset, **(shared if via_shm else {})),
                        extra if via_shm else params + extra)
         self.recorder.span("reduce.send", began_ns, self.round)
@@ -444,7 +442,7 @@ class Reduces:
         detail = (f"non-finite values in {self._nonfinite_streak} reduces in a row "
                   f"(max_nonfinite={self.config.max_nonfinite})")
         try:
-            stem = self.save_bundle("nonfinite", epoch, uncovered)
+            stem = self.run.save_bundle("nonfinite", epoch, uncovered)
             saved = f"saved the last finite consensus: {stem}" if stem else "not saved (no save_path)"
         except RunAborted as exc:
             saved = f"no finite consensus to save ({exc.reason}); an earlier bundle stays as it was"
@@ -456,7 +454,7 @@ class Reduces:
         if not n:
             return
         done = sum(tally.batches)
-        fraction = done / max(self._epoch_batches(epoch), 1)
+        fraction = done / max(self.run.epoch_batches(epoch), 1)
         if tally.reports >= n or fraction < (tally.reports + 1) / n:
             return
         tally.reports = min(n, int(fraction * n + 1e-9))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from flodl_run.control.dispatch import SliceT, as_range
 from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
@@ -164,8 +164,3 @@ class Holdings:
         return [as_range(s) for chunks in self.chunks.values() for e, slices in chunks if e == epoch
                 for s in slices]
 
-
-Send = Callable[..., None]
-"""send(rank, message, payloads=()): an order to one rank."""
-Next = Callable[..., object]
-"""next(expect, deadline=None, accept=None): the next message expected, or None (see Coordinator)."""

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
+from typing import Dict, List, NoReturn, Optional, Set, Tuple
 
 import zmq
 
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
 from flodl_run.config.compose import dotted_items
-from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.config.schema import Mode
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.checkpoint import (
     BundleMeta,
@@ -26,9 +26,9 @@ from flodl_run.contracts.checkpoint import (
     save_tensors,
 )
 from flodl_run.contracts.recipe import CallbackFailed
-from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import CheckpointSaved, SaveCheckpoint
-from flodl_run.control.runstate import Balance, Next, RunAborted, Send, StopRequest
+from flodl_run.control.context import Members, RunContext, Trajectory
+from flodl_run.control.runstate import RunAborted
 from flodl_run.elche.balancer import ElChe
 
 log = logging.getLogger(__name__)
@@ -40,20 +40,18 @@ class Saving:
     Owns: the writing of bundle generations (which rank writes the model, which only its
     optimizer, the outer state written here, the meta and the pruning of older generations),
     and the tracked run's id recorded in them (`run_id`).
-    Given: the config, mode and world size; the membership (who is alive); the balance
-    (ElChe's state goes into the meta; a restore seats a restored ElChe there); the central
-    averager (outer state, EASGD center); the stop request (a deadline waits for a save);
-    `send`/`next`; `callback_rank()` (the writer); `trajectory()` (global step and round);
-    and the summary and observer."""
+    Given: the run context (its balance: ElChe's state goes into the meta, a restore seats a
+    restored ElChe there; its stop request: a deadline waits for a save); the membership (who
+    is alive, the callback rank that writes the model, the save's deadline); the central
+    averager (outer state, EASGD center); and the reduces' `trajectory()` (global step and
+    round)."""
 
-    def __init__(self, config: ExperimentConfig, mode: Mode, world_size: int, members,
-                 balance: Balance, averager: CentralAverager, stop: StopRequest, send: Send,
-                 next: Next, callback_rank: Callable[[], int],
-                 trajectory: Callable[[], Tuple[int, int]], summary: Summary, observer):
-        self.config, self.mode, self.world_size = config, mode, world_size
-        self.members, self.balance, self.averager, self.stop = members, balance, averager, stop
-        self._send, self._next, self._callback_rank = send, next, callback_rank
-        self._trajectory, self.summary, self.observer = trajectory, summary, observer
+    def __init__(self, ctx: RunContext, *, members: Members, averager: CentralAverager,
+                 trajectory: Trajectory):
+        self.ctx, self.members, self.averager, self._trajectory = ctx, members, averager, trajectory
+        self.config, self.mode, self.world_size = ctx.config, ctx.mode, ctx.world_size
+        self.balance, self.stop = ctx.balance, ctx.stop
+        self.summary, self.observer = ctx.summary, ctx.observer
         self.run_id: Optional[str] = None
         """The tracked run, recorded in bundles so a resume can link to it."""
 
@@ -93,7 +91,7 @@ class Saving:
         while self.alive:
             generation = checkpoint.next_generation(stem)
             data = checkpoint.generation_stem(stem, generation)
-            writer = self._callback_rank()
+            writer = self.members.callback_rank()
             files = self._ranks_save(data, writer, hook)
             if writer in self.alive:
                 return generation, files
@@ -104,18 +102,18 @@ class Saving:
         center = self.averager.center if self.mode is Mode.cpu_async else None
         for rank in sorted(self.alive):
             if rank != writer:  # the others keep their own optimizer state (momentum differs)
-                self._send(rank, SaveCheckpoint(data, write_model=False))
+                self.ctx.send(rank, SaveCheckpoint(data, write_model=False))
         if center is not None:  # under EASGD the model of record is the center
-            self._send(writer, SaveCheckpoint(data, dtype_names(center), epoch=hook),
+            self.ctx.send(writer, SaveCheckpoint(data, dtype_names(center), epoch=hook),
                        [as_frame(p) for p in center])
         else:
-            self._send(writer, SaveCheckpoint(data, epoch=hook))
+            self.ctx.send(writer, SaveCheckpoint(data, epoch=hook))
         files: Dict[str, str] = {}
         answered: Set[int] = set()
         began, late = time.monotonic(), False
         deadline = began + self.members.orders.limit_s("save")
         while not self.alive <= answered:
-            saved = self._next(expect=CheckpointSaved, deadline=deadline)
+            saved = self.ctx.next(expect=CheckpointSaved, deadline=deadline)
             if saved is None:  # past the limit: the ranks that did not answer are hung
                 late = self.members.overdue("save", self.alive - answered, began) or late
             if saved is None or saved.stem != data:
@@ -133,7 +131,7 @@ class Saving:
         data = self.config.data
         coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
                             [list(u) for u in uncovered])
-        global_step, round_ = self._trajectory()
+        global_step, round_ = self._trajectory.trajectory()
         return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, global_step, round_,
                           self.world_size, reason, self.balance.elche.export_state(), coverage,
                           json.loads(json.dumps(dotted_items(self.config), default=str)),

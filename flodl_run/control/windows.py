@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, NoReturn, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd
+from flodl_run.config.schema import Mode, WindowEnd
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
+from flodl_run.control.context import Bundles, Members, RunContext
 from flodl_run.control.deadlines import Deadlines
 from flodl_run.control.dispatch import (
     EpochPool,
@@ -21,7 +22,7 @@ from flodl_run.control.dispatch import (
     split_trained,
     window_samples,
 )
-from flodl_run.control.runstate import Balance, Holdings, Next, Send, StopRequest
+from flodl_run.control.reduces import Reduces
 from flodl_run.control.tallies import EpochTally, WindowTally
 
 FOLD_SPREAD = 1.3
@@ -36,20 +37,17 @@ class Windows:
     deadline window left untrained, `take_back`), the window number and deadline Train orders
     carry, and nccl_sync's orders sent ahead of the reduce they follow
     (`orders_ahead`; `cancel_ahead` voids them on a regroup and gives their batches back).
-    Given: the world size, mode and config; the membership (who is alive, whether a regroup
-    is due); the reduces (`reduce`, `sync_now`, the round and step counters, whether a
-    non-finite rank waits); the balance (plan, smoothed batch times); the stop request; the
-    holdings (a voided order is forgotten there); `send`/`next`; the observer (progress); and
-    `save_bundle` / `graceful_stop` for the checkpoints taken between windows."""
+    Given: the run context (its balance: plan, smoothed batch times; its stop request; its
+    holdings: a voided order is forgotten there; the observer: progress); the membership (who
+    is alive, whether a regroup is due); the reduces (`reduce`, `sync_now`, the round and step
+    counters, whether a non-finite rank waits); and the bundles (`save_bundle` /
+    `graceful_stop` for the checkpoints taken between windows)."""
 
-    def __init__(self, world_size: int, mode: Mode, config: ExperimentConfig, members, reduces,
-                 balance: Balance, stop: StopRequest, holdings: Holdings, send: Send, next: Next,
-                 observer, save_bundle: Callable[..., Optional[str]],
-                 graceful_stop: Callable[[int, List[List[int]]], NoReturn]):
-        self.world_size, self.mode, self.config = world_size, mode, config
-        self.members, self.reduces, self.balance = members, reduces, balance
-        self.stop, self.holdings, self._send, self._next = stop, holdings, send, next
-        self.observer, self.save_bundle, self._graceful_stop = observer, save_bundle, graceful_stop
+    def __init__(self, ctx: RunContext, *, members: Members, reduces: Reduces, bundles: Bundles):
+        self.ctx, self.members, self.reduces, self.bundles = ctx, members, reduces, bundles
+        self.world_size, self.mode, self.config = ctx.world_size, ctx.mode, ctx.config
+        self.balance, self.stop = ctx.balance, ctx.stop
+        self.holdings, self.observer = ctx.holdings, ctx.observer
         self.pools: List[EpochPool] = []  # where work of a dead rank goes back
         self.pool_epoch = 0
         self.window = 0
@@ -57,7 +55,7 @@ class Windows:
         # (rank -> (when sent, the pool it came from, the order))
         self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
         self.exact = None  # nccl_sync's exact windows (control.exact), when gradients are averaged
-        self.deadlines = Deadlines(reduces.recorder, config.elche.deadline_headroom)
+        self.deadlines = Deadlines(ctx.recorder, ctx.config.elche.deadline_headroom)
 
     @property
     def alive(self) -> Set[int]:
@@ -96,7 +94,7 @@ class Windows:
 
     def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
         if self.stop.is_set():  # asked during the last epoch's close: none of this one is trained
-            self._graceful_stop(epoch, pool.uncovered())
+            self.bundles.graceful_stop(epoch, pool.uncovered())
         epoch_tally = EpochTally.empty(self.world_size)
         if self.exact is not None:
             self.exact.run_epoch(epoch, pool, epoch_tally)
@@ -136,13 +134,13 @@ class Windows:
 
         trains = plan_window()
         for rank, order in trains.items():
-            self._send(rank, order)
+            self.ctx.send(rank, order)
         reduces = 0
         while trains or self._pools_remaining():  # work given back by a dead rank is redone
             if not trains:
                 trains = plan_window()
                 for rank, order in trains.items():
-                    self._send(rank, order)
+                    self.ctx.send(rank, order)
             window = WindowTally.empty(self.world_size)
             self._collect_windows(trains, window, epoch, epoch_tally,
                                   pool_of=lambda rank: pool if parts is None else parts[rank])
@@ -156,7 +154,8 @@ class Windows:
             if not trains:  # orders sent on the reduce (a stop asked meanwhile) are cut and reduced first
                 self.stop_if_asked(epoch)
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
-                self.save_bundle("checkpoint", epoch, self.uncovered() + [as_range(s) for s in in_flight])
+                uncovered = self.uncovered() + [as_range(s) for s in in_flight]
+                self.bundles.save_bundle("checkpoint", epoch, uncovered)
 
     @property
     def _progressive(self) -> bool:
@@ -204,7 +203,7 @@ class Windows:
         whole is not redone: the resume starts at the next one."""
         if self.stop.is_set():
             uncovered = self.uncovered() + self.holdings.uncovered(epoch)
-            self._graceful_stop(epoch if uncovered else epoch + 1, uncovered)
+            self.bundles.graceful_stop(epoch if uncovered else epoch + 1, uncovered)
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
         """A dead rank's share of a sync epoch is split evenly among the survivors, so the
@@ -230,7 +229,7 @@ class Windows:
         then_sync = self._sync_after(1) if fold else None
 
         def give(rank: int) -> None:
-            self._send(rank, self.train_order(epoch, parts[rank].take(self.config.batch_size),
+            self.ctx.send(rank, self.train_order(epoch, parts[rank].take(self.config.batch_size),
                                                then_sync=then_sync))
             in_flight[rank] = time.perf_counter()
 
@@ -243,7 +242,7 @@ class Windows:
                 del in_flight[rank]
             if not in_flight:
                 break
-            done = self._next(expect=WindowDone, accept=lambda m: m.window <= self.window)
+            done = self.ctx.next(expect=WindowDone, accept=lambda m: m.window <= self.window)
             if done is None or done.window < self.window:  # a cancelled order's report
                 continue
             del in_flight[done.rank]
@@ -272,7 +271,7 @@ class Windows:
         then_sync = self._sync_after(2, given)
         order = self.train_order(epoch, part.take(self.config.batch_size), then_sync=then_sync,
                                   ahead_of=self.reduces.round + 1)
-        self._send(rank, order)
+        self.ctx.send(rank, order)
         self._ahead[rank] = (time.perf_counter(), part, order)
 
     def cancel_ahead(self) -> None:
@@ -365,7 +364,7 @@ class Windows:
             waiting &= self.alive
             if not waiting:
                 break
-            done = self._next(expect=WindowDone)
+            done = self.ctx.next(expect=WindowDone)
             if done is None:
                 continue
             waiting.discard(done.rank)
