@@ -86,8 +86,8 @@ class Coordinator:
         self.recorder = self.timeline.recorder  # the coordinator's own spans
         self.mode = config.elche.mode
         self.observer = observer or Observer()
-        self.ctx = zmq.Context()  # its own: the handshake gate is one per context
-        sock, self.address, self._gate = bind_router(self.ctx, bind_host, port, max_frame_bytes, secret)
+        self._zmq = zmq.Context()  # its own: the handshake gate is one per context
+        sock, self.address, self._gate = bind_router(self._zmq, bind_host, port, max_frame_bytes, secret)
         self.channel = Channel(sock, secret, admitted=self._gate.cap.admitted)
         self.identities: Dict[int, bytes] = {}
         self.joined: Dict[int, RankJoined] = {}
@@ -486,7 +486,7 @@ class Coordinator:
         the garbage collector finds the context: nobody joins or speaks to a finished run."""
         self.channel.socket.close(linger=1000)
         self._gate.stop()
-        self.ctx.term()
+        self._zmq.term()
 
     def _report_flood(self) -> None:
         """A flood of connections without the secret: the run went on; say what it turned away."""
