@@ -44,6 +44,10 @@ def _state(model, optimizer) -> dict:
             for key in (*KEYS, "step")}
 
 
+def _shares(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
 def test_bind_rehomes_the_moments_into_one_buffer_the_optimizer_keeps_stepping():
     """Pins the re-homing: every exp_avg/exp_avg_sq becomes a view of one flat buffer (two
     tensors per parameter, the step counters left out), AdamW's next step updates that buffer
@@ -53,7 +57,7 @@ def test_bind_rehomes_the_moments_into_one_buffer_the_optimizer_keeps_stepping()
     moments = FlatMoments(model, optimizer)
     (flat,) = moments.bind()
     assert flat.numel() == 2 * sum(p.numel() for p in model.parameters())
-    assert all(optimizer.state[p][k].data_ptr() >= flat.data_ptr() for p in model.parameters() for k in KEYS)
+    assert all(_shares(optimizer.state[p][k], flat) for p in model.parameters() for k in KEYS)
     layout = moments.fingerprint()
     assert layout != 0
     before = flat.clone()
@@ -65,6 +69,26 @@ def test_bind_rehomes_the_moments_into_one_buffer_the_optimizer_keeps_stepping()
     assert float(optimizer.state[next(model.parameters())]["step"]) == 3.0
     optimizer.state.clear()
     assert moments.bind() == [] and moments.fingerprint() == 0
+
+
+def test_a_rehomed_state_saves_and_resumes_as_before():
+    """Pins checkpoint/resume with the key on: the state dict of a re-homed AdamW saves no more
+    than the moments (one shared storage, not a copy per view), loads into a fresh optimizer
+    with equal values and step counters, and that optimizer's state binds (re-homed anew)."""
+    import io
+
+    model, optimizer = _trained(seed=2, steps=2)
+    (flat,) = FlatMoments(model, optimizer).bind()
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    assert saved.tell() < flat.numel() * flat.element_size() + 8192
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.05)
+    saved.seek(0)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    assert all(torch.equal(v, _state(model, optimizer)[k]) for k, v in _state(model, resumed).items())
+    moments = FlatMoments(model, resumed)
+    assert torch.equal(moments.bind()[0], flat)
+    assert all(_shares(resumed.state[p][k], moments.buffers[0]) for p in model.parameters() for k in KEYS)
 
 
 def _pair_worker(rank: int, port: int, out_dir: str) -> None:
