@@ -2,9 +2,9 @@
 cohort, step the outer optimizer, and undo all of it when the coordinator retries the round
 after a death.
 
-Owns what a retry needs (the pre-reduce replica, with the optimizer's moments when they ride) and, under nccl_cadence, the parameters this
-window began from (the divergence's cosine and magnitude). The group is RankGroup's; when to
-reduce is the coordinator's.
+Owns what a retry needs (the pre-reduce replica, the optimizer's moments when they ride) and,
+under nccl_cadence, the parameters this window began from (the divergence's cosine and
+magnitude). The group is RankGroup's; when to reduce is the coordinator's.
 """
 
 from __future__ import annotations
