@@ -41,12 +41,32 @@ CADENCE_ONLY = PARTS["cadence"][2:]
 
 
 def variant_parts(specs: List[str]) -> Dict[str, List[str]]:
-    """`NAME:OVERRIDE;OVERRIDE...` -> a part that runs only nccl_cadence with those overrides."""
+    """`NAME:OVERRIDE;OVERRIDE...` -> a part that runs only nccl_cadence with those overrides.
+    `bench.*` overrides go to the bench; any other (a run's key, e.g.
+    `elche.reduce_optimizer_state=true`) joins `bench.overrides`, which every run of the bench
+    takes (`moments:elche.reduce_optimizer_state=true` is nccl_cadence with outer=none so)."""
     parts = {}
     for spec in specs:
-        name, _, overrides = spec.partition(":")
-        parts[name] = ["bench.modes=[nccl_cadence]", *CADENCE_ONLY, *overrides.split(";")]
+        name, _, text = spec.partition(":")
+        given = [o for o in text.split(";") if o]
+        bench = [o for o in given if o.startswith(("bench.", "+bench.", "~bench."))]
+        runs = [o for o in given if o not in bench]
+        parts[name] = ["bench.modes=[nccl_cadence]", *CADENCE_ONLY, *_with_run_overrides(bench, runs)]
     return parts
+
+
+def _with_run_overrides(bench: List[str], runs: List[str]) -> List[str]:
+    """`bench` with `runs` appended to its bench.overrides list (one made when it has none)."""
+    if not runs:
+        return bench
+    quoted = ",".join(f"'{o}'" for o in runs)
+    for i, item in enumerate(bench):
+        key, _, value = item.partition("=")
+        if key == "bench.overrides" and value.startswith("[") and value.endswith("]"):
+            inner = value[1:-1].strip()
+            bench[i] = f"bench.overrides=[{inner + ',' if inner else ''}{quoted}]"
+            return bench
+    return [*bench, f"bench.overrides=[{quoted}]"]
 
 
 def run(out: Path, rig: str, seeds: List[int], epochs: int, evals: int,
@@ -125,7 +145,9 @@ def main() -> int:
                    help="overrides of every run, e.g. recipe.params.max_bytes=100000")
     r.add_argument("--variant", nargs="*", default=[],
                    help="NAME:OVERRIDE;OVERRIDE...: run only these nccl_cadence benches "
-                        "(e.g. 'slowmo_m05:bench.outers=[slowmo];bench.overrides=[outer.momentum=0.5]')")
+                        "(e.g. 'slowmo_m05:bench.outers=[slowmo];bench.overrides=[outer.momentum=0.5]'"
+                        " or 'moments:elche.reduce_optimizer_state=true'; a run's keys join "
+                        "bench.overrides)")
     r.add_argument("--jobs", type=int, default=12, help="benches at once (2 cores each)")
     t = sub.add_parser("table")
     t.add_argument("outs", type=Path, nargs="+")

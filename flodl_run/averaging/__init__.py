@@ -1,4 +1,5 @@
-"""Parameter averaging: flat parameter storage, the collective consensus and its math, the
+"""Parameter averaging: flat parameter storage (and the optimizer moments that may ride the
+reduce), the collective consensus and its math, the
 central (coordinator-side) average, shared-memory slabs, tensor frames, and the outer optimizers
 (SlowMo, DiLoCo).
 

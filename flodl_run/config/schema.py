@@ -146,6 +146,9 @@ class ElCheConfig:
     """EASGD elastic weight in (0, 1]; honoured on cpu_async only; null = plain overwrite."""
     gamma: float = 1.0
     """Consensus weight exponent: w_k = n_k ** gamma; >= 0."""
+    reduce_optimizer_state: bool = False
+    """Average the inner optimizer's per-parameter float state (AdamW's moments, SGD's momentum)
+    with the parameters' weights at each consensus; step counters stay each rank's own."""
     meta_controller: bool = True
     """LR-aware meta-controller above ElChe."""
     sync_average: SyncAverage = SyncAverage.grads

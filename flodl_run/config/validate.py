@@ -162,6 +162,10 @@ def _elche(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     if e.easgd_alpha is not None and not (0 < e.easgd_alpha <= 1):
         yield Problem("elche.easgd_alpha", e.easgd_alpha, "must be in (0, 1]")
     yield from _partition_ratios(e.partition_ratios, world_size)
+    if e.reduce_optimizer_state and not e.mode.is_collective:
+        yield Problem("elche.reduce_optimizer_state", True,
+                      "must be false in mode " + e.mode.value + ": only the collective modes "
+                      "(nccl_cadence, nccl_sync with sync_average=params) average the optimizer state")
     yield from _elche_warnings(cfg)
 
 
@@ -195,6 +199,9 @@ def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
     if e.window_end is not WindowEnd.count and e.mode.is_sync:
         yield (f"elche.window_end={e.window_end.value} has no effect in mode {e.mode.value}: "
                "sync modes reduce every step")
+    if e.reduce_optimizer_state and e.averages_gradients:
+        yield ("elche.reduce_optimizer_state has no effect in mode nccl_sync with "
+               "sync_average=grads: every rank takes the same optimizer step")
     if e.relax_up and e.mode.is_sync:
         yield f"elche.relax_up has no effect in mode {e.mode.value}: sync modes reduce every step"
 

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.moments import FlatMoments
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.averaging.shm import PREFIX_ENV
 from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd, lr_factor
@@ -112,9 +113,13 @@ class RankWorker:
                                      self.device.index if self.device.type == "cuda" else None,
                                      aligns=config.elche.window_end is WindowEnd.deadline)
         self.recorder = self.timeline.recorder
+        # the exact path below steps one optimizer on the same gradient everywhere: nothing to average
+        moments = FlatMoments(self.replica.model, self.replica.optimizer) \
+            if config.elche.reduce_optimizer_state and not self._exact_path() else None
         self.collective = CollectiveReduce(env.rank, self.replica, self.flat, self.outer, self.group,
                                            self.recorder, config.elche.gamma,
-                                           track_start=self.mode is Mode.nccl_cadence)
+                                           track_start=self.mode is Mode.nccl_cadence,
+                                           moments=moments)
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
@@ -122,7 +127,10 @@ class RankWorker:
         # nccl_sync's exact path (gradients averaged inside backward); a recipe with its own
         # loop steps its optimizers itself, so it averages parameters instead
         self.exact = (ExactSync(self.replica, self.flat, self.group, self.slowdown)
-                      if config.elche.averages_gradients and self.recipe.loop is None else None)
+                      if self._exact_path() else None)
+
+    def _exact_path(self) -> bool:
+        return self.config.elche.averages_gradients and self.recipe.loop is None
 
     # ---- lifecycle -------------------------------------------------------------------------
 

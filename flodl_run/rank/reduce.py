@@ -2,9 +2,9 @@
 cohort, step the outer optimizer, and undo all of it when the coordinator retries the round
 after a death.
 
-Owns what a retry needs (the pre-reduce replica) and, under nccl_cadence, the parameters this
-window began from (the divergence's cosine and magnitude). The group is RankGroup's; when to
-reduce is the coordinator's.
+Owns what a retry needs (the pre-reduce replica, the optimizer's moments when they ride) and,
+under nccl_cadence, the parameters this window began from (the divergence's cosine and
+magnitude). The group is RankGroup's; when to reduce is the coordinator's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from flodl_run.averaging.collective import (
     weighted_reduce_,
 )
 from flodl_run.averaging.flat import FlatParams
+from flodl_run.averaging.moments import FlatMoments
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import Reduced, ReduceFailed, SyncNow
@@ -46,15 +47,22 @@ class _Undo:
     steps: int
     outer: Optional[Dict[str, List[torch.Tensor]]]
     start: Optional[List[torch.Tensor]]
+    moments: Optional[List[torch.Tensor]] = None
+    """The optimizer's moments before the reduce (None: they did not ride it)."""
+    layout: int = 0
+    """Their layout's fingerprint: restored only while the optimizer still holds that layout."""
 
 
 class CollectiveReduce:
-    """One rank's reduces over its RankGroup. `run` is called on the main thread per SyncNow."""
+    """One rank's reduces over its RankGroup. `run` is called on the main thread per SyncNow.
+    `moments` (elche.reduce_optimizer_state): the optimizer state averaged with the parameters."""
 
     def __init__(self, rank: int, replica: Replica, flat: FlatParams, outer: OuterOptimizer,
-                 group: RankGroup, recorder: Recorder, gamma: float, track_start: bool):
+                 group: RankGroup, recorder: Recorder, gamma: float, track_start: bool,
+                 moments: Optional[FlatMoments] = None):
         self.rank, self.replica, self.flat, self.outer = rank, replica, flat, outer
         self.group, self.recorder, self.gamma = group, recorder, gamma
+        self.moments = moments
         self._last: Optional[_Undo] = None
         # nccl_cadence: where this window began (the last consensus), for the divergence's
         # cosine/magnitude; a spare buffer of the same size takes the next one (no allocation).
@@ -84,7 +92,8 @@ class CollectiveReduce:
             self.group.fail()
             return ReduceFailed(self.rank, order.round, str(exc)), steps
         averaged_ns = self.recorder.now()
-        self._last = _Undo(order.round, outcome.scratch, steps, outer_before, self._start)
+        self._last = _Undo(order.round, outcome.scratch, steps, outer_before, self._start,
+                           outcome.moments, self.moments.fingerprint() if self.moments else 0)
         if outcome.applied and self.outer.step_(self.flat.buffers):
             after_outer_step(self.replica, self.outer.config)
         if self._start is not None:
@@ -127,11 +136,13 @@ class CollectiveReduce:
             return ReduceOutcome(weight > 0.0, weight, weight, 0.0, None, finite)
         with self.group.collective():
             return weighted_reduce_(self.flat, steps, self.gamma, broken=self.group.broken,
-                                    start=self._start, measure=measure, lined_up=self.recorder.lap)
+                                    start=self._start, measure=measure, lined_up=self.recorder.lap,
+                                    moments=self.moments)
 
     def _undo(self) -> int:
-        """Back to the pre-reduce replica (parameters, outer state, the window's start); returns
-        the batch count since the reduce before it."""
+        """Back to the pre-reduce replica (parameters, outer state, the window's start, the
+        optimizer's moments unless its state was cleared since); returns the batch count since
+        the reduce before it."""
         last, self._last = self._last, None
         if last.scratch is not None:
             self.flat.copy_(last.scratch)
@@ -139,4 +150,8 @@ class CollectiveReduce:
             self._start, self._spare = last.start, self._start
         if last.outer is not None:
             self.outer.load_state_dict(last.outer)
+        if last.moments is not None and self.moments is not None:
+            self.moments.bind()  # a cleared state (reset, non-finite) restarts on the retry too
+            if self.moments.fingerprint() == last.layout:
+                self.moments.copy_(last.moments)
         return last.steps
