@@ -3,12 +3,14 @@ on a CPU rig, for several seeds, every entry's final eval and its time to torch 
 eval of the same seed (`x DDP to quality`, docs/benchmarks.md), as medians over the seeds.
 
   python3 tools/quality_study.py run OUT RIG [--seeds 0 1 2] [--epochs 3] [--evals-per-epoch 4]
-      [--recipe-overrides recipe.params.max_bytes=100000 ...]
+      [--recipe-overrides recipe.params.max_bytes=100000 ...] [--parts peers cadence]
+      [--variant NAME:OVERRIDE;OVERRIDE ...] [--jobs 12]
   python3 tools/quality_study.py table OUT [OUT ...]
 
 `run` starts two benches per seed at once (one rank per core, 4 cores a seed): one with torch
 DDP, torch local SGD and nccl_sync, one with nccl_cadence under each outer (none, diloco,
-slowmo) and no peers (no bare solo loops: the study needs no ideal). The second bench's entries are set against the first's DDP bar by
+slowmo) and no peers (no bare solo loops: the study needs no ideal). The second bench's
+entries are set against the first's DDP bar by
 `table`, which reads every OUT/<rig>/seed<k>/<part>/bench.json and prints the markdown table.
 RIG: `homogeneous` (cluster=cpu, 2 one-thread ranks) or `pair` (cluster=cpu_pair, [1.0, 2.5]).
 """
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from flodl_run.report.quality import NOT_REACHED, speedup, time_to_bar
 
@@ -67,6 +69,13 @@ def _with_run_overrides(bench: List[str], runs: List[str]) -> List[str]:
             bench[i] = f"bench.overrides=[{inner + ',' if inner else ''}{quoted}]"
             return bench
     return [*bench, f"bench.overrides=[{quoted}]"]
+
+
+def _chosen(parts: Optional[List[str]], variants: List[str]) -> Dict[str, List[str]]:
+    """The benches of a seed: the standard parts asked for (both without --variant), then the
+    variants."""
+    names = parts if parts is not None else ([] if variants else list(PARTS))
+    return {**{name: PARTS[name] for name in names}, **variant_parts(variants)}
 
 
 def run(out: Path, rig: str, seeds: List[int], epochs: int, evals: int,
@@ -148,6 +157,9 @@ def main() -> int:
                         "(e.g. 'slowmo_m05:bench.outers=[slowmo];bench.overrides=[outer.momentum=0.5]'"
                         " or 'moments:elche.reduce_optimizer_state=true'; a run's keys join "
                         "bench.overrides)")
+    r.add_argument("--parts", nargs="*", choices=sorted(PARTS), default=None,
+                   help="which of the two standard benches to run (default: both, or none "
+                        "when --variant is given)")
     r.add_argument("--jobs", type=int, default=12, help="benches at once (2 cores each)")
     t = sub.add_parser("table")
     t.add_argument("outs", type=Path, nargs="+")
@@ -155,7 +167,7 @@ def main() -> int:
     if args.cmd == "run":
         return run(args.out, args.rig, args.seeds, args.epochs, args.evals_per_epoch,
                    args.recipe_overrides,
-                   variant_parts(args.variant) or PARTS, args.jobs)
+                   _chosen(args.parts, args.variant), args.jobs)
     table(args.outs)
     return 0
 
