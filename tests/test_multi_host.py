@@ -119,12 +119,10 @@ def test_two_host_run_completes(sshd, tmp_path, mode):
     a collective and a coordinator-averaged mode, per-rank logs in <run dir>/ranks, output
     prefixed by host and rank, the shared-storage note once, no secret in any output, and
     system figures once per node: each worker host under its configured name in summary.json
-    and in MLflow (besides the launcher's own node), and each worker host's system metrics over
-    time (sent by its lowest rank) at steps 0, 1, ..."""
+    and in MLflow (besides the launcher's own node)."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
     db = tmp_path / "mlflow.db"
     done = run_cli(*_command(tmp_path, sshd, run_dir, f"elche={mode}", "num_epochs=1",
-                             "tracking.system_metrics_interval_s=0.5",
                              tracking=f"tracking.uri=sqlite:///{db}"))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -147,12 +145,6 @@ def test_two_host_run_completes(sshd, tmp_path, mode):
     metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
     for host in [socket.gethostname(), *HOSTS]:
         assert metrics[f"system/{metric_safe(host)}/cpu_count"] == os.cpu_count(), host
-    for host in HOSTS:  # each worker host over time, from its lowest rank's heartbeats
-        cpu = client.get_metric_history(summary["mlflow_run_id"],
-                                        f"system/{metric_safe(host)}/cpu_utilization_percentage")
-        # >= 1, not >= 2: training here lasts about a second after the rank's MLflow import
-        assert len(cpu) >= 1 and all(0.0 <= m.value <= 100.0 for m in cpu), host
-        assert sorted(m.step for m in cpu) == list(range(len(cpu))), host
 
 
 def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path):
