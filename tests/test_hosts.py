@@ -182,6 +182,8 @@ def test_remote_rank_environment_is_the_torchrun_contract_without_the_secret():
         "MASTER_ADDR": "gpu-a.test", "MASTER_PORT": "29511"}
     assert env["FLODL_RUN_COORD"] == "tcp://gpu-a.test:29400"
     assert env["FLODL_RUN_STORE_HOSTED"] == "1" and env["FLODL_RUN_NODE"] == "gpu-b.test"
+    # the launcher's node, which its own MLflow monitor samples (this rank's node is another)
+    assert env["FLODL_RUN_LAUNCHER_NODE"] == __import__("socket").gethostname()
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ib0"
     assert env["LD_PRELOAD"] == "/opt/nccl.so" and env["FLODL_RUN_DEVICE"] == "cpu"
     assert env["OMP_NUM_THREADS"] == "4"  # 8 cores / 2 CPU ranks

@@ -143,6 +143,7 @@ def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeyp
     assert "FLODL_RUN_SECRET" not in env and env["FLODL_RUN_SECRET_FILE"] == str(tmp_path / "secret")
     assert (env["MASTER_ADDR"], env["OMP_NUM_THREADS"], env["FLODL_RUN_STORE_HOSTED"]) == \
         ("gpu-a.test", "2", "1")
+    assert env["FLODL_RUN_LAUNCHER_NODE"] == "n1"  # the batch host's tasks leave it to MLflow's monitor
     assert not any("deadbeef" in word for word in gpu)
 
 

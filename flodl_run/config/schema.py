@@ -388,8 +388,9 @@ class TrackingConfig:
     experiment: str = "flodl_run"
     """MLflow experiment name."""
     system_metrics: bool = True
-    """Log host and GPU figures once per node, and the launcher's host over time (MLflow's
-    system-metrics monitor: CPU, memory, disk, network, each GPU's utilisation and memory)."""
+    """Log host and GPU figures once per node, and every host over time (MLflow's system-metrics
+    collectors: CPU, memory, disk, network, each GPU's utilisation and memory; the launcher's
+    host by MLflow's monitor, each other host by its lowest rank through the coordinator)."""
     system_metrics_interval_s: float = 10.0
     """Seconds between two samples of the system-metrics monitor; > 0."""
 

@@ -62,6 +62,15 @@ class RankJoined(Message):
     """Wall of one all-reduce of the flat parameters, timed before training (collective modes)."""
 
 
+class NodeSample(msgspec.Struct, frozen=True):
+    """One reading of MLflow's system-metrics collectors on a node the launcher does not run on."""
+
+    node: str
+    """The node's name as its ranks report it (NodeFacts.name)."""
+    metrics: Dict[str, float]
+    """MLflow's own names (`cpu_utilization_percentage`, `gpu_0_utilization_percentage`, ...)."""
+
+
 class Heartbeat(Message):
     rank: int
     batches: int = 0
@@ -71,6 +80,9 @@ class Heartbeat(Message):
     busy_percent: Optional[float] = None
     """How busy the rank's device was since its last beat, in percent (rank.busy); None when
     not sampled (tracking.system_metrics off) or the device cannot say."""
+    node_sample: Optional[NodeSample] = None
+    """The system metrics of the rank's node, when this rank samples them and one is due
+    (rank.nodesample); None on every other beat, and on every rank of the launcher's node."""
 
 
 class WindowDone(Message):

@@ -403,6 +403,8 @@ class Coordinator:
                                    message if isinstance(message, Heartbeat) else None)
             if isinstance(message, Heartbeat) and message.busy_percent is not None:
                 self.observer.on_busy(message.rank, message.busy_percent)
+            if isinstance(message, Heartbeat) and message.node_sample is not None:
+                self.observer.on_node_sample(message.rank, message.node_sample)
             if isinstance(message, (ClockPing, TimelineEvents)):
                 self.timeline.receive(message, received.identity, self.channel)
                 continue

@@ -11,6 +11,7 @@ host means is the coordinator's.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -182,6 +183,8 @@ def rank_environment(cluster: ClusterConfig, layout: HostLayout, slots: WorkerSl
         "MASTER_ADDR": layout.master_addr, "MASTER_PORT": str(layout.master_port),
         "FLODL_RUN_COORD": coord, "FLODL_RUN_NODE": slots.worker.host, "PYTHONUNBUFFERED": "1",
         "FLODL_RUN_STORE_HOSTED": "1",
+        # the node the launcher's MLflow monitor samples: a worker named so samples nothing itself
+        "FLODL_RUN_LAUNCHER_NODE": socket.gethostname(),
     })
     if slots.worker.nccl_socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = slots.worker.nccl_socket_ifname

@@ -173,6 +173,9 @@ def step_environment(cluster: ClusterConfig, plan: SlurmPlan, coord: str, master
         "MASTER_ADDR": plan.addr, "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
         "FLODL_RUN_FILE": str(run_file), "FLODL_RUN_SECRET_FILE": str(secret_file),
         "FLODL_RUN_STORE_HOSTED": "1", "PYTHONUNBUFFERED": "1",
+        # the launcher's node as Slurm names it (a task's FLODL_RUN_NODE): the launcher's MLflow
+        # monitor samples it, the lowest task of every other node samples its own
+        "FLODL_RUN_LAUNCHER_NODE": plan.allocation.batch_host,
     })
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if plan.gpus:  # each task sees its own GPU (--gpus-per-task=1), so cuda:0 is its own

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Callable, Dict, List, Sequence
 
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord
+from flodl_run.contracts.wire import NodeSample
 from flodl_run.hardware.hostinfo import HostInfo
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class Observer:
         """A rank's heartbeat said how busy its device was since the last one, in percent (its
         GPU's utilisation, or its CPU time per thread). Distributed runs, system_metrics on."""
 
+    def on_node_sample(self, rank: int, sample: NodeSample) -> None:
+        """The lowest rank of a node the launcher does not run on read the node's system
+        metrics (MLflow's collectors, every tracking.system_metrics_interval_s)."""
+
 
 class Observers(Observer):
     """Fans every hook out to several observers, in order; one that cannot write is said once
@@ -90,6 +95,9 @@ class Observers(Observer):
 
     def on_busy(self, rank: int, busy_percent: float) -> None:
         self._fan("on_busy", rank, busy_percent)
+
+    def on_node_sample(self, rank: int, sample: NodeSample) -> None:
+        self._fan("on_node_sample", rank, sample)
 
 
 class OutputErrors:

@@ -11,7 +11,8 @@ from typing import Callable, Optional, Tuple
 
 import zmq
 
-from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, Listening, connect_dealer
+from flodl_run.contracts.wire import (AbortGroup, Channel, Heartbeat, Listening, NodeSample,
+                                      connect_dealer)
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned
 
 HEARTBEAT_PERIOD_S = 1.0
@@ -27,11 +28,14 @@ class HeartbeatThread(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, env: RankEnv, progress: Callable[[], Tuple[int, bool]],
                  on_beat: Callable[[Channel], None] = lambda channel: None,
-                 busy: Callable[[], Optional[float]] = lambda: None):
-        """`busy()`: the device's busy percent since the last beat (rank.busy), or None."""
+                 busy: Callable[[], Optional[float]] = lambda: None,
+                 node_sample: Callable[[], Optional[NodeSample]] = lambda: None):
+        """`busy()`: the device's busy percent since the last beat (rank.busy), or None;
+        `node_sample()`: the node's system metrics when this rank samples them and one is due
+        (rank.nodesample), or None."""
         super().__init__(daemon=True, name=f"heartbeat-{env.rank}")
         self.ctx, self.env, self.progress, self.on_beat = ctx, env, progress, on_beat
-        self.busy = busy
+        self.busy, self.node_sample = busy, node_sample
         self.stopped = threading.Event()
         self.silenced = threading.Event()
 
@@ -47,7 +51,8 @@ class HeartbeatThread(threading.Thread):
                 leave_orphaned(self.env)
             if self.silenced.is_set():
                 continue
-            channel.send(Heartbeat(self.env.rank, *self.progress(), self.busy()))
+            channel.send(Heartbeat(self.env.rank, *self.progress(), self.busy(),
+                                   self.node_sample()))
             self.on_beat(channel)  # the timeline's clock pings, counters and shipment
         sock.close()
 

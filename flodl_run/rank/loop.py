@@ -23,7 +23,7 @@ from flodl_run.averaging.flat import FlatParams
 from flodl_run.averaging.moments import FlatMoments
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.averaging.shm import PREFIX_ENV
-from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd, lr_factor
+from flodl_run.config.schema import ExperimentConfig, Mode, TrackingKind, WindowEnd, lr_factor
 from flodl_run.contracts import scalars
 from flodl_run.contracts.recipe import CallbackFailed, load_recipe
 from flodl_run.contracts.wire import (
@@ -58,6 +58,7 @@ from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
 from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s, fill_ms
+from flodl_run.rank.nodesample import node_sampler
 from flodl_run.rank.reduce import CollectiveReduce, after_outer_step
 from flodl_run.rank.replica import Replica
 from flodl_run.rank.snapshot import SnapshotExchange
@@ -140,12 +141,7 @@ class RankWorker:
             self.group.join(0, list(range(self.env.world_size)))
             if self.exact is not None:
                 self.exact.rebuild()
-        busy = BusySampler(self.device, torch.get_num_threads()).sample \
-            if self.config.tracking.system_metrics else (lambda: None)
-        heartbeat = HeartbeatThread(self.ctx, self.env, lambda: (self._batches_total, self._training),
-                                    self.timeline.on_beat, busy)
-        heartbeat.start()
-        self._heartbeat = heartbeat
+        heartbeat = self._start_heartbeat()
         listener = ListenerThread(self.ctx, self.env, self.group.abort, self.group.watch)
         if collective:
             listener.start()
@@ -167,6 +163,21 @@ class RankWorker:
             self.exchange.close()
             self.group.leave()
         return 0
+
+    def _start_heartbeat(self) -> HeartbeatThread:
+        """The heartbeat, with the device's busy share and, on the lowest rank of a node the
+        launcher does not run on, the node's system metrics (both only with system_metrics on)."""
+        tracking = self.config.tracking
+        busy = BusySampler(self.device, torch.get_num_threads()).sample \
+            if tracking.system_metrics else (lambda: None)
+        node_sample = node_sampler(os.environ, self.env.local_rank, tracking.system_metrics
+                                   and tracking.kind is not TrackingKind.off,
+                                   tracking.system_metrics_interval_s)
+        heartbeat = HeartbeatThread(self.ctx, self.env, lambda: (self._batches_total, self._training),
+                                    self.timeline.on_beat, busy, node_sample)
+        heartbeat.start()
+        self._heartbeat = heartbeat
+        return heartbeat
 
     def _regroup(self, order: Regroup) -> None:
         if self.env.rank not in order.members:

@@ -1,7 +1,8 @@
 """MLflow tracking from the launcher/coordinator process only.
 
 Owns the MLflow run of one job: params (batched, short values), tags (mode, outer, devices, git
-commit of the recipe's repo, the sweep parent), system figures once per node, per-epoch and
+commit of the recipe's repo, the sweep parent), system figures once per node and over time
+(MLflow's monitor on the launcher's node, the samples ranks send for the others), per-epoch and
 per-reduce metrics (the latter buffered and sent in batches), sub-epoch reports, events, the
 artifacts (run.yaml, summary.json, events.jsonl, the dashboard) and the final status. mlflow is
 imported only when tracking is on, so a `tracking=off` run needs no mlflow at all.
@@ -15,11 +16,12 @@ import logging
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig, OuterKind, TrackingConfig, TrackingKind
 from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord, Summary
+from flodl_run.contracts.wire import NodeSample
 from flodl_run.elche.phase import Phase
 from flodl_run.hardware.hostinfo import HostInfo, metric_safe, this_host
 from flodl_run.observe.observer import Observer
@@ -181,6 +183,7 @@ class MlflowTracker(NullTracker):
         self._broken = False
         self._monitor: Optional[Any] = None  # MLflow's system-metrics monitor of this host
         self._busy_steps: Dict[int, int] = {}  # per rank: its busy samples so far
+        self._node_samples = NodeSamples()  # the other nodes' system metrics over time
 
     # ---- start ------------------------------------------------------------------------------
 
@@ -287,6 +290,15 @@ class MlflowTracker(NullTracker):
         self._busy_steps[rank] = step + 1
         self._pending.extend(self._metrics({f"utilization/rank{rank}": busy_percent}, step))
 
+    def on_node_sample(self, rank: int, sample: NodeSample) -> None:
+        """`system/<node>/<metric>` over time for a node the launcher does not run on, as
+        MLflow's monitor logs the launcher's node (buffered with the reduce metrics)."""
+        if self.tracking.system_metrics:
+            own = self._monitor.node_id if self._monitor is not None else None
+            values = self._node_samples.keyed(rank, sample, own)
+            if values is not None:
+                self._pending.extend(self._metrics(*values))
+
     def on_report(self, record: ReportRecord) -> None:
         values = {"report/loss": record.avg_loss, "report/epoch": record.epoch + record.fraction}
         values.update({f"report/{metric_safe(k)}": v for k, v in record.scalars.items()})
@@ -343,6 +355,28 @@ class MlflowTracker(NullTracker):
         for name in self.artifacts:
             if (run_dir / name).is_file():
                 self.client.log_artifact(self.run_id, str(run_dir / name))
+
+
+class NodeSamples:
+    """Steps and keys of the node samples ranks send: `system/<node id>/<metric>` with MLflow's
+    metric names and node id the node's name made metric-safe, step 0, 1, 2, ... per node as
+    MLflow's monitor counts its logging steps. The first rank heard for a node speaks for it
+    (two workers of one host must not interleave steps of one key); the launcher's own node id is
+    its monitor's alone."""
+
+    def __init__(self) -> None:
+        self._speaker: Dict[str, int] = {}
+        self._steps: Dict[str, int] = {}
+
+    def keyed(self, rank: int, sample: NodeSample,
+              own: Optional[str]) -> Optional[Tuple[Dict[str, float], int]]:
+        """(values by key, step) of one sample; None when it is not this rank's to log."""
+        node = metric_safe(sample.node)
+        if node == own or self._speaker.setdefault(node, rank) != rank:
+            return None
+        step = self._steps.get(node, 0)
+        self._steps[node] = step + 1
+        return {f"system/{node}/{metric_safe(k)}": v for k, v in sample.metrics.items()}, step
 
 
 def start_monitor(run_id: str, tracking: TrackingConfig) -> Optional[Any]:
