@@ -19,7 +19,9 @@ from flodl_run.contracts.recipe import CallbackFailed, Recipe, RecipeError, load
 from flodl_run.contracts.summary import EpochRecord
 from flodl_run.contracts.wire import Evaluate, SaveCheckpoint, new_secret
 from flodl_run.control.coordinator import Coordinator
+from flodl_run.observe.observer import Observer
 from flodl_run.rank.replica import EVAL_BATCH_SIZE, Replica
+from tests import fakes
 from tests.fakes import FakeRank, drive
 from tests.support import _run
 
@@ -168,6 +170,14 @@ class _NotingRank(FakeRank):
         return super()._answer(order)
 
 
+class _NotingObserver(Observer):
+    def __init__(self):
+        self.events: list = []
+
+    def on_event(self, kind: str, message: str) -> None:
+        self.events.append(message)
+
+
 def _coordinate(recipe: Recipe, tmp_path: Path, mode: str = "nccl_sync", batch_size: int = 32, **run):
     config = ExperimentConfig(elche=ElCheConfig.preset(mode), batch_size=batch_size,
                               save_path=str(tmp_path / "ck"), epoch_callback_policy="rank:0", **run)
@@ -209,6 +219,29 @@ def test_checkpoint_fn_gets_the_last_epoch_the_saved_weights_include(tmp_path):
     assert summary.status == "completed" and summary.syncs > 3 * 2  # several reduces per epoch
     saves = [o for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)]
     assert [o.epoch for o in saves] == [1, 1, 2]  # at epoch 1 (mid), after epoch 1, at the end
+
+
+@pytest.mark.coordinator
+def test_a_mid_epoch_save_whose_first_window_took_the_whole_epoch_resumes_at_the_next(tmp_path,
+                                                                                      monkeypatch):
+    """Rule: when the first window of checkpoint_at_epoch's epoch hands out the whole epoch (one
+    batch per rank here), the save after its reduce covers the epoch: checkpoint_fn gets that
+    epoch and the bundle resumes at the next one, not at the start of the epoch it includes."""
+    monkeypatch.setattr(fakes, "NUM_SAMPLES", 8)  # two batches of 4: one window per epoch
+    observer = _NotingObserver()
+    config = ExperimentConfig(elche=ElCheConfig.preset("nccl_cadence"), batch_size=4, num_epochs=3,
+                              save_path=str(tmp_path / "ck"), epoch_callback_policy="rank:0",
+                              checkpoint_at_epoch=1)
+    secret = new_secret()
+    coord = Coordinator(config, 2, secret, observer=observer)
+    coord.recipe = _bare(checkpoint_fn=lambda epoch, model: None)
+    summary, ranks = drive(coord, [_NotingRank(r, 2, coord.address, secret, 0.2, 4, "nccl_cadence")
+                                   for r in range(2)])
+    assert summary.status == "completed" and summary.syncs == 3  # one reduce per epoch
+    saves = [o.epoch for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)]
+    assert saves == [1, 2]  # after epoch 1's only window, at the end
+    assert any(text.startswith("checkpoint:") and text.endswith("(resume at epoch 2)")
+               for text in observer.events), observer.events
 
 
 @pytest.mark.coordinator

@@ -155,7 +155,8 @@ class Windows:
                 self.stop_if_asked(epoch)
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
                 uncovered = self.uncovered() + [as_range(s) for s in in_flight]
-                self.bundles.save_bundle("checkpoint", epoch, uncovered)
+                # a first window that took the whole epoch makes this the epoch's end save
+                self.bundles.save_bundle("checkpoint", epoch if uncovered else epoch + 1, uncovered)
 
     @property
     def _progressive(self) -> bool:
