@@ -113,16 +113,16 @@ def test_probe_reports_both_hosts(sshd, tmp_path):
     assert not reports[0].reachable and "ssh failed" in problems[0][0]
 
 
-@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
-def test_two_host_run_completes(sshd, tmp_path, mode):
+def test_two_host_run_completes(sshd, tmp_path):
     """Pins the fan-out end to end: 2 + 1 CPU ranks on two sshd "hosts" train to completion in
-    a collective and a coordinator-averaged mode, per-rank logs in <run dir>/ranks, output
+    a coordinator-averaged mode (the collective one across both hosts is the host-loss test's
+    run, below), per-rank logs in <run dir>/ranks, output
     prefixed by host and rank, the shared-storage note once, no secret in any output, and
     system figures once per node: each worker host under its configured name in summary.json
     and in MLflow (besides the launcher's own node)."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
     db = tmp_path / "mlflow.db"
-    done = run_cli(*_command(tmp_path, sshd, run_dir, f"elche={mode}", "num_epochs=1",
+    done = run_cli(*_command(tmp_path, sshd, run_dir, "elche=cpu_cadence", "num_epochs=1",
                              tracking=f"tracking.uri=sqlite:///{db}"))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -151,13 +151,17 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     """Pins host loss in a collective mode, for the host that holds rank 0 (its only rank
     SIGKILLed mid-run): the rendezvous store lives with the launcher, so the two ranks on the
     other host rebuild their group and carry on to the end; the log names the lost host, nothing
-    of the run is left on either host, and the secret never shows in a process listing."""
+    of the run is left on either host, and the secret never shows in a process listing. The
+    surviving host's utilisation over time reaches MLflow under its node id, sampled by its
+    lowest rank (an SSH host has no MLflow run of its own)."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
     # heartbeat_timeout_secs=10 sets the survivors' group timeout (twice that) to 20 s instead of
     # 60, the backstop should a survivor again wait in a collective on a peer that failed the
     # round but kept its Gloo group open (4 runs of 8 did, before such a peer destroyed it).
+    db = tmp_path / "mlflow.db"
     launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=100",
-                                   "heartbeat_timeout_secs=10", devices=(["cpu"], ["cpu", "cpu"])),
+                                   "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.2",
+                                   devices=(["cpu"], ["cpu", "cpu"]), tracking=f"tracking.uri=sqlite:///{db}"),
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []
     for line in launcher.stdout:  # wait for training to be under way, then lose 127.0.0.2
@@ -176,3 +180,10 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     assert "host 127.0.0.2 lost: rank 0 gone (killed by SIGKILL)" in "".join(seen)
     assert not _await_gone(f"--run {run_dir.name}")
     assert not [p for p in ranks if Path(f"/proc/{p}").exists()]
+    import mlflow
+
+    # the surviving host's utilisation over time: its lowest rank samples it, steps 0, 1, ...
+    history = mlflow.MlflowClient(f"sqlite:///{db}").get_metric_history(
+        summary["mlflow_run_id"], f"system/{metric_safe(HOSTS[1])}/cpu_utilization_percentage")
+    assert len(history) >= 2 and all(0.0 <= m.value <= 100.0 for m in history), history
+    assert sorted(m.step for m in history) == list(range(len(history)))

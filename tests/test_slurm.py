@@ -345,35 +345,25 @@ def _wait_job(env: dict, job: str) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("slurm")
-def test_two_cpu_ranks_complete_under_sbatch(slurm, tmp_path):
+def test_cpu_ranks_under_sbatch_complete_and_survive_a_killed_task(slurm, tmp_path):
     """Pins `cluster=slurm` end to end: a job submitted by `flodl_run.submit` runs the launcher
-    on the batch host, which starts 2 CPU ranks as one srun step; the run completes with 2
-    ranks, each rank's output lands in its log, and the secret file is gone afterwards."""
-    job, output = _submit(slurm, tmp_path, "cluster.num_ranks=2", "num_epochs=1")
-    _wait_job(slurm, job)
-    text = output.read_text()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["world_size"] == 2, text[-3000:]
-    assert f"ddp: 2 ranks as one srun step on 1 node (job {job}:" in text
-    assert (tmp_path / "run" / "ranks" / "rank1.log").read_text().startswith(
-        "# rank 1 of 2: task 1 of srun step")
-    assert not (tmp_path / "run" / "secret").exists()
-
-
-@pytest.mark.e2e
-@pytest.mark.xdist_group("slurm")
-def test_a_killed_task_is_survived(slurm, tmp_path):
-    """Pins 'a task's exit is a rank death the survivors carry on through': SIGKILL rank 2 of
-    3 after its 8th batch; srun keeps the other tasks (--kill-on-bad-exit=0), the launcher
-    reads srun's report as rank 2's death, and the run completes with ranks 0 and 1."""
+    on the batch host, which starts 3 CPU ranks as one srun step, each rank's output in its
+    log; SIGKILL rank 2 after its 8th batch: srun keeps the other tasks (--kill-on-bad-exit=0),
+    the launcher reads srun's report as rank 2's death, the run completes with ranks 0 and 1,
+    and the secret file is gone afterwards."""
     env = dict(slurm, FLODL_RUN_FAULT="2:8:SIGKILL")
     job, output = _submit(env, tmp_path, "cluster.num_ranks=3", "cluster.threads_per_rank=1",
                           "num_epochs=2", "cluster.slurm.sbatch_args=[--overcommit]")
     _wait_job(slurm, job)
     text = output.read_text()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["dead_ranks"] == [2], text[-3000:]
+    assert summary["status"] == "completed" and summary["world_size"] == 3, text[-3000:]
+    assert summary["dead_ranks"] == [2], text[-3000:]
+    assert f"ddp: 3 ranks as one srun step on 1 node (job {job}:" in text
     assert "rank 2 lost" in text and "rank 2 exited with code 137" in text
+    assert (tmp_path / "run" / "ranks" / "rank1.log").read_text().startswith(
+        "# rank 1 of 3: task 1 of srun step")
+    assert not (tmp_path / "run" / "secret").exists()
 
 
 @pytest.mark.e2e

@@ -141,7 +141,7 @@ def test_a_local_submitit_job_stopped_by_its_notice_is_requeued_and_resumes(tmp_
 
     sweep_dir = tmp_path / "multirun"
     launcher = start_cli("-m", "hydra/launcher=slurm_local", "seed=3", "cluster=solo", "num_epochs=60",
-                         "checkpoint_every=1", f"tracking.uri=sqlite:///{mlflow_db}",
+                         f"tracking.uri=sqlite:///{mlflow_db}",
                          f"hydra.sweep.dir={sweep_dir}")
     wait_for("the job trained an epoch", lambda: "epoch 2/60" in text_of(sweep_dir / "0" / "cli.log"))
     controller = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit())

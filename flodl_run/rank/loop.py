@@ -71,6 +71,11 @@ class RankWorker:
 
     def __init__(self, env: RankEnv, config: ExperimentConfig):
         self.env, self.config = env, config
+        tracking = config.tracking
+        # built first: its collectors import MLflow on a thread while the recipe and data load
+        self._node_sample = node_sampler(os.environ, env.local_rank, tracking.system_metrics
+                                         and tracking.kind is not TrackingKind.off,
+                                         tracking.system_metrics_interval_s)
         self.device = pick_device(env)
         if self.device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
@@ -170,11 +175,8 @@ class RankWorker:
         tracking = self.config.tracking
         busy = BusySampler(self.device, torch.get_num_threads()).sample \
             if tracking.system_metrics else (lambda: None)
-        node_sample = node_sampler(os.environ, self.env.local_rank, tracking.system_metrics
-                                   and tracking.kind is not TrackingKind.off,
-                                   tracking.system_metrics_interval_s)
         heartbeat = HeartbeatThread(self.ctx, self.env, lambda: (self._batches_total, self._training),
-                                    self.timeline.on_beat, busy, node_sample)
+                                    self.timeline.on_beat, busy, self._node_sample)
         heartbeat.start()
         self._heartbeat = heartbeat
         return heartbeat
