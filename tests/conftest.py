@@ -19,7 +19,7 @@ running beside it; all other tests share that lock. One marked `apart` has a bou
 and coordinator tests) from running beside it, while unit tests, one light process, may.
 
 Starting processes: `support._run` forks each CLI run from a per-worker launch server that
-has imported torch, Hydra and the runner (tests/launchserver.py says what that changes: nothing
+has imported torch, Hydra, MLflow and the runner (tests/launchserver.py says what that changes: nothing
 the run can see), and `support.start_ranks` forks a test's Gloo ranks from multiprocessing's
 forkserver; a fresh interpreter spends about two CPU-seconds importing torch. Tests about an
 interpreter's start or about signals to a launcher start `python -m flodl_run` themselves.

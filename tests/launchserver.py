@@ -1,4 +1,5 @@
-"""A parent that has imported what `python -m flodl_run` imports, and forks the tests' CLI runs
+"""A parent that has imported what `python -m flodl_run` imports (MLflow too, which a tracked
+run's launcher imports), and forks the tests' CLI runs
 from that state (`support._run` uses it; not a test module).
 
 Why: most end-to-end tests run the CLI, and a fresh interpreter spends about two CPU-seconds
@@ -42,6 +43,7 @@ MAX_MESSAGE = 1 << 20
 
 def _preload() -> None:
     import hydra  # noqa: F401
+    import mlflow  # noqa: F401  (a tracked run's launcher imports it: most of the suite's runs)
 
     import flodl_run.cli  # noqa: F401
     import flodl_run.launch.launcher  # noqa: F401
