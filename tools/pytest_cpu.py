@@ -3,7 +3,7 @@ test ran, so the launchers, ranks and daemons it started are counted) and wall t
 what makes the suite slow. Run it on an otherwise idle machine, one worker:
 
   PYTHONPATH=tools .venv/bin/python -m pytest -n 0 -p pytest_cpu -q [tests...]
-  sort -rn outputs/test_cpu.tsv | head -30          # cpu_s, wall_s, test id
+  sort -rn outputs/test_cpu.tsv | head -30          # cpu_s, wall_s, test id, worker, start
 
 The suite is CPU-bound on 2 cores (about 85% busy in a whole run), so the CPU column, not the
 wall one, says what a test costs the suite.
@@ -11,6 +11,7 @@ wall one, says what a test costs the suite.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -31,4 +32,6 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     OUT.parent.mkdir(exist_ok=True)
     with OUT.open("a") as out:
-        out.write(f"{_busy_s() - busy:.2f}\t{time.monotonic() - began:.2f}\t{item.nodeid}\n")
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+        out.write(f"{_busy_s() - busy:.2f}\t{time.monotonic() - began:.2f}\t{item.nodeid}"
+                  f"\t{worker}\t{began:.2f}\n")
