@@ -140,10 +140,10 @@ def test_a_local_submitit_job_stopped_by_its_notice_is_requeued_and_resumes(tmp_
     import mlflow
 
     sweep_dir = tmp_path / "multirun"
-    launcher = start_cli("-m", "hydra/launcher=slurm_local", "seed=3", "cluster=solo", "num_epochs=60",
+    launcher = start_cli("-m", "hydra/launcher=slurm_local", "seed=3", "cluster=solo", "num_epochs=30",
                          f"tracking.uri=sqlite:///{mlflow_db}",
                          f"hydra.sweep.dir={sweep_dir}")
-    wait_for("the job trained an epoch", lambda: "epoch 2/60" in text_of(sweep_dir / "0" / "cli.log"))
+    wait_for("the job trained an epoch", lambda: "epoch 1/30" in text_of(sweep_dir / "0" / "cli.log"))
     controller = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.name.isdigit())
     task = int(Path(f"/proc/{controller}/task/{controller}/children").read_text().split()[0])
     os.kill(task, signal.SIGUSR2)
