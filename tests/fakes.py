@@ -66,7 +66,7 @@ NUM_SAMPLES = 640
 BEAT_S = 1.0  # heartbeat period, as in real ranks (a shorter one: `beat_s`)
 WAIT_S = 30.0  # the longest a fake waits for anything: past it, the run is stuck (a failure)
 
-KINDS = {"die": ("train", "reduce", "reduced"), "raise": ("train",), "hang": ("train",),
+KINDS = {"die": ("train", "reduce", "reduced", "evaluate"), "raise": ("train",), "hang": ("train",),
          "freeze": ("train", "reduce"), "reduce_fail": ("reduce",)}
 
 
@@ -78,7 +78,8 @@ class Fault:
     reported, as a SIGKILL after a batch lands); "reduce": on entering its at-th reduce (a
     SyncNow, or one riding on a Train), once its collective peers wait in it; "reduced": on
     leaving its at-th collective reduce, completed, before its answer leaves (a SIGKILL right
-    after the all-reduce: the coordinator never hears that the round completed).
+    after the all-reduce: the coordinator never hears that the round completed); "evaluate":
+    on receiving its at-th Evaluate order, before answering (a death at an epoch's close).
     Kinds: "die": the process vanishes (no more messages; its peers' collective breaks; the
     launcher reports the exit). "raise": the recipe's train_step raises: the rank reports
     RankFailed with the error, then its process exits (reported). "hang": stuck in
@@ -218,6 +219,7 @@ class FakeRank(threading.Thread):
         self.group, self.on_die = group, on_die
         self.generation = 0
         self.trains = 0  # Train orders started
+        self.evaluations = 0  # Evaluate orders received
         self.reduces = 0  # reduces entered
         self.reduced_round = 0
         self.held_ahead: List[Train] = []
@@ -466,6 +468,9 @@ class FakeRank(threading.Thread):
         if isinstance(order, Train):
             return self._window(order)
         if isinstance(order, Evaluate):
+            self.evaluations += 1
+            if self.faults.get(("evaluate", self.evaluations)) is not None:
+                self._vanish(f"die at evaluate {self.evaluations}")
             return Evaluated(self.rank, order.epoch, 0.5)
         if isinstance(order, SaveCheckpoint):
             return CheckpointSaved(self.rank, order.stem)

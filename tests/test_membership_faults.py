@@ -270,6 +270,22 @@ def test_the_save_after_a_loss_lists_exactly_what_the_consensus_lacks(tmp_path, 
     assert all(p == epoch for p, _ in lacks) and not any(p > epoch for p, _ in seen)
 
 
+@pytest.mark.parametrize("mode", ["nccl_sync", "cpu_cadence"])
+def test_a_loss_at_an_epochs_close_saves_that_epoch_as_held(tmp_path, mode):
+    """Rule 'a bundle's coverage is exact', at an epoch's close: the callback rank dies on its
+    first Evaluate (epoch 0's, after that epoch's last reduce), past max_failure. The
+    survivors' consensus holds all of epoch 0 and nothing of epoch 1, so the bundle resumes at
+    epoch 1 with nothing listed (all of it to train), not at epoch 0 (which a resume would then
+    train twice)."""
+    stem = str(tmp_path / "ck")
+    faults = [Fault(rank, "die", 1, point="evaluate") for rank in range(3)]  # whoever evaluates
+    summary, _, group, _ = _run(mode, faults, max_failure=MaxFailureConfig(absolute=1), save_path=stem)
+    assert summary.status == "shutdown_with_save", summary.message
+    coverage = read_meta(stem).coverage
+    assert set(group.consensus()) == {(0, i) for i in range(NUM_SAMPLES)}
+    assert (coverage.epoch, coverage.uncovered) == (1, [])
+
+
 @pytest.mark.parametrize("limit,deaths_to_stop", [(MaxFailureConfig(absolute=1), 1),
                                                   (MaxFailureConfig(absolute=2), 2),
                                                   (MaxFailureConfig(percent=0.3), 1),
