@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import zmq
 
@@ -451,22 +451,14 @@ class Coordinator:
         if self.alive:
             try:
                 epoch, uncovered = (self.async_loop.save_point() if self.async_loop is not None
-                                    else self._window_save_point())
+                                    else self.windows.resume_point(self.windows.pool_epoch,
+                                                                   self.uncovered_now()))
                 stem = self.save_bundle(reason, epoch, uncovered)
             except (RunAborted, zmq.ZMQError) as exc:
                 detail = f"{detail}; the save failed: {exc}"
         saved = f"bundle {stem}" if stem else "no bundle"
         self.summary.message = f"{reason}: {detail}; {saved}"
         self.observer.on_event("shutdown", self.summary.message)
-
-    def _window_save_point(self) -> Tuple[int, List[List[int]]]:
-        """Where a save made now resumes, and what of that epoch the weights lack: the epoch
-        under way, or the next one once that epoch's pools are drawn and reduced whole (its
-        close under way), since an empty list means all of the named epoch is still to train."""
-        epoch, uncovered = self.windows.pool_epoch, self.uncovered_now()
-        if not uncovered and self.windows.pools:
-            epoch += 1
-        return epoch, uncovered
 
     def _finish(self, wall_s: float) -> None:
         for rank in list(self.identities):

@@ -154,9 +154,9 @@ class Windows:
             if not trains:  # orders sent on the reduce (a stop asked meanwhile) are cut and reduced first
                 self.stop_if_asked(epoch)
             if reduces == 1 and epoch == self.config.checkpoint_at_epoch:
-                uncovered = self.uncovered() + [as_range(s) for s in in_flight]
                 # a first window that took the whole epoch makes this the epoch's end save
-                self.bundles.save_bundle("checkpoint", epoch if uncovered else epoch + 1, uncovered)
+                self.bundles.save_bundle("checkpoint", *self.resume_point(
+                    epoch, self.uncovered() + [as_range(s) for s in in_flight]))
 
     @property
     def _progressive(self) -> bool:
@@ -203,8 +203,14 @@ class Windows:
         batches went back there) or is held by a rank left out of the round. An epoch held
         whole is not redone: the resume starts at the next one."""
         if self.stop.is_set():
-            uncovered = self.uncovered() + self.holdings.uncovered(epoch)
-            self.bundles.graceful_stop(epoch if uncovered else epoch + 1, uncovered)
+            self.bundles.graceful_stop(*self.resume_point(
+                epoch, self.uncovered() + self.holdings.uncovered(epoch)))
+
+    def resume_point(self, epoch: int, uncovered: List[List[int]]) -> Tuple[int, List[List[int]]]:
+        """Where a bundle saved now resumes, and what of that epoch the weights lack. An empty
+        list means all of the named epoch is still to train, so an epoch whose pools are drawn
+        and reduced whole names the next one; before any pool exists, `epoch` stays."""
+        return (epoch + 1 if not uncovered and self.pools else epoch), uncovered
 
     def _rehome_parts(self, parts: List[EpochPool]) -> None:
         """A dead rank's share of a sync epoch is split evenly among the survivors, so the
