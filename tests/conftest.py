@@ -191,12 +191,17 @@ def lockstep_run(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def migrated_mlflow_db(tmp_path_factory) -> Path:
     """An empty MLflow SQLite store whose schema is created once per session: the migrations
-    cost seconds, so tests that are not about creating a store copy this one (`mlflow_db`)."""
+    cost seconds, so tests that are not about creating a store copy this one (`mlflow_db`).
+    Made once for the whole invocation, xdist workers included."""
+    return Path(shared_once(tmp_path_factory, "mlflow_template", _migrated_store))
+
+
+def _migrated_store(folder: Path) -> str:
     import mlflow
 
-    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    path = folder / "mlflow.db"
     mlflow.MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
+    return str(path)
 
 
 @pytest.fixture

@@ -113,7 +113,7 @@ def test_probe_reports_both_hosts(sshd, tmp_path):
     assert not reports[0].reachable and "ssh failed" in problems[0][0]
 
 
-def test_two_host_run_completes(sshd, tmp_path):
+def test_two_host_run_completes(sshd, tmp_path, mlflow_db):
     """Pins the fan-out end to end: 2 + 1 CPU ranks on two sshd "hosts" train to completion in
     a coordinator-averaged mode (the collective one across both hosts is the host-loss test's
     run, below), per-rank logs in <run dir>/ranks, output
@@ -121,7 +121,7 @@ def test_two_host_run_completes(sshd, tmp_path):
     system figures once per node: each worker host under its configured name in summary.json
     and in MLflow (besides the launcher's own node)."""
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
-    db = tmp_path / "mlflow.db"
+    db = mlflow_db
     done = run_cli(*_command(tmp_path, sshd, run_dir, "elche=cpu_cadence", "num_epochs=1",
                              tracking=f"tracking.uri=sqlite:///{db}"))
     output = done.stdout + done.stderr
@@ -147,7 +147,8 @@ def test_two_host_run_completes(sshd, tmp_path):
         assert metrics[f"system/{metric_safe(host)}/cpu_count"] == os.cpu_count(), host
 
 
-def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path):
+def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_process(sshd, tmp_path,
+                                                                                   mlflow_db):
     """Pins host loss in a collective mode, for the host that holds rank 0 (its only rank
     SIGKILLed mid-run): the rendezvous store lives with the launcher, so the two ranks on the
     other host rebuild their group and carry on to the end; the log names the lost host, nothing
@@ -158,7 +159,7 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     # heartbeat_timeout_secs=10 sets the survivors' group timeout (twice that) to 20 s instead of
     # 60, the backstop should a survivor again wait in a collective on a peer that failed the
     # round but kept its Gloo group open (4 runs of 8 did, before such a peer destroyed it).
-    db = tmp_path / "mlflow.db"
+    db = mlflow_db
     launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=100",
                                    "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.2",
                                    devices=(["cpu"], ["cpu", "cpu"]), tracking=f"tracking.uri=sqlite:///{db}"),

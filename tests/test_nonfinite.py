@@ -155,11 +155,11 @@ def test_a_nan_gradient_on_one_rank_makes_every_rank_skip_that_step(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_rank_that_stays_nan_fails_the_run_and_saves_the_finite_consensus(tmp_path):
+def test_a_rank_that_stays_nan_fails_the_run_and_saves_the_finite_consensus(tmp_path, mlflow_db):
     """Rule (coordinator mode): rank 1 NaN at every step from its 3rd on gives weight 0 at each
     reduce; after max_nonfinite=2 such reduces in a row the run stops failed (exit 1), saves
     the finite consensus (reason nonfinite), and summary.json and MLflow say why."""
-    db = f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    db = f"tracking.uri=sqlite:///{mlflow_db}"
     proc, summary = _nan_run(tmp_path, 3, 10**9, "elche=cpu_cadence", "max_nonfinite=2", db,
                              tracking="mlflow")
     out = proc.stdout + proc.stderr
