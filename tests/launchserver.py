@@ -12,7 +12,8 @@ working directory, environment and arguments, `sys.path` built from that directo
 request's PYTHONPATH as the interpreter builds it, standard input from /dev/null, its output on
 the request's pipes (buffered as an interpreter buffers pipes, PYTHONUNBUFFERED included), fresh
 random generators, Python's default signal handlers (the server's own), and the module run
-through `runpy` as `-m` runs it, through the interpreter's normal exit (atexit included). What
+through `runpy` as `-m` runs it, and its exit as the interpreter's (threads joined, atexit
+handlers run, output flushed) less the teardown, which in a fork only copies pages. What
 it cannot see differently is only what an interpreter reads when it starts (PYTHON* variables
 other than PYTHONPATH and PYTHONUNBUFFERED, `-X` options): those are this server's. Tests about
 the interpreter's own start (the README's commands, a user's module found from another
@@ -113,7 +114,12 @@ def main(argv: List[str]) -> int:
     request = _serve(sock)
     if request is None:
         return 0
-    _become_launcher(request, base_path)
+    from flodl_run.launch.zygote import exit_code, exit_forked
+
+    try:
+        _become_launcher(request, base_path)
+    except SystemExit as stop:
+        exit_forked(exit_code(stop))  # as a forked rank leaves: no teardown copying our pages
     return 0
 
 

@@ -111,6 +111,7 @@ class RankWorker:
         self._cut = False  # the run is stopping (CutWindow): every window ends after a batch
         self._reduced_round = 0  # the last round whose reduce completed here (orders sent ahead)
         self._heartbeat: Optional[HeartbeatThread] = None
+        self._listener: Optional[ListenerThread] = None
         self.waits = Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
         if config.resume_from:
             resume(config.resume_from, env.rank, self.replica, self.outer, self.mode.is_collective,
@@ -150,6 +151,7 @@ class RankWorker:
         listener = ListenerThread(self.ctx, self.env, self.group.abort, self.group.watch)
         if collective:
             listener.start()
+            self._listener = listener
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         # a cohort of one (a run started on one rank) has no group to time
         reduce_ms = timed_reduce_ms(self.flat.buffers) if collective and not self.group.alone else None
@@ -168,6 +170,17 @@ class RankWorker:
             self.exchange.close()
             self.group.leave()
         return 0
+
+    def close(self) -> None:
+        """Deliver what is still queued for the coordinator (the main channel lingers up to
+        1 s: a rank's last facts and its failure report), then free every socket of the rank,
+        the side channels' once their threads have seen the stop. What the rank sent is then
+        delivered however the process exits, a forked rank's skipped teardown included."""
+        for thread in (self._heartbeat, self._listener):
+            if thread is not None:
+                thread.stopped.set()
+                thread.join(timeout=2.0)
+        self.ctx.destroy()  # each socket closes with its own linger
 
     def _start_heartbeat(self) -> HeartbeatThread:
         """The heartbeat, with the device's busy share and, on the lowest rank of a node the

@@ -47,6 +47,8 @@ def main() -> int:
         _report_failure(env, worker, RankFailed(env.rank, error))
         return 1
     finally:
+        if worker is not None:
+            worker.close()
         if is_orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays
             remove_run(os.environ.get(PREFIX_ENV))
 
@@ -64,10 +66,10 @@ def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFail
     if worker is not None and hasattr(worker, "channel"):
         worker.channel.send(failed)
         return
-    ctx = zmq.Context.instance()
-    sock = connect_dealer(ctx, env.coord, env.secret, linger_ms=1000)  # delivered before exit
+    ctx = zmq.Context()
+    sock = connect_dealer(ctx, env.coord, env.secret, linger_ms=1000)
     Channel(sock, env.secret).send(failed)
-    sock.close()
+    ctx.destroy()  # delivered (or given up after the linger) before the rank exits
 
 
 if __name__ == "__main__":
