@@ -14,7 +14,8 @@ the samples of nccl_sync's step s), batches gathered on the device, an equal spl
 and no host sync per step (losses are summed on the device and read once per epoch). The rig's
 `emulate_slowdown` applies as on our ranks: a rank of factor f > 1 waits for each step and sleeps
 (f - 1) x its time (the first step excepted, flodl_run/hardware/slowdown.py says why). Without RANK in
-the environment a collective peer spawns one process per rank with the torchrun contract. None
+the environment a collective peer starts one process per rank with the torchrun contract
+(forked from the peer's own process on a CPU rig, a new interpreter each on GPUs). None
 of flodl_run's runtime (coordinator, ElChe) is involved.
 """
 
@@ -24,11 +25,13 @@ import argparse
 import datetime
 import gc
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -250,31 +253,95 @@ def rank_env(cluster: ClusterConfig, rank: int, world_size: int, master_port: in
     return env
 
 
-def spawn(config: ExperimentConfig, argv: List[str]) -> int:
+def spawn(config: ExperimentConfig, argv: List[str], args: argparse.Namespace) -> int:
     """Start one process per rank of the rig (the launcher's topology plan) and wait for all;
-    if one fails, stop the rest."""
+    if one fails, or this process is interrupted, stop the rest. On a CPU rig each rank is
+    forked from this process, which has imported torch once (a new interpreter spends about
+    3 CPU-seconds importing torch and what an optimizer's step imports; the peer's timing
+    starts after that either way); on GPUs each rank is a new interpreter, since a CUDA
+    context does not survive fork."""
     from flodl_run.launch.launcher import plan_topology
     from flodl_run.launch.rankproc import free_port
 
     plan = plan_topology(config)
     port = config.cluster.master_port or free_port(config.cluster.master_addr)
-    procs = []
-    for rank in range(plan.world_size):
-        uuid = plan.gpus[rank].uuid if plan.gpus else None
-        env = rank_env(config.cluster, rank, plan.world_size, port, uuid)
-        procs.append(subprocess.Popen([sys.executable, "-m", "flodl_run.bench.peers", *argv], env=env))
-    codes: List[Optional[int]] = [None] * len(procs)
-    while any(c is None for c in codes):
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                p.wait()
-            return next(c for c in codes if c not in (None, 0))
-        time.sleep(0.05)
-    return 0
+    envs = [rank_env(config.cluster, rank, plan.world_size, port,
+                     plan.gpus[rank].uuid if plan.gpus else None) for rank in range(plan.world_size)]
+    if not plan.gpus and _can_fork():
+        procs: List[Any] = [_fork_rank(env, lambda: run_rank(config, args.peer, args.out, args.period))
+                            for env in envs]
+    else:
+        procs = [subprocess.Popen([sys.executable, "-m", "flodl_run.bench.peers", *argv], env=env)
+                 for env in envs]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+    finally:  # a failed rank, or an interrupt here: stop the rest
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+    return failed[0] if failed else 0
+
+
+def _can_fork() -> bool:
+    """Forking ranks is safe: fork exists and this process has not initialized CUDA."""
+    return hasattr(os, "fork") and not torch.cuda.is_initialized()
+
+
+class _Forked:
+    """A rank forked from this process, watched as `subprocess.Popen` watches a child."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGTERM)
+
+
+def _fork_rank(env: dict, run: Callable[[], int]) -> _Forked:
+    """Fork one rank: the child takes the rank's environment, torch's thread count and fresh
+    random generators as a new interpreter would, runs it and leaves without the teardown."""
+    from flodl_run.launch.zygote import exit_code, exit_forked, fresh_random_state
+
+    import torch._dynamo  # noqa: F401  (an optimizer's step imports it: once here, not per rank)
+
+    gc.freeze()  # the children's collections then leave our objects' pages unshared alone
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the child would print what we had buffered a second time
+    pid = os.fork()
+    if pid:
+        return _Forked(pid)
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        fresh_random_state()
+        code = run()
+    except SystemExit as stop:
+        code = exit_code(stop)
+    except BaseException:  # noqa: BLE001  (the rank's traceback, as a new interpreter prints it)
+        traceback.print_exc()
+    exit_forked(code)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -296,7 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_solo(config, args.out)
     if "RANK" in os.environ:
         return run_rank(config, args.peer, args.out, args.period)
-    return spawn(config, sys.argv[1:] if argv is None else list(argv))
+    return spawn(config, sys.argv[1:] if argv is None else list(argv), args)
 
 
 if __name__ == "__main__":
