@@ -45,6 +45,7 @@ MAX_MESSAGE = 1 << 20
 def _preload() -> None:
     import hydra  # noqa: F401
     import mlflow  # noqa: F401  (a tracked run's launcher imports it: most of the suite's runs)
+    from matplotlib.figure import Figure  # noqa: F401  (a sweep's comparison, the bench's plot)
 
     import flodl_run.cli  # noqa: F401
     import flodl_run.launch.launcher  # noqa: F401

@@ -160,7 +160,7 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     # 60, the backstop should a survivor again wait in a collective on a peer that failed the
     # round but kept its Gloo group open (4 runs of 8 did, before such a peer destroyed it).
     db = mlflow_db
-    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=100",
+    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=50",
                                    "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.2",
                                    devices=(["cpu"], ["cpu", "cpu"]), tracking=f"tracking.uri=sqlite:///{db}"),
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -234,6 +234,7 @@ def _zygotes_of(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.e2e
 def test_a_zygote_killed_alone_is_reported_and_its_ranks_train_on(tmp_path):
     """Pins: forked ranks watched the zygote as their launcher (FLODL_RUN_PARENT_PID was its
     pid), so a SIGKILL of flodl_zygote alone made every rank remove the run's /dev/shm and
