@@ -290,8 +290,10 @@ def spawn(config: ExperimentConfig, argv: List[str], args: argparse.Namespace) -
 
 
 def _can_fork() -> bool:
-    """Forking ranks is safe: fork exists and this process has not initialized CUDA."""
-    return hasattr(os, "fork") and not torch.cuda.is_initialized()
+    """Forking ranks is safe (fork exists, this process has not initialized CUDA) and not
+    turned off (`FLODL_RUN_RANK_START=spawn`, as for flodl_run's own ranks)."""
+    return hasattr(os, "fork") and not torch.cuda.is_initialized() \
+        and os.environ.get("FLODL_RUN_RANK_START") != "spawn"
 
 
 class _Forked:
