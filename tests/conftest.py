@@ -112,7 +112,8 @@ def pytest_collection_modifyitems(config, items):
             timed.append(unit)
         else:
             rest.append(unit)
-    runs.sort(key=lambda unit: -_LONGEST.get(unit[0].module.__name__.rsplit(".", 1)[-1], 0))
+    for units in (runs, timed):  # the longest first (sort is stable: the rest keep their order)
+        units.sort(key=lambda unit: -_LONGEST.get(unit[0].module.__name__.rsplit(".", 1)[-1], 0))
     items[:] = [item for unit in _spread(runs, waits) + _spread(rest, timed) for item in unit]
 
 
@@ -122,7 +123,9 @@ _LONGEST = {"test_bench": 5, "test_sweep": 4, "test_slurm": 4, "test_multi_host"
 their tests start Slurm jobs, submitit jobs, SSH hosts or torchrun agents, each a fresh
 interpreter, and took 13-43 s each in a whole-suite run on 2 cores (test_bench's end-to-end
 bench 42 s, submitit's requeue 40 s, the Slurm sweep 36 s, a two-host run 27 s). Started last,
-one of them kept one worker busy after the other had run out of tests."""
+one of them kept one worker busy after the other had run out of tests. The `apart` and
+`alone` tests go longest first too: the torchrun node loss (13 s, only unit tests beside it),
+last in file order, ended a whole-suite run with one core idle."""
 
 
 def _spread(first: list, second: list) -> list:
