@@ -115,13 +115,9 @@ def main(argv: List[str]) -> int:
     request = _serve(sock)
     if request is None:
         return 0
-    from flodl_run.launch.zygote import exit_code, exit_forked
+    from flodl_run.launch.zygote import run_forked
 
-    try:
-        _become_launcher(request, base_path)
-    except SystemExit as stop:
-        exit_forked(exit_code(stop))  # as a forked rank leaves: no teardown copying our pages
-    return 0
+    run_forked(lambda: _become_launcher(request, base_path))  # as a forked rank leaves
 
 
 class LaunchServer:

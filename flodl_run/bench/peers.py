@@ -25,13 +25,11 @@ import argparse
 import datetime
 import gc
 import os
-import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +39,9 @@ from torch.utils.data.dataloader import default_collate
 
 from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, lr_factor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flodl_run.launch.zygote import ForkedChild
 from flodl_run.contracts.recipe import load_recipe
 from flodl_run.contracts.summary import EpochRecord, Summary, write_summary
 from flodl_run.control.dispatch import epoch_span
@@ -296,33 +297,10 @@ def _can_fork() -> bool:
         and os.environ.get("FLODL_RUN_RANK_START") != "spawn"
 
 
-class _Forked:
-    """A rank forked from this process, watched as `subprocess.Popen` watches a child."""
-
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
-
-    def terminate(self) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, signal.SIGTERM)
-
-
-def _fork_rank(env: dict, run: Callable[[], int]) -> _Forked:
+def _fork_rank(env: dict, run: Callable[[], int]) -> "ForkedChild":
     """Fork one rank: the child takes the rank's environment, torch's thread count and fresh
     random generators as a new interpreter would, runs it and leaves without the teardown."""
-    from flodl_run.launch.zygote import exit_code, exit_forked, fresh_random_state
+    from flodl_run.launch.zygote import ForkedChild, fresh_random_state, intra_op_threads, run_forked
 
     import torch._dynamo  # noqa: F401  (an optimizer's step imports it: once here, not per rank)
 
@@ -331,19 +309,12 @@ def _fork_rank(env: dict, run: Callable[[], int]) -> _Forked:
         stream.flush()  # or the child would print what we had buffered a second time
     pid = os.fork()
     if pid:
-        return _Forked(pid)
-    code = 1
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        fresh_random_state()
-        code = run()
-    except SystemExit as stop:
-        code = exit_code(stop)
-    except BaseException:  # noqa: BLE001  (the rank's traceback, as a new interpreter prints it)
-        traceback.print_exc()
-    exit_forked(code)
+        return ForkedChild(pid)
+    os.environ.clear()
+    os.environ.update(env)
+    intra_op_threads(env)
+    fresh_random_state()
+    run_forked(run)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -53,8 +53,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
-from typing import Dict, List, NoReturn, Optional
+from typing import Callable, Dict, List, NoReturn, Optional
 
 START_ENV = "FLODL_RUN_RANK_START"
 ZYGOTE_NAME = "flodl_zygote"
@@ -82,7 +83,7 @@ class Zygote:
     the coordinator's killer and the forwarders may call `ForkedRank.poll` concurrently."""
 
     def __init__(self, sock: socket.socket, process):
-        self.sock, self.process = sock, process  # process: a Popen, or the spare's `_Child`
+        self.sock, self.process = sock, process  # process: a Popen, or the spare's `ForkedChild`
         self.lock = threading.Lock()
         self.started: List[int] = []
         self.exits: Dict[int, int] = {}
@@ -220,23 +221,33 @@ _spare: Optional[Zygote] = None
 """The zygote `prefork` forked from this process, until a run takes it or dismisses it."""
 
 
-class _Child:
-    """The part of `subprocess.Popen` a `Zygote` uses, for the spare (our own forked child)."""
+class ForkedChild:
+    """A child this process forked, watched through the part of `subprocess.Popen` a caller
+    uses (the spare's `Zygote`, the bench peers' forked ranks)."""
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
 
-    def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            done, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
             if done:
                 self.returncode = os.waitstatus_to_exitcode(status)
-            elif time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
-            else:
-                time.sleep(0.02)
         return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if timeout is None and self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGTERM)
 
 
 def prefork() -> None:
@@ -244,7 +255,7 @@ def prefork() -> None:
     anything else: the process is then one thread (a fork copies only the calling one) with
     next to nothing imported, so the spare starts from a new interpreter's state. Does nothing
     when ranks are asked to spawn, off Linux, or when another thread already runs. In the
-    spare, this call does not return: the process exits through SystemExit when it is done."""
+    spare, this call does not return: the process leaves through `run_forked` when it is done."""
     global _spare
     if _spare is not None or os.environ.get(START_ENV) == "spawn" or not fork_ranks({}) \
             or _thread_count() != 1:
@@ -255,15 +266,11 @@ def prefork() -> None:
     pid = os.fork()
     if pid:
         theirs.close()
-        _spare = Zygote(ours, _Child(pid))
+        _spare = Zygote(ours, ForkedChild(pid))
         return
     ours.close()
     _note_base_path()
-    try:
-        code = _spare_main(theirs)
-    except SystemExit as stop:
-        code = exit_code(stop)
-    exit_forked(code)  # the launcher's copy, whose teardown would copy its pages
+    run_forked(lambda: _spare_main(theirs))  # the launcher's copy, whose teardown would copy its pages
 
 
 def ready_spare(log_path: Optional[Path]) -> None:
@@ -434,14 +441,14 @@ def _run_rank(request: dict) -> int:
         sys.path[:] = [os.getcwd(), *_entries(env.get("PYTHONPATH", "")), *_base_path]
     os.environ["FLODL_RUN_PARENT_PID"] = str(request["launcher"])  # not our parent, the zygote
     fresh_random_state()
-    _intra_op_threads(env)
+    intra_op_threads(env)
     from flodl_run.rank import process as rank
 
     sys.argv = [str(Path(rank.__file__).with_name("__main__.py"))]  # as `-m flodl_run.rank` sets it
     return rank.main()
 
 
-def _intra_op_threads(env: Dict[str, str]) -> None:
+def intra_op_threads(env: Dict[str, str]) -> None:
     """torch sized its thread pool from OMP_NUM_THREADS when the zygote imported it, under the
     zygote's environment (the spare's is the launcher's): size it from the rank's, as a new
     interpreter would have."""
@@ -484,27 +491,39 @@ def _zygote(sock: socket.socket) -> int:
     request = _serve(sock)
     if request is None:
         return 0
+    run_forked(lambda: _run_rank(request))
+
+
+def run_forked(main: Callable[[], Optional[int]]) -> NoReturn:
+    """Run `main` in a forked child and leave with the status the interpreter would give it:
+    its return value (None: 0), an uncaught SystemExit's code (a message printed, status 1),
+    death by SIGINT for a KeyboardInterrupt, or 1 for any other exception (the traceback
+    printed for both); then `exit_forked`. It never returns into the forking code."""
+    by_signal = None
     try:
-        code = _run_rank(request)
+        code = main() or 0
     except SystemExit as stop:
-        code = exit_code(stop)
-    exit_forked(code)
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, by_signal = 130, signal.SIGINT
+    except BaseException:  # noqa: BLE001  (as the interpreter reports an uncaught exception)
+        traceback.print_exc()
+        code = 1
+    exit_forked(code, by_signal)
 
 
-def exit_code(stop: SystemExit) -> int:
-    """The status the interpreter gives an uncaught SystemExit, printing a message as it does."""
-    if stop.code is None or isinstance(stop.code, int):
-        return stop.code or 0
-    print(stop.code, file=sys.stderr)
-    return 1
-
-
-def exit_forked(code: int) -> NoReturn:
+def exit_forked(code: int, by_signal: Optional[int] = None) -> NoReturn:
     """Leave a forked child as the interpreter's exit would (non-daemon threads joined, atexit
     handlers run, output flushed), less its teardown: freeing every object the zygote made
     writes to pages the child shares with it, copying each one. Measured on a forked CPU
     rank: 0.6 CPU-seconds a rank with the teardown, 0.3 without. What a rank sends the
-    coordinator is delivered before (RankWorker.close), not by the teardown."""
+    coordinator is delivered before (RankWorker.close), not by the teardown. `by_signal`:
+    die by that signal instead (code is then the status should it be caught)."""
     # CPython's own exit, in its order: threading's exit hooks (an executor tells its threads
     # to stop), non-daemon threads joined, then atexit handlers; os._exit would skip them all
     threading._shutdown()
@@ -514,6 +533,9 @@ def exit_forked(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing left to say there
             pass
+    if by_signal is not None:  # as the interpreter leaves after a KeyboardInterrupt
+        signal.signal(by_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), by_signal)
     os._exit(code)
 
 
