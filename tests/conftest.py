@@ -19,7 +19,7 @@ running beside it; all other tests share that lock. One marked `apart` has a bou
 and coordinator tests) from running beside it, while unit tests, one light process, may.
 
 Starting processes: `support._run` forks each CLI run from a per-worker launch server that
-has imported torch, Hydra, MLflow and the runner (tests/launchserver.py says what that changes: nothing
+has imported torch, Hydra, MLflow and the runner (flodl_run/launch/launchserver.py says what that changes: nothing
 the run can see), and `support.start_ranks` forks a test's Gloo ranks from multiprocessing's
 forkserver; a fresh interpreter spends about two CPU-seconds importing torch. Tests about an
 interpreter's start or about signals to a launcher start `python -m flodl_run` themselves.
@@ -51,7 +51,7 @@ from typing import Callable
 import pytest
 
 from flodl_run.config.schema import SshConfig
-from tests.support import HOSTS, LOCKSTEP, _run, free_common_port
+from tests.support import HOSTS, LOCKSTEP, _run, free_common_port, kill_leftover_launchers
 
 
 def pytest_configure(config):
@@ -139,6 +139,12 @@ def _runs_beside(item) -> bool:
     """An end-to-end run that other end-to-end runs may go beside (not `alone` or `apart`)."""
     return item.get_closest_marker("e2e") is not None and item.get_closest_marker("alone") is None \
         and item.get_closest_marker("apart") is None
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_outlives_its_test():
+    yield
+    kill_leftover_launchers()
 
 
 def _invocation_root(tmp_path_factory) -> Path:

@@ -15,15 +15,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 from torch import nn
 
-from flodl_run.bench.run import BenchConfig, BenchRunConfig, Rig, plan
+from flodl_run.bench.run import PRELOAD, BenchConfig, BenchRunConfig, Rig, plan
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Topology, WorkerConfig
+from flodl_run.launch.launchserver import LaunchServer
 from flodl_run.launch.probe import HostReport
-from tests.launchserver import LaunchServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,24 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
     return proc, summary
 
 
+_server: Optional[LaunchServer] = None
+
+
+def launch_server() -> LaunchServer:
+    """This worker's launch server (flodl_run/launch/launchserver.py), started on first use."""
+    global _server
+    if _server is None or not _server.alive():
+        _server = LaunchServer.spawn(str(REPO), [*PRELOAD, "flodl_run.bench.run"])
+    return _server
+
+
+def kill_leftover_launchers() -> None:
+    """After a test: a launcher it started and never waited for (it failed first) is killed,
+    so a sweep waiting on a queue does not outlive the suite."""
+    if _server is not None and _server.alive():
+        _server.kill_running()
+
+
 def run_module(module: str, *args: str, timeout: float = 180, env=None,
                cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m <module> *args` (another entry point of the package: flodl_run.review,
@@ -87,7 +106,7 @@ def run_module(module: str, *args: str, timeout: float = 180, env=None,
     if os.environ.get("FLODL_TESTS_FRESH") == "1":
         return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout)
-    pid, code, out, err = LaunchServer.get(str(REPO)).run(
+    pid, code, out, err = launch_server().run(
         list(args), str(cwd), dict(os.environ if env is None else env), timeout, module=module)
     proc = subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out, err)
     proc.pid = pid
@@ -98,7 +117,7 @@ def run_cli(*args: str, timeout: float = 180, env=None, cwd: Path = REPO) -> sub
     """`python -m flodl_run *args` run to its end in `cwd` (the repo unless given), as
     `subprocess.run(..., capture_output=True, text=True)` would, with the launcher's `pid`
     added. The launcher is
-    forked from this worker's launch server (tests/launchserver.py says what that changes:
+    forked from this worker's launch server (flodl_run/launch/launchserver.py says what that changes:
     nothing the run can see); FLODL_TESTS_FRESH=1 in the environment of pytest starts a fresh
     interpreter instead."""
     argv = [sys.executable, "-m", "flodl_run", *args]
@@ -113,7 +132,7 @@ def run_cli(*args: str, timeout: float = 180, env=None, cwd: Path = REPO) -> sub
                 raise
         pid, code = launcher.pid, launcher.returncode
     else:
-        pid, code, out, err = LaunchServer.get(str(REPO)).run(
+        pid, code, out, err = launch_server().run(
             list(args), str(cwd), dict(os.environ if env is None else env), timeout)
     proc = subprocess.CompletedProcess(argv, code, out, err)
     proc.pid = pid
@@ -129,7 +148,7 @@ def start_cli(*args: str, env=None):
     if os.environ.get("FLODL_TESTS_FRESH") == "1":
         return subprocess.Popen([sys.executable, "-m", "flodl_run", *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return LaunchServer.get(str(REPO)).start(list(args), str(REPO),
+    return launch_server().start(list(args), str(REPO),
                                              dict(os.environ if env is None else env))
 
 

@@ -266,3 +266,48 @@ def test_bench_deadline_adds_the_deadline_variant_next_to_the_count_entry():
     assert "elche.window_end=deadline" in jobs[1].overrides
     assert not any(o.startswith("elche.window_end") for o in jobs[0].overrides)
     assert "elche=nccl_cadence" in jobs[1].overrides and jobs[1].mode == "nccl_cadence"
+
+
+def _children(pid: int) -> list:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.e2e
+def test_a_ctrl_c_stops_the_forked_run_in_hand_and_the_bench_ends_interrupted(tmp_path):
+    """Pins the bench's runs on a CPU rig: each is forked from the bench's launch server (the
+    bench's one child, the run the server's), and a Ctrl-C in the terminal (SIGINT to the whole
+    process group) stops the run in hand while the server stays to report its exit: the bench
+    ends with 130, says it was interrupted, writes bench.json with that entry, and leaves
+    neither the server nor the run behind."""
+    import signal
+    import sys
+    import time
+
+    from tests.support import wait_for
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "flodl_run.bench", f"hydra.run.dir={tmp_path}", "tracking=off",
+         "cluster=cpu", "bench.epochs=5000", "bench.modes=[nccl_cadence]", TINY],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # its own process group, as a terminal's foreground job
+    try:
+        log = tmp_path / "synthetic_mlp" / "solo@1.0" / "output.log"
+        wait_for("the first run started", lambda: log.exists() and _children(bench.pid)
+                 and _children(_children(bench.pid)[0]), timeout_s=120)
+        (server,) = _children(bench.pid)
+        (run,) = _children(server)
+        time.sleep(1.0)  # into its epochs
+        os.killpg(bench.pid, signal.SIGINT)
+        out, _ = bench.communicate(timeout=90)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+    assert bench.returncode == 130, out[-3000:]
+    entries = json.loads((tmp_path / "bench.json").read_text())["entries"]
+    assert [e["name"] for e in entries] == ["solo@1.0"] and entries[0]["status"] != "completed"
+    assert not Path(f"/proc/{run}").exists() and not Path(f"/proc/{server}").exists()

@@ -1,4 +1,4 @@
-"""The tests' launch server (tests/launchserver.py): a launcher forked from it sees what one
+"""The launch server (flodl_run/launch/launchserver.py): a launcher forked from it sees what one
 started by `python -m flodl_run` sees."""
 
 from __future__ import annotations

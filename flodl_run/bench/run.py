@@ -46,6 +46,7 @@ from flodl_run.config.schema import (
 )
 from flodl_run.config.validate import Problem, resolve, resolve_tracking
 from flodl_run.hardware.devices import GpuInfo, visible_gpus
+from flodl_run.launch import launchserver
 from flodl_run.report.say import say, say_markup, say_table
 
 PROG = "flodl_run.bench"
@@ -171,6 +172,12 @@ class Job:
                     str(run_dir / "run.yaml"), "--out", str(run_dir), *period]
         return [sys.executable, "-m", "flodl_run", *self.overrides, f"hydra.run.dir={run_dir}"]
 
+
+PRELOAD = ["hydra", "mlflow", "matplotlib.figure", "flodl_run.cli", "flodl_run.launch.launcher",
+           "flodl_run.launch.supervisor", "flodl_run.bench.peers"]
+"""What the bench's launch server imports before it forks the runs: a tracked run's launcher
+imports MLflow, a sweep's comparison and the bench's plot matplotlib, the coordinator zmq and
+the averaging; the peers their own module."""
 
 PEER_KINDS = ("solo", "torch_ddp", "torch_localsgd")
 
@@ -314,7 +321,9 @@ def materialize_job(job: Job, run_dir: Path) -> ExperimentConfig:
 
 
 def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tuple[RunOutcome, bool]:
-    """Run one job as a subprocess; returns its outcome and whether Ctrl-C stopped it."""
+    """Run one job as a process of its own: forked from the bench's launch server when there
+    is one (a CPU rig), else a fresh interpreter. Returns its outcome and whether Ctrl-C
+    stopped it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = job.command(run_dir)
     env = dict(os.environ, **dict(job.env))
@@ -322,8 +331,12 @@ def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tupl
     interrupted = False
     load_start = os.getloadavg()[0]
     began = time.perf_counter()
+    server = launchserver.preforked()
     with open(run_dir / "output.log", "w") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if server is not None:  # argv: python -m <module> *args
+            proc = server.start(argv[3:], os.getcwd(), env, module=argv[2], output=log.fileno())
+        else:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -466,7 +479,14 @@ def bench_main(cfg: Any) -> int:
     problems += list(_validate_jobs(jobs, bench_dir))
     if problems:
         fail_config(_problems_text(problems), err, PROG)
-    return _run_bench(typed, rig, jobs, bench_dir, task, out)
+    if rig.gpu_uuids:  # runs on GPUs start as fresh interpreters, as ranks on GPUs do
+        launchserver.dismiss()
+    elif launchserver.preforked() is not None:
+        launchserver.preforked().warm(PRELOAD)
+    try:
+        return _run_bench(typed, rig, jobs, bench_dir, task, out)
+    finally:
+        launchserver.dismiss()  # the server exits, and the bench waits for it
 
 
 def _run_bench(cfg: BenchRunConfig, rig: Rig, jobs: Sequence[Job], bench_dir: Path,

@@ -258,7 +258,7 @@ def prefork() -> None:
     spare, this call does not return: the process leaves through `run_forked` when it is done."""
     global _spare
     if _spare is not None or os.environ.get(START_ENV) == "spawn" or not fork_ranks({}) \
-            or _thread_count() != 1:
+            or thread_count() != 1:
         return
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sys.stdout.flush()
@@ -291,7 +291,7 @@ def _take_spare() -> Optional[Zygote]:
     return spare
 
 
-def _thread_count() -> int:
+def thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
