@@ -51,7 +51,8 @@ from typing import Callable
 import pytest
 
 from flodl_run.config.schema import SshConfig
-from tests.support import HOSTS, LOCKSTEP, _run, free_common_port, kill_leftover_launchers
+from tests.support import HOSTS, LOCKSTEP, _run, free_common_port, kill_leftover_launchers, \
+    running_launchers
 
 
 def pytest_configure(config):
@@ -143,8 +144,10 @@ def _runs_beside(item) -> bool:
 
 @pytest.fixture(autouse=True)
 def _no_launcher_outlives_its_test():
+    """Fixtures of a wider scope are set up before this one: their launchers are spared."""
+    before = running_launchers()
     yield
-    kill_leftover_launchers()
+    kill_leftover_launchers(keep=before)
 
 
 def _invocation_root(tmp_path_factory) -> Path:

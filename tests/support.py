@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Set
 
 import pytest
 import torch
@@ -91,11 +91,20 @@ def launch_server() -> LaunchServer:
     return _server
 
 
-def kill_leftover_launchers() -> None:
+def running_launchers() -> Set[int]:
+    """The pids of this worker's launchers now running (held by a fixture of a wider scope, when
+    read before a test)."""
+    if _server is None or not _server.alive():
+        return set()
+    return {pid for pid, launched in list(_server.running.items()) if launched.poll() is None}
+
+
+def kill_leftover_launchers(keep: Set[int] = frozenset()) -> None:
     """After a test: a launcher it started and never waited for (it failed first) is killed,
-    so a sweep waiting on a queue does not outlive the suite."""
+    so a sweep waiting on a queue does not outlive the suite; those in `keep` (a module
+    fixture's run, started before the test) carry on."""
     if _server is not None and _server.alive():
-        _server.kill_running()
+        _server.kill_running(keep)
 
 
 def run_module(module: str, *args: str, timeout: float = 180, env=None,

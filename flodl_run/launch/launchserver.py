@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 MAX_MESSAGE = 1 << 20
 
@@ -223,9 +223,12 @@ class LaunchServer:
         out, err = launched.communicate(timeout=timeout)
         return launched.pid, launched.returncode, out, err
 
-    def kill_running(self) -> List[int]:
-        """SIGKILL every launcher of ours still running, wait for each; their pids."""
-        left = [launched for launched in list(self.running.values()) if launched.poll() is None]
+    def kill_running(self, keep: Iterable[int] = ()) -> List[int]:
+        """SIGKILL every launcher of ours still running (but those whose pid is in `keep`), wait
+        for each; their pids."""
+        kept = set(keep)
+        left = [launched for launched in list(self.running.values())
+                if launched.pid not in kept and launched.poll() is None]
         for launched in left:
             launched.kill()
             launched.wait()
