@@ -410,15 +410,21 @@ def _array_task(env: dict, task: int) -> tuple:
     return tuple(found[0]) if found else (None, None)
 
 
-def _start_if_pending(env: dict, task: str, seen: list) -> bool:
-    """Let array task 0 start now while it is pending: Slurm holds a requeued job for minutes
-    (its begin time), and the requeue may set that time after an earlier update, so a waiting
-    test asks again each time it looks (and releases a hold, harmless when there is none).
+def _start_if_pending(env: dict, task: str, seen: list, pending_since: dict) -> bool:
+    """Let array task 0 start now once it has been pending for 2 s: Slurm holds a requeued job
+    for minutes (its begin time), and the requeue may set that time after an earlier update, so
+    a waiting test asks again each time it looks (and releases a hold, harmless when there is
+    none). Not sooner: slurmd refuses a job whose credential was made in the second the last
+    instance's was revoked ("Job credential revoked", and the job ends with no further requeue).
     Notes each state seen in `seen`, for the failure message. False, so the wait goes on."""
     state = _array_task(env, 0)[1]
     if not seen or seen[-1] != state:
         seen.append(state)
-    if state == "PENDING":
+    if state != "PENDING":
+        pending_since.clear()
+        return False
+    began = pending_since.setdefault("at", time.monotonic())
+    if time.monotonic() - began >= 2:
         for change in (["update", f"JobId={task}", "StartTime=now"], ["release", task]):
             subprocess.run(["scontrol", *change], env=env, capture_output=True, timeout=30)
     return False
@@ -445,8 +451,9 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
     assert task is not None
     subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
     seen: list = []
+    pending_since: dict = {}
     try:
-        wait_for("job 0 requeued and resumed", lambda: _start_if_pending(slurm, task, seen)
+        wait_for("job 0 requeued and resumed", lambda: _start_if_pending(slurm, task, seen, pending_since)
                  or "resumed from" in text_of(sweep_dir / "0" / "cli.log"))
     except AssertionError as failed:
         raise AssertionError(f"{failed}; job 0's states: {seen}") from None
