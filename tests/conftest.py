@@ -177,6 +177,19 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
 
 
+@pytest.fixture(scope="module")
+def cores_held(tmp_path_factory):
+    """For a module fixture whose run goes on between its tests (the live dashboard's): a share
+    of the cores lock held for the module's life, so no `alone` test runs beside that run while
+    the module's worker is between two of its tests."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with open(_invocation_root(tmp_path_factory) / "cores.lock", "w") as cores:
+        fcntl.flock(cores, fcntl.LOCK_SH)
+        yield
+
+
 def shared_once(tmp_path_factory, name: str, produce: Callable[[Path], object]):
     """`produce(folder)` run once per pytest invocation, even across xdist workers: the first
     caller runs it under a file lock and stores its JSON result, later callers read it."""

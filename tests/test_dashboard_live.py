@@ -49,7 +49,7 @@ def _await(condition, what: str, within_s: float = 120.0):
 
 
 @pytest.fixture(scope="module")
-def live_run(tmp_path_factory):
+def live_run(tmp_path_factory, cores_held):
     """A 2-rank CPU run (cpu_pair: one rank 2.5x slower) long enough to be read while it goes;
     the last test stops it with Ctrl-C. Yields the URL, the process, its run dir and output."""
     run_dir = tmp_path_factory.mktemp("live") / "run"

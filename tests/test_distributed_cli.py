@@ -28,9 +28,11 @@ def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary["status"] == "completed" and summary["mode"] == mode
     assert summary["world_size"] == 2 and summary["syncs"] > 0
+    shares = [e["per_rank_batch_share"] for e in summary["epochs"]]
     if min_fast_share is not None:
-        assert summary["epochs"][-1]["per_rank_batch_share"][0] >= min_fast_share
-    assert summary["final_eval"] >= solo_eval - 0.02
+        assert shares[-1][0] >= min_fast_share, f"the fast rank's share by epoch: {shares}"
+    assert summary["final_eval"] >= solo_eval - 0.02, \
+        f"final eval {summary['final_eval']:.4f}, solo {solo_eval:.4f}; shares by epoch {shares}"
     assert (tmp_path / "run" / "ranks" / "rank1.log").exists()
 
 
