@@ -46,3 +46,23 @@ def test_a_forked_launcher_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypa
         view.pop("env")
     assert forked_view == fresh_view
     assert str(pkg) in fresh_view["path"] and fresh_view["main"] == "flodl_run.__main__"
+
+
+@pytest.mark.e2e
+def test_a_module_that_does_not_import_is_left_out_of_the_preload_and_the_server_serves():
+    """Pins the preload as a head start, never a condition: a server told to preload a module
+    that is not installed (as mlflow was not on a GPU host with tracking off) still forks
+    launchers, and one that imports the missing module itself fails in its own output."""
+    from flodl_run.launch.launchserver import LaunchServer
+    from tests.support import REPO
+
+    server = LaunchServer.spawn(str(REPO), ["flodl_missing_module_for_the_test", "platform"])
+    try:
+        _, code, out, _ = server.run([], str(REPO), dict(os.environ), 120, module="platform")
+        assert code == 0 and out.strip() and server.alive(), out
+        _, code, _, err = server.run([], str(REPO), dict(os.environ), 120,
+                                     module="flodl_missing_module_for_the_test")
+        assert code == 1 and "No module named flodl_missing_module_for_the_test" in err, err
+        assert server.alive()
+    finally:
+        server.close()

@@ -331,11 +331,16 @@ def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tupl
     interrupted = False
     load_start = os.getloadavg()[0]
     began = time.perf_counter()
-    server = launchserver.preforked()
+    server, proc = launchserver.preforked(), None
     with open(run_dir / "output.log", "w") as log:
         if server is not None:  # argv: python -m <module> *args
-            proc = server.start(argv[3:], os.getcwd(), env, module=argv[2], output=log.fileno())
-        else:
+            try:
+                proc = server.start(argv[3:], os.getcwd(), env, module=argv[2], output=log.fileno())
+            except (OSError, RuntimeError) as exc:
+                say_markup(console, f"[yellow]{job.name}: the launch server is gone ({exc}); "
+                                    "this run and the rest start as fresh interpreters[/]")
+                launchserver.dismiss()
+        if proc is None:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=timeout_s)

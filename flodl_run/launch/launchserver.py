@@ -66,13 +66,18 @@ def preload(modules: List[str]) -> None:
     """Import `modules` (the caller names them: what its launchers import, entry points
     included, as multiprocessing's forkserver is told what to preload), then what the rank
     zygote imports, for the spare each launcher forks (the CUDA check and gc.freeze included:
-    a child's collections leave these objects and their pages alone)."""
+    a child's collections leave these objects and their pages alone). A module that does not
+    import here is left out: a launcher that needs it imports it itself and says why it cannot,
+    in its own output, as a fresh interpreter would."""
     import importlib
 
     from flodl_run.launch.zygote import preload as preload_ranks
 
     for name in modules:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a preload is a head start, never a condition
+            continue
     preload_ranks()
 
 
@@ -238,7 +243,10 @@ class LaunchServer:
         """The server's next message ({} when none came within `timeout`)."""
         if timeout is not None and not select.select([self.sock], [], [], max(timeout, 0))[0]:
             return {}
-        data = self.sock.recv(MAX_MESSAGE)
+        try:
+            data = self.sock.recv(MAX_MESSAGE)
+        except ConnectionResetError:
+            data = b""
         if not data:
             raise RuntimeError(f"the launch server (pid {self.process.pid}) exited with code "
                                f"{self.process.wait()}")
