@@ -307,7 +307,7 @@ def test_a_ctrl_c_stops_the_forked_run_in_hand_and_the_bench_ends_interrupted(tm
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
-    assert bench.returncode == 130, out[-3000:]
+    assert bench.returncode == 130, out[-3000:] + "\n--- solo@1.0's output:\n" + log.read_text()[-2000:]
     entries = json.loads((tmp_path / "bench.json").read_text())["entries"]
     assert [e["name"] for e in entries] == ["solo@1.0"] and entries[0]["status"] != "completed"
     assert not Path(f"/proc/{run}").exists() and not Path(f"/proc/{server}").exists()

@@ -66,3 +66,31 @@ def test_a_module_that_does_not_import_is_left_out_of_the_preload_and_the_server
         assert server.alive()
     finally:
         server.close()
+
+
+@pytest.mark.e2e
+def test_a_ctrl_c_while_the_server_forks_still_hands_over_the_launcher(monkeypatch):
+    """Pins Ctrl-C during `start`: the launcher the server forked meanwhile is not lost (a
+    bench pressed Ctrl-C in that moment died with -2 and left its run to the server); the
+    KeyboardInterrupt comes with its handle, and it is waited for like any other."""
+    from flodl_run.launch.launchserver import StartInterrupted
+    from tests.support import REPO, launch_server
+
+    server = launch_server()
+    message = server._message
+    calls = []
+
+    def interrupted_once(*args, **kwargs):  # the terminal's SIGINT, before the reply was read
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return message(*args, **kwargs)
+
+    monkeypatch.setattr(server, "_message", interrupted_once)
+    with pytest.raises(StartInterrupted) as stopped:
+        server.start([], str(REPO), dict(os.environ), module="platform")
+    monkeypatch.undo()
+    launched = stopped.value.launched
+    assert server.running[launched.pid] is launched
+    out, _ = launched.communicate(timeout=120)
+    assert launched.returncode == 0 and out.strip(), out

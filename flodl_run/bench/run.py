@@ -333,26 +333,32 @@ def run_job(job: Job, run_dir: Path, timeout_s: float, console: Console) -> Tupl
     began = time.perf_counter()
     server, proc = launchserver.preforked(), None
     with open(run_dir / "output.log", "w") as log:
-        if server is not None:  # argv: python -m <module> *args
-            try:
-                proc = server.start(argv[3:], os.getcwd(), env, module=argv[2], output=log.fileno())
-            except (OSError, RuntimeError) as exc:
-                say_markup(console, f"[yellow]{job.name}: the launch server is gone ({exc}); "
-                                    "this run and the rest start as fresh interpreters[/]")
-                launchserver.dismiss()
-        if proc is None:
-            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
+            if server is not None:  # argv: python -m <module> *args
+                try:
+                    proc = server.start(argv[3:], os.getcwd(), env, module=argv[2], output=log.fileno())
+                except (OSError, RuntimeError) as exc:
+                    say_markup(console, f"[yellow]{job.name}: the launch server is gone ({exc}); "
+                                        "this run and the rest start as fresh interpreters[/]")
+                    launchserver.dismiss()
+            if proc is None:
+                proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             say_markup(console, f"[red]{job.name}: past bench.timeout_s={timeout_s:g}, stopping it[/]")
             _stop(proc)
+        except launchserver.StartInterrupted as stopped:  # it may have missed the SIGINT
+            interrupted, proc = True, stopped.launched
+            _stop(proc)
         except KeyboardInterrupt:  # the child got the SIGINT too: let it save and stop its ranks
             interrupted = True
-            _stop(proc, already_signalled=True)
+            if proc is not None:  # else Ctrl-C came before it started
+                _stop(proc, already_signalled=True)
     wall_s = time.perf_counter() - began
     summary = _read_summary(run_dir / "summary.json")
-    if proc.returncode != 0 and summary.get("status") == "completed":
+    if proc is None:
+        summary = {"status": "interrupted", "message": "Ctrl-C before the run started"}
+    elif proc.returncode != 0 and summary.get("status") == "completed":
         summary["status"] = "failed"
     shown = " ".join(shlex.quote(a) for a in ["python", *argv[1:]])
     return RunOutcome(job.name, job.recipe, job.kind, job.mode, job.outer, wall_s, summary,
@@ -393,8 +399,8 @@ def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float, repeats: int
     entry alike); each entry is then its median run by samples/s."""
     runs: Dict[Job, List[RunOutcome]] = {job: [] for job in jobs}
     total, interrupted = len(jobs) * repeats, False
-    for rep in range(repeats):
-        for i, planned in enumerate(jobs, 1):
+    try:
+        for rep, i, planned in ((rep, i, job) for rep in range(repeats) for i, job in enumerate(jobs, 1)):
             job = planned
             say_markup(console, f"[bold]\\[{rep * len(jobs) + i}/{total}][/] {job.recipe} {job.name} ...")
             run_dir = bench_dir / job.recipe / job.name
@@ -412,8 +418,8 @@ def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float, repeats: int
             say_markup(console, f"      {_outcome_line(outcome)}")
             if interrupted:
                 break
-        if interrupted:
-            break
+    except KeyboardInterrupt:  # between two runs: the bench ends with the runs it has
+        interrupted = True
     return [median_run(r) for r in runs.values() if r], interrupted
 
 

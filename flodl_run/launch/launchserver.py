@@ -162,6 +162,16 @@ def main(argv: List[str]) -> int:
 # ---------------------------------------------------------------- the client's side
 
 
+class StartInterrupted(KeyboardInterrupt):
+    """A Ctrl-C while the server was forking a launcher: `launched` is its handle, so the
+    caller can still stop it (the terminal's SIGINT reached the launcher only if it came after
+    the fork) and wait for it."""
+
+    def __init__(self, launched: "Launched"):
+        super().__init__()
+        self.launched = launched
+
+
 class LaunchServer:
     """The client's handle on a server. Launchers it started and left running are killed by
     `kill_running()` (a test that failed before it waited for its launcher)."""
@@ -213,11 +223,16 @@ class LaunchServer:
             if output is None:
                 for fd in set(sent):
                     os.close(fd)
-        pid = None
+        pid, interrupted = None, False
         while pid is None:
-            pid = self._message().get("started")
+            try:
+                pid = self._message().get("started")
+            except KeyboardInterrupt:  # the fork is under way: take its handle first
+                interrupted = True
         launched = Launched(self, pid, [module, *argv], out_r, err_r)
         self.running[pid] = launched
+        if interrupted:
+            raise StartInterrupted(launched)
         return launched
 
     def run(self, argv: List[str], cwd: str, env: Dict[str, str], timeout: float,
