@@ -202,7 +202,9 @@ def _done(rank: int, window: int, began_ns: int) -> WindowDone:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
+# nccl_cadence's bound is in time (within a batch of the deadline): `apart`, as a rank of it
+# preempted by a run beside it once ended its window 0.9 ms past that bound.
+@pytest.mark.parametrize("mode", [pytest.param("nccl_cadence", marks=pytest.mark.apart), "cpu_async"])
 def test_a_jittery_pair_with_deadline_windows_trains_every_sample_once(tmp_path, mode):
     """Pins deadline windows in real ranks, one collective and one central mode: a CPU pair
     whose steps jitter (so a deadline may cut a window) completes, each epoch trains the 1437
