@@ -9,6 +9,7 @@ MLflow is `benchtrack`'s; the peers (bare solo loop, torch DDP, torch local SGD)
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -400,7 +401,7 @@ def run_all(jobs: Sequence[Job], bench_dir: Path, timeout_s: float, repeats: int
     runs: Dict[Job, List[RunOutcome]] = {job: [] for job in jobs}
     total, interrupted = len(jobs) * repeats, False
     try:
-        for rep, i, planned in ((rep, i, job) for rep in range(repeats) for i, job in enumerate(jobs, 1)):
+        for rep, (i, planned) in itertools.product(range(repeats), list(enumerate(jobs, 1))):
             job = planned
             say_markup(console, f"[bold]\\[{rep * len(jobs) + i}/{total}][/] {job.recipe} {job.name} ...")
             run_dir = bench_dir / job.recipe / job.name
