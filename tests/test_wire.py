@@ -59,7 +59,10 @@ for frames in messages:
         sock.send_multipart([bytes.fromhex(f) for f in frames], flags=zmq.NOBLOCK)
     except zmq.Again:
         break
-sock.close()
+# what is queued reaches the wire only while the context lives, and at exit pyzmq leaves it
+# unterminated: a process preempted before its I/O thread wrote the frames lost them. destroy
+# closes the sockets (the monitor too) and waits for the queued frames, up to the linger.
+zmq.Context.instance().destroy()
 """
 
 
