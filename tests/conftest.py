@@ -6,11 +6,13 @@ this process against scripted ranks; every other test is `unit` (the mark is giv
 `-m unit` runs in seconds, `-m "not e2e"` adds the coordinator tier. A new test that starts a
 process is marked e2e (per test, or `pytestmark` when a whole module is).
 
-Running: the plain `python -m pytest` runs every test, spread over one pytest-xdist worker per
-core (`-n logical --dist loadgroup` in pyproject.toml). An end-to-end run spends most of its
-time importing torch in the launcher, then in each rank, so a lone run keeps about one core
-busy and two runs side by side use both. `-n0` runs in one process (for a debugger, or `-x` on
-one file).
+Running: the plain `python -m pytest` runs every test, spread over pytest-xdist workers, one per
+core and one more (`-n logical --dist loadgroup` in pyproject.toml, counted by
+`pytest_xdist_auto_num_workers` below). An end-to-end run spends most of its time importing
+torch in the launcher, then in each rank, so a lone run keeps about one core busy and two runs
+side by side use both. The extra worker is for the coordinator tier, which mostly waits: every
+other test takes one of the CPU slots, one per core, so at most one busy test per core runs at
+once. `-n0` runs in one process (for a debugger, or `-x` on one file).
 
 Cores: an e2e test marked `alone` has a bound that depends on relative speed (the share of
 batches a skewed pair's fast rank takes). It holds a lock that keeps every other test from
@@ -37,6 +39,7 @@ tests/support.py; test modules import them from there and never from each other.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import getpass
 import json
@@ -158,23 +161,82 @@ def _invocation_root(tmp_path_factory) -> Path:
     return root
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """`-n logical`: one worker per core, and one more for the coordinator tier. Those tests
+    mostly wait out timeouts (99 of them: 78 s of wall for 13 CPU-seconds), so on two workers
+    a core sat idle while one ran. The CPU slots (`pytest_runtest_protocol`) keep the busy
+    tests to one per core. PYTEST_XDIST_AUTO_NUM_WORKERS still decides when set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return _cores() + 1
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown of every test under the cores lock: exclusive for `alone`
     tests, shared for the others (so fixtures that start runs are covered too). Unit tests
     share it as well: one beside a run whose bound is relative speed took the fast rank's
     share of a 2.5x-skewed pair from 0.71 to 0.58. Then runs (e2e and coordinator tests) take
-    the runs lock, exclusive for `apart` ones, shared otherwise; unit tests leave it alone."""
+    the runs lock, exclusive for `apart` ones, shared otherwise; unit tests leave it alone.
+    Last, every test but a coordinator-tier one takes one of the CPU slots, one per core."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return (yield)
     root = _invocation_root(item.config._tmp_path_factory)
-    with open(root / "cores.lock", "w") as cores, open(root / "runs.lock", "w") as runs:
-        alone = item.get_closest_marker("alone") is not None
-        fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if item.get_closest_marker("unit") is None:
-            apart = item.get_closest_marker("apart") is not None
-            fcntl.flock(runs, fcntl.LOCK_EX if apart else fcntl.LOCK_SH)
+    marked = {name for name in ("alone", "apart", "unit", "coordinator") if item.get_closest_marker(name)}
+    with contextlib.ExitStack() as held:
+        held.enter_context(_held(root, "cores", exclusive="alone" in marked,
+                                 gated=root not in _CORES_SHARED))
+        if "unit" not in marked:
+            held.enter_context(_held(root, "runs", exclusive="apart" in marked))
+        if "coordinator" not in marked:
+            held.enter_context(_cpu_slot(root))
         return (yield)
+
+
+_CORES_SHARED: set = set()
+"""Invocation roots whose cores lock this worker holds a share of for a module (`cores_held`):
+its tests take their share past the gate (an `alone` test waiting at the gate for that module
+to end would otherwise wait for the module's next test, which would wait for the gate)."""
+
+
+@contextlib.contextmanager
+def _held(root: Path, name: str, exclusive: bool, gated: bool = True):
+    """`<name>.lock` held shared or exclusive, taken through `<name>.gate` so that an
+    exclusive taker is not starved: with three workers the shared holders overlap (a worker
+    waiting for a CPU slot holds its share meanwhile), and the lock would never come free. An
+    exclusive taker holds the gate while it waits; a shared taker passes through it first."""
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(root / f"{name}.gate", "w") as gate, open(root / f"{name}.lock", "w") as lock:
+        if gated:
+            fcntl.flock(gate, mode)
+        fcntl.flock(lock, mode)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+
+
+@contextlib.contextmanager
+def _cpu_slot(root: Path):
+    """The first free one of `_cores()` slot locks, polled (flock waits on one file only)."""
+    slots = [open(root / f"cpu-slot-{i}.lock", "w") for i in range(_cores())]
+    try:
+        while not any(_took(slot) for slot in slots):
+            time.sleep(0.02)
+        yield
+    finally:
+        for slot in slots:
+            slot.close()
+
+
+def _took(file) -> bool:
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +247,13 @@ def cores_held(tmp_path_factory):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
-    with open(_invocation_root(tmp_path_factory) / "cores.lock", "w") as cores:
-        fcntl.flock(cores, fcntl.LOCK_SH)
-        yield
+    root = _invocation_root(tmp_path_factory)
+    with _held(root, "cores", exclusive=False, gated=False):  # the test setting it up holds a share
+        _CORES_SHARED.add(root)
+        try:
+            yield
+        finally:
+            _CORES_SHARED.discard(root)
 
 
 def shared_once(tmp_path_factory, name: str, produce: Callable[[Path], object]):
