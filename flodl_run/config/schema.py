@@ -399,6 +399,9 @@ class RecipeConfig:
     amp: Amp = Amp.off
     """Mixed precision of the built-in step: off, fp16 (autocast and a GradScaler) or bf16
     (autocast); a recipe with its own loop does its own."""
+    compile: Optional[str] = None
+    """torch.compile the model build_model returns, with this backend (inductor on GPUs,
+    aot_eager to check a CPU run); null = as build_model returns it (it may compile itself)."""
     find_unused_parameters: bool = False
     """nccl_sync: some parameters get no gradient in some steps (a branch not taken), as torch
     DDP's flag of that name; costs a walk of the autograd graph per step."""

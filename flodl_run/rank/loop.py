@@ -83,7 +83,7 @@ class RankWorker:
                                   config.recipe.loop)
         self.replica = Replica(self.recipe, self.device, config.seed,
                                lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
-                               max_grad_norm=config.max_grad_norm, amp=config.recipe.amp.value)
+                               max_grad_norm=config.max_grad_norm, options=config.recipe)
         self.flat = FlatParams(self.replica.model)
         warning = cpu_training_warning(config.recipe.module, self.flat.numel) \
             if env.rank == 0 and self.device.type == "cpu" else None

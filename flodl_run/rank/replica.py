@@ -14,6 +14,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from flodl_run.config.schema import RecipeConfig
 from flodl_run.contracts.recipe import Recipe, RecipeError, eager_module
 from flodl_run.data.passes import BatchSource
 
@@ -108,17 +109,22 @@ class Replica:
     """Model, optimizer and scheduler of one rank, seeded identically on every rank.
     `optimizers` is what the recipe's build_optimizer returned (one optimizer, or a tuple, list
     or dict of them); `optimizer` is the same seen as one (Optimizers for several). `model` is
-    what build_model returned (maybe compiled: steps and callbacks use it); `module` is the
-    module under it, whose state dict bundles hold."""
+    what build_model returned (maybe compiled: steps and callbacks use it; compiled here under
+    recipe.compile); `module` is the module under it, whose state dict bundles hold. `options`
+    gives recipe.amp and recipe.compile."""
 
     def __init__(self, recipe: Recipe, device: torch.device, seed: int, lr_scale: float = 1.0,
-                 max_grad_norm: Optional[float] = None, amp: str = "off"):
+                 max_grad_norm: Optional[float] = None, options: Optional[RecipeConfig] = None):
+        options = options or RecipeConfig()  # recipe.amp and recipe.compile
+        amp, compile_backend = options.amp.value, options.compile
         self.recipe = recipe
         self.device = device
         self.max_grad_norm = max_grad_norm
         self.precision = Precision(amp, device)
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = recipe.call("build_model", device)
+        if compile_backend and eager_module(self.model) is self.model:
+            self.model = torch.compile(self.model, backend=compile_backend)
         self.module = eager_module(self.model)
         self.optimizers = recipe.call("build_optimizer", self.model.parameters(), model=self.model)
         self.optimizer = as_one_optimizer(self.optimizers)

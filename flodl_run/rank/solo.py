@@ -78,7 +78,7 @@ class SoloTrainer:
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
                                      config.cluster.emulate_jitter, 0, config.seed)
         self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm,
-                               amp=config.recipe.amp.value)
+                               options=config.recipe)
         count = sum(p.numel() for p in self.replica.model.parameters())
         warning = cpu_training_warning(recipe.name, count) if self.device.type == "cpu" else None
         if warning:
