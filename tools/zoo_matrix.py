@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -97,8 +98,10 @@ scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
 data = recipe.call("train_dataset")
 batch_size = int(cfg.get("batch_size", 32))
 rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
-move = lambda b: {{k: v.to(device) for k, v in b.items()}} if isinstance(b, dict) else [v.to(device) for v in b]
-rows = move(rows)
+if isinstance(rows, dict):
+    rows = {{k: v.to(device) for k, v in rows.items()}}
+else:
+    rows = [v.to(device) for v in rows]
 take = lambda i: {{k: v[i] for k, v in rows.items()}} if isinstance(rows, dict) else [v[i] for v in rows]
 times = []
 for epoch in range({epochs}):
@@ -173,23 +176,31 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "outputs/zoo_matrix"))
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--jobs", type=int, default=1, help="cells run side by side")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.models.split(",") if n] or zoo_names()
     builds = [False, True] if args.compiled else [False]
     cells: Dict = {}
-    for name in names:
-        for compiled in builds:
-            row = cells.setdefault((name, "compiled" if compiled else "eager"), {})
-            for path in args.paths.split(","):
-                run_dir = out / f"{name}-{'c' if compiled else 'e'}-{path}"
-                row[path] = cell = run_cell(name, cell_overrides(path, args.device, compiled),
-                                            args.epochs, run_dir, args.timeout)
-                print(f"{name:18s} {'compiled' if compiled else 'eager':8s} {path:13s} "
-                      f"{cell['status']:10s} eval {cell.get('eval')} {cell['wall_s']:.0f} s", flush=True)
-                if cell["status"] != "completed":
-                    print(cell.get("tail", ""), flush=True)
+    todo = [(name, compiled, path) for name in names for compiled in builds
+            for path in args.paths.split(",")]
+
+    def one(item):
+        name, compiled, path = item
+        build = "compiled" if compiled else "eager"
+        run_dir = out / f"{name}-{build[0]}-{path}"
+        cell = run_cell(name, cell_overrides(path, args.device, compiled), args.epochs, run_dir,
+                        args.timeout)
+        print(f"{name:18s} {build:8s} {path:13s} {cell['status']:10s} eval {cell.get('eval')} "
+              f"{cell['wall_s']:.0f} s", flush=True)
+        if cell["status"] != "completed":
+            print(cell.get("tail", ""), flush=True)
+        return (name, build), path, cell
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # cells side by side (not the speed)
+        for key, path, cell in pool.map(one, todo):
+            cells.setdefault(key, {})[path] = cell
     speed = {}
     if args.speed:
         for name in names:
