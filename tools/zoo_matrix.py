@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
 PATHS = ["solo", "nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
@@ -64,82 +63,102 @@ def run_cell(name: str, overrides: List[str], epochs: int, run_dir: Path, timeou
     row = {"status": summary.get("status", f"exit {proc.returncode}"), "eval": summary.get("final_eval"),
            "samples_per_s": summary.get("samples_per_s"), "wall_s": time.perf_counter() - began}
     if row["status"] != "completed":
-        row["tail"] = tail
+        row["message"] = summary.get("message")
+        row["tail"] = tail + "".join(_error_lines(log) for log in sorted(run_dir.glob("ranks/*.log")))
     return row
 
 
-def train_ms(summary: Dict) -> Optional[float]:
-    """Median training time of an epoch (eval left out), the first epoch (warm-up, compile)
-    left out when there are others."""
-    epochs = summary.get("epochs") or []
-    times = [e["epoch_ms"] - (e.get("eval_ms") or 0.0) for e in epochs[1:] or epochs]
-    return statistics.median(times) if times else None
+def _error_lines(log: Path) -> str:
+    """The lines of a rank's log that say what failed (the error, not Hydra's warnings)."""
+    lines = log.read_text(errors="replace").splitlines()
+    hits = [line for line in lines if "Error" in line or "error" in line or "raise" in line]
+    return f"\n{log.name}: " + "\n".join(hits[-6:])
 
 
-def own_loop_ms(name: str, device: str, epochs: int, compiled: bool) -> float:
-    """A careful user's own loop over the recipe (data on the device, batches by index, the
-    recipe's model, optimizer and train_step, autocast and a GradScaler as recipe.amp asks):
-    the median training time of an epoch, the first left out, as train_ms reads ours."""
-    code = f"""
-import json, statistics, time, torch
+SPEED = """
+import json, statistics, sys, time, torch
 from omegaconf import OmegaConf
+import flodl_run
+from flodl_run.config.compose import compose, to_experiment
 from flodl_run.contracts.recipe import load_recipe
-cfg = OmegaConf.load("conf/recipe/{name}.yaml")
-recipe = load_recipe(cfg.module, OmegaConf.to_container(cfg.get("params", {{}})), None, None)
-device = torch.device("{device}")
-torch.manual_seed(0)
-model = recipe.call("build_model", device)
-if {compiled!r} and not hasattr(model, "_orig_mod"):
-    model = torch.compile(model, backend={'"inductor"' if device == 'cuda' else '"aot_eager"'})
-optimizer = recipe.call("build_optimizer", model.parameters(), model=model)
-amp = cfg.get("amp", "off")
-dtype = {{"fp16": torch.float16, "bf16": torch.bfloat16}}.get(amp)
-scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-data = recipe.call("train_dataset")
-batch_size = int(cfg.get("batch_size", 32))
-rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
-if isinstance(rows, dict):
-    rows = {{k: v.to(device) for k, v in rows.items()}}
-else:
-    rows = [v.to(device) for v in rows]
-take = lambda i: {{k: v[i] for k, v in rows.items()}} if isinstance(rows, dict) else [v[i] for v in rows]
-times = []
-for epoch in range({epochs}):
-    order = torch.randperm(len(data), device=device)
-    if device.type == "cuda": torch.cuda.synchronize()
-    began = time.perf_counter()
-    for start in range(0, len(data), batch_size):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = recipe.train_step(model, take(order[start:start + batch_size]))
-        if scaler is None:
-            loss.backward(); optimizer.step()
-        else:
-            scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
-    if device.type == "cuda": torch.cuda.synchronize()
-    times.append((time.perf_counter() - began) * 1000.0)
-print(json.dumps(statistics.median(times[1:] or times)))
+
+name, device, epochs, compile_backend, rounds, out = json.loads(sys.argv[1])
+device = torch.device(device)
+overrides = [f"recipe={name}", f"num_epochs={epochs}", "tracking=off", "cluster=solo",
+             f"device={device.type}"] + ([f"recipe.compile={compile_backend}"] if compile_backend else [])
+config, problems = to_experiment(compose(overrides))
+assert not problems, problems
+cfg = config.recipe
+
+
+def own_loop():
+    # a careful user's loop: the recipe's model, optimizer and train_step, every sample on the
+    # device once, batches by index, autocast and a GradScaler as recipe.amp asks
+    recipe = load_recipe(cfg.module, cfg.params, None, None)
+    torch.manual_seed(config.seed)
+    model = recipe.call("build_model", device)
+    if compile_backend and not hasattr(model, "_orig_mod"):
+        model = torch.compile(model, backend=compile_backend)
+    optimizer = recipe.call("build_optimizer", model.parameters(), model=model)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.amp.value)
+    scaler = torch.amp.GradScaler(device.type) if cfg.amp.value == "fp16" else None
+    data = recipe.call("train_dataset")
+    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
+    if isinstance(rows, dict):
+        rows = {k: v.to(device) for k, v in rows.items()}
+        take = lambda i: {k: v[i] for k, v in rows.items()}
+    else:
+        rows = [v.to(device) for v in rows]
+        take = lambda i: [v[i] for v in rows]
+    times = []
+    for epoch in range(epochs):
+        order = torch.randperm(len(data), device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        for start in range(0, len(data), config.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = recipe.train_step(model, take(order[start:start + config.batch_size]))
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - began) * 1000.0)
+    return statistics.median(times[1:] or times)
+
+
+def ours(k):
+    result = flodl_run.train(config, run_dir=f"{out}/{k}")
+    times = [e.epoch_ms - (e.eval_ms or 0.0) for e in result.summary.epochs]
+    return statistics.median(times[1:] or times)
+
+
+mine, theirs = [], []
+for k in range(rounds):  # A B A B: the machine's speed drifts within a call
+    theirs.append(own_loop())
+    mine.append(ours(k))
+print(json.dumps({"ours_ms": statistics.median(mine), "own_loop_ms": statistics.median(theirs),
+                  "ratio": statistics.median(theirs) / statistics.median(mine),
+                  "ours_all": mine, "own_all": theirs}))
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         check=True)
-    return float(out.stdout.strip().splitlines()[-1])
 
 
 def speed_rounds(name: str, device: str, epochs: int, compiled: bool, rounds: int, out: Path) -> Dict:
-    """Ours (the solo path) and the user's loop, alternated `rounds` times: medians and ratio."""
-    ours, theirs = [], []
-    for k in range(rounds):
-        theirs.append(own_loop_ms(name, device, epochs, compiled))
-        run_dir = out / f"speed-{name}-{'c' if compiled else 'e'}-{k}"
-        run_cell(name, cell_overrides("solo", device, compiled), epochs, run_dir, 900)
-        summary_file = run_dir / "summary.json"
-        ms = train_ms(json.loads(summary_file.read_text())) if summary_file.exists() else None
-        if ms is not None:
-            ours.append(ms)
-    if not ours:
-        return {"ours_ms": None, "own_loop_ms": statistics.median(theirs), "ratio": None}
-    mine, own = statistics.median(ours), statistics.median(theirs)
-    return {"ours_ms": mine, "own_loop_ms": own, "ratio": own / mine}
+    """The solo path (flodl_run.train, in-process) and a careful user's own loop, alternated
+    `rounds` times in one process: each one's median training ms per epoch (the first epoch,
+    warm-up and compile, left out; our eval left out), and own / ours."""
+    backend = ("inductor" if device == "cuda" else "aot_eager") if compiled else None
+    args = json.dumps([name, device, epochs, backend, rounds, str(out / f"speed-{name}-{compiled:d}")])
+    proc = subprocess.run([sys.executable, "-c", SPEED, args], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"ours_ms": None, "own_loop_ms": None, "ratio": None, "error": proc.stderr[-600:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def markdown(cells: Dict, speed: Dict) -> str:
@@ -161,7 +180,8 @@ def markdown(cells: Dict, speed: Dict) -> str:
         for (name, build), s in speed.items():
             ours = "-" if s["ours_ms"] is None else f"{s['ours_ms']:.1f}"
             ratio = "-" if s["ratio"] is None else f"{s['ratio']:.2f}x"
-            lines.append(f"| {name} | {build} | {ours} | {s['own_loop_ms']:.1f} | {ratio} |")
+            own = "-" if s["own_loop_ms"] is None else f"{s['own_loop_ms']:.1f}"
+            lines.append(f"| {name} | {build} | {ours} | {own} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
