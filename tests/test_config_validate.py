@@ -13,6 +13,7 @@ import pytest
 
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.config.schema import (
+    Backend,
     ExperimentConfig,
     Mode,
     OuterKind,
@@ -101,6 +102,7 @@ RULES = [
     ("devices_empty", dict(cluster__topology=Topology.local_gpus), "cluster.devices", "[]"),
     ("devices_repeat", dict(cluster__topology=Topology.local_gpus, cluster__devices=["0", "0"]),
      "cluster.devices", "['0', '0']"),
+    ("backend_nccl_on_cpu", dict(**cpu(), cluster__backend=Backend.nccl), "cluster.backend", "'nccl'"),
     ("slowdown_factor", dict(cluster__emulate_slowdown=[0.5]), "cluster.emulate_slowdown", "[0.5]"),
     ("slowdown_length", dict(cluster__emulate_slowdown=[1.0, 2.0, 3.0], **cpu(2)),
      "cluster.emulate_slowdown", "[1.0, 2.0, 3.0]"),
@@ -245,3 +247,13 @@ def test_resolve_normalizes_ratios_and_leaves_input_untouched():
     assert resolved.elche.partition_ratios == [0.25, 0.75]
     assert resolved.run_name == "nccl_cadence-digits_mlp"
     assert cfg == before
+
+
+def test_ranks_may_share_a_gpu_in_collective_modes_over_gloo():
+    """Pins cluster.backend=gloo: two ranks on one GPU in nccl_sync (as torchrun users debug on
+    one GPU) are valid over Gloo, and over NCCL the refusal names the key that allows it."""
+    shared = dict(cluster__topology=Topology.local_gpus, cluster__devices=["0", "0"],
+                  elche__mode=Mode.nccl_sync)
+    assert validate(make(**shared, cluster__backend=Backend.gloo)).ok
+    problems = [str(p) for p in validate(make(**shared)).problems]
+    assert any("set cluster.backend=gloo to share one" in m for m in problems), problems

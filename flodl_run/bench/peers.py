@@ -79,7 +79,7 @@ class PeerRank:
         # Same construction as our ranks: seed, recipe model/optimizer, linear LR scaling.
         self.replica = Replica(self.recipe, device, config.seed,
                                lr_scale=lr_factor(world_size, config.lr_scale_ratio),
-                               max_grad_norm=config.max_grad_norm)
+                               max_grad_norm=config.max_grad_norm, options=config.recipe)
         self.model = self.replica.model
         if peer == "torch_ddp":
             self.model = DistributedDataParallel(
@@ -122,11 +122,14 @@ class PeerRank:
         optimizer = self.replica.optimizer
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
-        loss = self.recipe.train_step(self.model, take(self.data, index))
-        loss.backward()
+        precision = self.replica.precision  # recipe.amp, as our ranks train it
+        with precision.autocast():
+            loss = self.recipe.train_step(self.model, take(self.data, index))
+        precision.backward(loss)
         if self.config.max_grad_norm is not None:
+            precision.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        optimizer.step()
+        precision.step(optimizer)
         if self.replica.scheduler is not None:
             self.replica.scheduler.step()
         if self.averager is not None:

@@ -110,6 +110,24 @@ class EvalDirection(str, enum.Enum):
         return score > other if self is EvalDirection.max else score < other
 
 
+class Amp(str, enum.Enum):
+    """Mixed precision of the built-in step: torch.autocast around train_step, with a GradScaler
+    for fp16 (as torch's AMP recipe does it); off = the model's own dtype."""
+
+    off = "off"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class Backend(str, enum.Enum):
+    """The collective backend of nccl_sync and nccl_cadence: auto = NCCL on GPUs, Gloo on CPUs;
+    gloo on GPUs lets several ranks share one GPU (testing, debugging), as torch's DDP allows."""
+
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
 class Theme(str, enum.Enum):
     auto = "auto"
     light = "light"
@@ -305,6 +323,9 @@ class ClusterConfig:
     emulate_jitter: float = 0.0
     """Relative std of each emulated step time (f_k x (1 + jitter x N(0, 1)), never below the
     real step), drawn per step from a stream seeded by (seed, rank); in [0, 0.5]; 0 = none."""
+    backend: Backend = Backend.auto
+    """Collective backend of nccl_sync and nccl_cadence: auto (NCCL on GPUs, Gloo on CPUs), nccl,
+    or gloo (several ranks may then share one GPU)."""
     master_addr: str = "127.0.0.1"
     """MASTER_ADDR of the torch.distributed rendezvous (local ranks; controller-only hosts
     layouts). Ranks the launcher starts over SSH use its store at controller.host instead."""
@@ -375,6 +396,15 @@ class RecipeConfig:
     eval_direction: EvalDirection = EvalDirection.max
     """Which way eval improves: max (accuracy: reached when >= target) or min (a loss, bits per
     byte: reached when <= target). Bench, sweep comparison and review follow it."""
+    amp: Amp = Amp.off
+    """Mixed precision of the built-in step: off, fp16 (autocast and a GradScaler) or bf16
+    (autocast); a recipe with its own loop does its own."""
+    compile: Optional[str] = None
+    """torch.compile the model build_model returns, with this backend (inductor on GPUs,
+    aot_eager to check a CPU run); null = as build_model returns it (it may compile itself)."""
+    find_unused_parameters: bool = False
+    """nccl_sync: some parameters get no gradient in some steps (a branch not taken), as torch
+    DDP's flag of that name; costs a walk of the autograd graph per step."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional
 
 from flodl_run.config.schema import (
+    Backend,
     EvalDirection,
     ExperimentConfig,
     Mode,
@@ -329,13 +330,17 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     for key, port in (("cluster.master_port", c.master_port),
                       ("cluster.controller.port", c.controller.port)):
         yield from _within(key, port, 0, 65535)
+    if c.topology is Topology.cpu and c.backend is Backend.nccl:
+        yield Problem("cluster.backend", c.backend.value, "must be auto or gloo with cluster "
+                      "topology cpu (NCCL runs on GPUs only)")
     if c.topology is Topology.local_gpus:
         if not c.devices:
             yield Problem("cluster.devices", [], "must list at least one device with topology local_gpus")
-        if len(set(c.devices)) != len(c.devices) and cfg.elche.mode.is_collective:
+        if len(set(c.devices)) != len(c.devices) and cfg.elche.mode.is_collective \
+                and c.backend is not Backend.gloo:
             yield Problem("cluster.devices", list(c.devices),
-                          "must not repeat a device in collective modes (NCCL needs one GPU per "
-                          "rank); cpu_* modes may share one")
+                          "must not repeat a device in collective modes over NCCL (NCCL needs one "
+                          "GPU per rank): set cluster.backend=gloo to share one, or use a cpu_* mode")
     if c.emulate_slowdown is not None:
         if any(f < 1.0 for f in c.emulate_slowdown):
             yield Problem("cluster.emulate_slowdown", list(c.emulate_slowdown), "every factor must be >= 1.0")

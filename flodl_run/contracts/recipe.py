@@ -23,7 +23,7 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.contracts.summary import EpochRecord
@@ -232,20 +232,54 @@ class NotALoss(TypeError):
     """train_step returned something the runtime cannot call backward() on."""
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """`value`'s repr cut to `limit` characters, with an ellipsis where it was cut."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def loss_of(out: Any, where: str = "") -> Any:
+    """The loss in what train_step returned: the tensor itself, or the `loss` of a model output
+    (a transformers ModelOutput, any object with a `.loss`, a dict with "loss"), as the
+    ecosystem's models return it. NotALoss when there is none, or when it is not a scalar
+    (backward() needs one number: an unreduced loss would fail inside torch with no recipe frame)."""
+    loss = out if hasattr(out, "backward") else _field(out)
+    if not hasattr(loss, "backward"):
+        raise NotALoss(f"train_step{where} must return the loss as a scalar tensor (one that "
+                       f"backward() works on) or an output with a .loss, got {_describe(out)}")
+    if loss.numel() != 1:
+        raise NotALoss(f"train_step{where} must return a scalar loss, got a tensor of shape "
+                       f"{list(loss.shape)}: reduce it (loss.mean(), or the loss function's "
+                       "reduction='mean')")
+    return loss
+
+
+def _describe(out: Any) -> str:
+    """What train_step returned instead of a loss, with the fix that fits it."""
+    kind = type(out).__name__
+    if isinstance(out, (int, float)):
+        return f"{kind} {out!r}; return the tensor, not loss.item()"
+    if isinstance(out, Mapping) or hasattr(out, "loss"):
+        return (f"{kind} whose loss is {_short(_field(out))}: pass the labels to the model so that "
+                "it computes the loss, or compute it in train_step")
+    return f"{kind} {_short(out)}"
+
+
+def _field(out: Any) -> Any:
+    """The `loss` of a model output: a mapping's "loss", else a `.loss` attribute (None if none)."""
+    return out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+
+
 def _returning_a_loss(step: Callable[..., Any]) -> Callable[..., Any]:
-    """`train_step` checked for what it returns: a float (`loss.item()`) or None would fail
-    inside the runtime as `'float' object has no attribute 'backward'`, naming none of it."""
+    """`train_step` checked for what it returns, and its loss taken out of a model output: a
+    float (`loss.item()`) or None would fail inside the runtime as `'float' object has no
+    attribute 'backward'`, naming none of it."""
     code = getattr(inspect.unwrap(getattr(step, "func", step)), "__code__", None)
     where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
     @functools.wraps(step)
     def train_step(model: Any, batch: Any) -> Any:
-        loss = step(model, batch)
-        if not hasattr(loss, "backward"):
-            raise NotALoss(f"train_step{where} must return the loss as a scalar tensor (one that "
-                           f"backward() works on), got {type(loss).__name__} {loss!r:.40}; "
-                           "return the tensor, not loss.item()")
-        return loss
+        return loss_of(step(model, batch), where)
     return train_step
 
 

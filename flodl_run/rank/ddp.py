@@ -21,7 +21,7 @@ def _flat_groups(tensors: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[torc
     return groups
 
 
-def _all_reduce_flat_(tensors: Sequence[torch.Tensor], scale: float,
+def all_reduce_flat_(tensors: Sequence[torch.Tensor], scale: float,
                       group: Optional[dist.ProcessGroup]) -> None:
     """SUM-all-reduce `tensors` in one flat bucket per dtype, scaled by `scale` before the sum."""
     for same in _flat_groups(tensors).values():
@@ -62,7 +62,7 @@ class Ddp:
 
     def all_reduce_gradients(self) -> None:
         """grad <- mean over ranks. Call after backward, before optimizer.step()."""
-        _all_reduce_flat_(self._grads(), 1.0 / self.world_size, self.group)
+        all_reduce_flat_(self._grads(), 1.0 / self.world_size, self.group)
 
     def weighted_all_reduce_gradients(self, batch_counts: Sequence[int]) -> None:
         """grad <- sum_r (count_r / sum count) * grad_r; `batch_counts` lists every rank's count."""
@@ -72,10 +72,10 @@ class Ddp:
         total = float(sum(batch_counts))
         if total <= 0:
             raise ValueError(f"rank {self.rank}: batch_counts sum to 0")
-        _all_reduce_flat_(self._grads(), batch_counts[self.rank] / total, self.group)
+        all_reduce_flat_(self._grads(), batch_counts[self.rank] / total, self.group)
 
     def sync_buffers(self) -> None:
         """Float buffers (running statistics) <- mean over ranks; integer buffers stay local."""
         floats = [b for b in self.model.buffers() if b.is_floating_point()]
         with torch.no_grad():
-            _all_reduce_flat_(floats, 1.0 / self.world_size, self.group)
+            all_reduce_flat_(floats, 1.0 / self.world_size, self.group)

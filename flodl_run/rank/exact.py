@@ -13,14 +13,16 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from flodl_run.averaging.flat import FlatParams
+from flodl_run.contracts.recipe import RecipeError
 from flodl_run.hardware.slowdown import Slowdown
+from flodl_run.rank.ddp import all_reduce_flat_
 from flodl_run.rank.group import RankGroup
 from flodl_run.rank.replica import Replica
 from flodl_run.rank.statecast import broadcast_state_
@@ -59,31 +61,67 @@ def micro_plan(shares: List[int], totals: List[int], micro_batch_size: int) -> L
 
 
 class _Hook:
-    """The communication hook's state: this step's weight, and what to do once this rank's
-    gradient is complete (the last bucket is ready) before it goes out."""
+    """The communication hook's state: this step's weight, what to do once this rank's gradient
+    is complete (the last bucket is ready) before it goes out, and what the step's last
+    micro-batch saw: DDP's forward ran (`forwarded`), the last bucket went out (`reduced`)."""
 
     def __init__(self) -> None:
         self.weight = 1.0
         self.on_ready = None
+        self.forwarded = False
+        self.reduced = False
 
 
 def _weighted_all_reduce(state, bucket):  # unannotated: DDP checks real annotations only
     """sum_r (share_r / total) * grad_r over the group: the step's mean gradient exactly.
     (state: _Hook, bucket: dist.GradBucket -> torch.futures.Future of the bucket)"""
-    if bucket.is_last() and state.on_ready is not None:
-        state.on_ready()
+    if bucket.is_last():
+        state.reduced = True
+        if state.on_ready is not None:
+            state.on_ready()
     tensor = bucket.buffer()
     tensor.mul_(state.weight)
     work = dist.all_reduce(tensor, group=dist.group.WORLD, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+@contextlib.contextmanager
+def _through(ddp: Optional[DistributedDataParallel], state: _Hook) -> Iterator[None]:
+    """While train_step runs, a call of the user's own model goes through `ddp`'s forward
+    (its pre-forward prepares the reducer, its post-forward tells it what backward will see),
+    as torch's composable `replicate` does it with hooks. So train_step receives the model
+    itself (`model.config`, the model's own methods) and the reducer still sees every step.
+    Only for the step: an eval or a callback calls the model with no collective behind it."""
+    if ddp is None:
+        yield
+        return
+
+    def before(module, args, kwargs):
+        state.forwarded = True
+        DistributedDataParallel._active_ddp_module = ddp  # what compiled autograd looks for
+        return ddp._pre_forward(*args, **kwargs)
+
+    def after(module, args, output):
+        DistributedDataParallel._active_ddp_module = None
+        return ddp._post_forward(output)
+
+    handles = [ddp.module.register_forward_pre_hook(before, with_kwargs=True),
+               ddp.module.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class ExactSync:
     """One rank's exact steps. `rebuild()` after every group join; `begin(micro)` before each
     micro-batch the loop trains, whose `step(batch)` is what `worker.step` runs."""
 
-    def __init__(self, replica: Replica, flat: FlatParams, group: RankGroup, slowdown: Slowdown):
+    def __init__(self, replica: Replica, flat: FlatParams, group: RankGroup, slowdown: Slowdown,
+                 find_unused_parameters: bool = False):
         self.replica, self.flat, self.group, self.slowdown = replica, flat, group, slowdown
+        self.find_unused_parameters = find_unused_parameters
         self.device = replica.device
         self._hook = _Hook()
         self._grouped = _by_device_and_dtype(replica.model)  # the gradients' check, per group
@@ -107,7 +145,7 @@ class ExactSync:
         cuda = self.device.type == "cuda"
         self.ddp = DistributedDataParallel(
             self.replica.model, device_ids=[self.device] if cuda else None, init_sync=False,
-            gradient_as_bucket_view=True)
+            gradient_as_bucket_view=True, find_unused_parameters=self.find_unused_parameters)
         self.ddp.register_comm_hook(self._hook, _weighted_all_reduce)
 
     def adopt_from(self, source: int) -> None:
@@ -132,21 +170,24 @@ class ExactSync:
         gradient's optimizer step (skipped when it is non-finite). A broken collective is
         recorded in `failed` (the loop reports it) instead of raised into the recipe's loop."""
         micro = self._micro
-        model = self.ddp if self.ddp is not None else self.replica.model
+        precision = self.replica.precision
         if micro.first:
             self.replica.optimizer.zero_grad(set_to_none=True)
             self._start_clock()
         sync = self.ddp is None or micro.last
+        self._hook.forwarded = self._hook.reduced = False
         with (contextlib.nullcontext() if sync else self.ddp.no_sync()):
-            loss = self.replica.recipe.train_step(model, batch)
+            with _through(self.ddp, self._hook), precision.autocast():
+                loss = self.replica.recipe.train_step(self.replica.model, batch)
             scaled = loss * (micro.samples / micro.share) if micro.count > 1 else loss
             self._hook.weight = micro.share / micro.total
             self._hook.on_ready = self._gradient_ready if micro.last else None
             if not micro.last:
-                scaled.backward()
+                precision.backward(scaled)
                 return scaled.detach()  # a step's micro-batches sum to its share's mean loss
             try:
-                scaled.backward()
+                precision.backward(scaled)
+                self._check_reduced()
                 self._finish_step()
             except RuntimeError as exc:
                 if self.ddp is None or not self._collective_broke(exc):
@@ -154,23 +195,51 @@ class ExactSync:
                 return self._fail(scaled, exc)
         return scaled.detach()
 
+    def _check_reduced(self) -> None:
+        """After the step's backward: DDP's reducer averaged the gradient, or this does. A
+        train_step that reached the model's forward by another door (`model.forward(x)`, a
+        method calling it) left the reducer out: the gradient is averaged here, exactly, in
+        one flat all-reduce per dtype (no overlap with backward). A forward that went through
+        DDP but left parameters without a gradient is the case torch DDP refuses too."""
+        if self.ddp is None or self._hook.reduced:
+            return
+        if self._hook.forwarded:
+            idle = [name for name, p in self.replica.model.named_parameters()
+                    if p.requires_grad and p.grad is None]
+            raise RecipeError("recipe.find_unused_parameters", self.find_unused_parameters,
+                              "must be true for a model whose parameters do not all get a gradient "
+                              f"in every step (none this step: {', '.join(idle[:4]) or 'unknown'}"
+                              f"{', ...' if len(idle) > 4 else ''}), as torch DDP's flag")
+        self._gradient_ready()
+        grads = []
+        for p in self.replica.model.parameters():
+            if p.requires_grad:
+                if p.grad is None:  # every rank sends the same layout
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        all_reduce_flat_(grads, self._hook.weight, None)
+
     def _finish_step(self) -> None:
         """Clip the averaged gradient, step unless it is non-finite (on every rank alike: the
         gradient is the same everywhere), then the schedule."""
+        precision = self.replica.precision
         if self.ddp is None:
             self._gradient_ready()
-            if _skips_on_device(self.replica.optimizer):
+            if _skips_on_device(self.replica.optimizer) and precision.scaler is None:
                 return self._fused_step()
+        precision.unscale_(self.replica.optimizer)
         nonfinite = _nonfinite(self._grouped)  # reads back: the all-reduce has landed
         if self.group.broken():  # the listener aborted the group: the result means nothing
             self.failed = "process group aborted"
             return
         if nonfinite:
             self.skipped += 1
+            if precision.scaler is not None:
+                precision.scaler.update()  # an overflow: the scale comes down
         else:
             if self.replica.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), self.replica.max_grad_norm)
-            self.replica.optimizer.step()
+            precision.step(self.replica.optimizer)
         if self.replica.scheduler is not None:
             self.replica.scheduler.step()
         self.replica.steps += 1

@@ -33,10 +33,11 @@ class RankGroup:
     tell a hung one. Collectives time out after `limit_s`, a backstop only: the coordinator's
     AbortGroup comes first."""
 
-    def __init__(self, rank: int, device: torch.device, limit_s: float):
+    def __init__(self, rank: int, device: torch.device, limit_s: float, backend: str = "auto"):
         self.rank, self.device, self.limit_s = rank, device, limit_s
         self._tcp_store: Optional[dist.Store] = None
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        # cluster.backend: NCCL on a GPU unless Gloo is asked for (ranks sharing one GPU)
+        self.backend = "nccl" if device.type == "cuda" and backend != "gloo" else "gloo"
         self._lock = threading.Lock()  # the listener thread aborts what the main thread built
         self._group: Optional[dist.ProcessGroup] = None  # the NCCL group the listener may abort
         self.alone = False  # the only member left: no group, the reduce is the identity

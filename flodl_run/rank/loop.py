@@ -83,7 +83,7 @@ class RankWorker:
                                   config.recipe.loop)
         self.replica = Replica(self.recipe, self.device, config.seed,
                                lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
-                               max_grad_norm=config.max_grad_norm)
+                               max_grad_norm=config.max_grad_norm, options=config.recipe)
         self.flat = FlatParams(self.replica.model)
         warning = cpu_training_warning(config.recipe.module, self.flat.numel) \
             if env.rank == 0 and self.device.type == "cpu" else None
@@ -97,7 +97,8 @@ class RankWorker:
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
                                      config.cluster.emulate_jitter, env.rank, config.seed)
         self.mode = config.elche.mode
-        self.group = RankGroup(env.rank, self.device, max(5.0, 2 * config.heartbeat_timeout_secs))
+        self.group = RankGroup(env.rank, self.device, max(5.0, 2 * config.heartbeat_timeout_secs),
+                               config.cluster.backend.value)
         self.jobs: Deque[Job] = deque()
         self._steps_since_reduce = 0
         self._awaiting_update = False
@@ -133,7 +134,8 @@ class RankWorker:
         self.exchange = SnapshotExchange(env.rank, self.flat, self.channel, os.environ.get(PREFIX_ENV))
         # nccl_sync's exact path (gradients averaged inside backward); a recipe with its own
         # loop steps its optimizers itself, so it averages parameters instead
-        self.exact = (ExactSync(self.replica, self.flat, self.group, self.slowdown)
+        self.exact = (ExactSync(self.replica, self.flat, self.group, self.slowdown,
+                                config.recipe.find_unused_parameters)
                       if self._exact_path() else None)
 
     def _exact_path(self) -> bool:

@@ -6,13 +6,15 @@ eval on the replica's weights). It does not decide when to reduce or which data 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
+from flodl_run.config.schema import RecipeConfig
 from flodl_run.contracts.recipe import Recipe, RecipeError, eager_module
 from flodl_run.data.passes import BatchSource
 
@@ -69,20 +71,60 @@ def as_one_optimizer(built: Any) -> Any:
     return built
 
 
+class Precision:
+    """recipe.amp for the built-in step: train_step under torch.autocast, and for fp16 a
+    GradScaler (torch's AMP recipe: scale the loss, unscale before clipping, step through the
+    scaler, which skips a step whose gradient overflowed and lowers the scale). The scaler is
+    this rank's own: it is not averaged, and a resumed run starts it afresh (it settles within
+    a few steps)."""
+
+    def __init__(self, amp: str, device: torch.device):
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(amp)
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+
+    def autocast(self) -> ContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Gradients back to their true size (before a clip or a finite check); fp16 only."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Any) -> None:
+        """The optimizer step (through the scaler under fp16, then its update)."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
 class Replica:
     """Model, optimizer and scheduler of one rank, seeded identically on every rank.
     `optimizers` is what the recipe's build_optimizer returned (one optimizer, or a tuple, list
     or dict of them); `optimizer` is the same seen as one (Optimizers for several). `model` is
-    what build_model returned (maybe compiled: steps and callbacks use it); `module` is the
-    module under it, whose state dict bundles hold."""
+    what build_model returned (maybe compiled: steps and callbacks use it; compiled here under
+    recipe.compile); `module` is the module under it, whose state dict bundles hold. `options`
+    gives recipe.amp and recipe.compile."""
 
     def __init__(self, recipe: Recipe, device: torch.device, seed: int, lr_scale: float = 1.0,
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None, options: Optional[RecipeConfig] = None):
+        options = options or RecipeConfig()  # recipe.amp and recipe.compile
+        amp, compile_backend = options.amp.value, options.compile
         self.recipe = recipe
         self.device = device
         self.max_grad_norm = max_grad_norm
+        self.precision = Precision(amp, device)
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.model = recipe.call("build_model", device)
+        if compile_backend and eager_module(self.model) is self.model:
+            self.model = torch.compile(self.model, backend=compile_backend)
         self.module = eager_module(self.model)
         self.optimizers = recipe.call("build_optimizer", self.model.parameters(), model=self.model)
         self.optimizer = as_one_optimizer(self.optimizers)
@@ -90,6 +132,9 @@ class Replica:
             raise RecipeError("recipe.module", recipe.name, "must not define build_scheduler when "
                               "build_optimizer returns several optimizers (step their schedulers "
                               "in the loop)")
+        if amp == "fp16" and isinstance(self.optimizer, Optimizers):
+            raise RecipeError("recipe.amp", amp, "must be off or bf16 when build_optimizer returns "
+                              "several optimizers (scale each loss in the recipe's loop)")
         for group in self.optimizer.param_groups:
             group["lr"] *= lr_scale  # before the scheduler captures its base LRs
         self.lr_scale = lr_scale
@@ -102,11 +147,13 @@ class Replica:
         the tensors and read them once per window or report, never per step."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.recipe.train_step(self.model, batch)
-        loss.backward()
+        with self.precision.autocast():
+            loss = self.recipe.train_step(self.model, batch)
+        self.precision.backward(loss)
         if self.max_grad_norm is not None:
+            self.precision.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1

@@ -33,7 +33,7 @@ class SnapshotExchange:
     def send(self, round_: int, steps: int) -> None:
         """SnapshotTaken for `round_`, `steps` batches since the last reduce, with a finite flag
         (one device-side check, read once per reduce)."""
-        buffers = as_frame(self.flat.flat_float_buffers())
+        buffers = as_frame(self.flat.flat_float_buffers().cpu())  # a frame is host memory
         finite = bool(all_finite(self.flat))
         slab = self._snapshot_slab()
         if slab is not None:

@@ -77,7 +77,8 @@ class SoloTrainer:
         # the bench's solo runs at each rank's speed
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
                                      config.cluster.emulate_jitter, 0, config.seed)
-        self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm)
+        self.replica = Replica(recipe, self.device, config.seed, max_grad_norm=config.max_grad_norm,
+                               options=config.recipe)
         count = sum(p.numel() for p in self.replica.model.parameters())
         warning = cpu_training_warning(recipe.name, count) if self.device.type == "cpu" else None
         if warning:

@@ -1,0 +1,211 @@
+"""The zoo's matrix: every zoo recipe (conf/recipe/zoo_*.yaml), eager and compiled, solo and in
+every mode with two ranks, on this machine's CPU or on one GPU that both ranks share; then,
+with --speed, the solo path's training time against a careful user's own loop, side by side.
+
+    .venv/bin/python tools/zoo_matrix.py                          # CPU ranks, eager, every cell
+    python3 tools/zoo_matrix.py --device cuda --compiled --speed  # the GPU machine (tools/device_run.sh)
+
+Each cell is a real run (`python -m flodl_run recipe=zoo_X ...`, tracking off) whose summary.json
+gives its status, final eval and training samples/s. Two ranks on one GPU run the coordinator
+modes as they are and the collective modes over Gloo (cluster.backend=gloo): NCCL needs one GPU
+per rank. The speed rounds alternate the two loops (A B A B ...) and compare medians, since a
+machine's speed drifts within a call. Writes matrix.json and matrix.md into --out; exit 1 when a
+cell failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+PATHS = ["solo", "nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
+COLLECTIVE = {"nccl_sync", "nccl_cadence"}
+
+
+def zoo_names() -> List[str]:
+    return sorted(p.stem for p in (REPO / "conf" / "recipe").glob("zoo_*.yaml"))
+
+
+def cell_overrides(path: str, device: str, compiled: bool) -> List[str]:
+    """The overrides of one cell: where its ranks run and how its model is built."""
+    if path == "solo":
+        out = ["cluster=solo", f"device={device}"]
+    elif device == "cuda":
+        out = ["cluster=local_gpus", "cluster.devices=[0,0]", f"elche={path}"]
+        out += ["cluster.backend=gloo"] if path in COLLECTIVE else []
+    else:
+        out = ["cluster=cpu", "cluster.num_ranks=2", f"elche={path}"]
+    if compiled:
+        out.append(f"recipe.compile={'inductor' if device == 'cuda' else 'aot_eager'}")
+    return out
+
+
+def run_cell(name: str, overrides: List[str], epochs: int, run_dir: Path, timeout_s: float) -> Dict:
+    """One run to its end: the summary's figures, or the failure's last lines."""
+    cmd = [sys.executable, "-m", "flodl_run", f"recipe={name}", f"num_epochs={epochs}", "tracking=off",
+           f"hydra.run.dir={run_dir}", *overrides]
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        tail = (proc.stderr or proc.stdout)[-600:]
+    except subprocess.TimeoutExpired:
+        return {"status": f"timed out after {timeout_s:.0f} s", "wall_s": timeout_s}
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    row = {"status": summary.get("status", f"exit {proc.returncode}"), "eval": summary.get("final_eval"),
+           "samples_per_s": summary.get("samples_per_s"), "wall_s": time.perf_counter() - began}
+    if row["status"] != "completed":
+        row["tail"] = tail
+    return row
+
+
+def train_ms(summary: Dict) -> Optional[float]:
+    """Median training time of an epoch (eval left out), the first epoch (warm-up, compile)
+    left out when there are others."""
+    epochs = summary.get("epochs") or []
+    times = [e["epoch_ms"] - (e.get("eval_ms") or 0.0) for e in epochs[1:] or epochs]
+    return statistics.median(times) if times else None
+
+
+def own_loop_ms(name: str, device: str, epochs: int, compiled: bool) -> float:
+    """A careful user's own loop over the recipe (data on the device, batches by index, the
+    recipe's model, optimizer and train_step, autocast and a GradScaler as recipe.amp asks):
+    the median training time of an epoch, the first left out, as train_ms reads ours."""
+    code = f"""
+import json, statistics, time, torch
+from omegaconf import OmegaConf
+from flodl_run.contracts.recipe import load_recipe
+cfg = OmegaConf.load("conf/recipe/{name}.yaml")
+recipe = load_recipe(cfg.module, OmegaConf.to_container(cfg.get("params", {{}})), None, None)
+device = torch.device("{device}")
+torch.manual_seed(0)
+model = recipe.call("build_model", device)
+if {compiled!r} and not hasattr(model, "_orig_mod"):
+    model = torch.compile(model, backend={'"inductor"' if device == 'cuda' else '"aot_eager"'})
+optimizer = recipe.call("build_optimizer", model.parameters(), model=model)
+amp = cfg.get("amp", "off")
+dtype = {{"fp16": torch.float16, "bf16": torch.bfloat16}}.get(amp)
+scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+data = recipe.call("train_dataset")
+batch_size = int(cfg.get("batch_size", 32))
+rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
+move = lambda b: {{k: v.to(device) for k, v in b.items()}} if isinstance(b, dict) else [v.to(device) for v in b]
+rows = move(rows)
+take = lambda i: {{k: v[i] for k, v in rows.items()}} if isinstance(rows, dict) else [v[i] for v in rows]
+times = []
+for epoch in range({epochs}):
+    order = torch.randperm(len(data), device=device)
+    if device.type == "cuda": torch.cuda.synchronize()
+    began = time.perf_counter()
+    for start in range(0, len(data), batch_size):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = recipe.train_step(model, take(order[start:start + batch_size]))
+        if scaler is None:
+            loss.backward(); optimizer.step()
+        else:
+            scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
+    if device.type == "cuda": torch.cuda.synchronize()
+    times.append((time.perf_counter() - began) * 1000.0)
+print(json.dumps(statistics.median(times[1:] or times)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def speed_rounds(name: str, device: str, epochs: int, compiled: bool, rounds: int, out: Path) -> Dict:
+    """Ours (the solo path) and the user's loop, alternated `rounds` times: medians and ratio."""
+    ours, theirs = [], []
+    for k in range(rounds):
+        theirs.append(own_loop_ms(name, device, epochs, compiled))
+        run_dir = out / f"speed-{name}-{'c' if compiled else 'e'}-{k}"
+        run_cell(name, cell_overrides("solo", device, compiled), epochs, run_dir, 900)
+        summary_file = run_dir / "summary.json"
+        ms = train_ms(json.loads(summary_file.read_text())) if summary_file.exists() else None
+        if ms is not None:
+            ours.append(ms)
+    if not ours:
+        return {"ours_ms": None, "own_loop_ms": statistics.median(theirs), "ratio": None}
+    mine, own = statistics.median(ours), statistics.median(theirs)
+    return {"ours_ms": mine, "own_loop_ms": own, "ratio": own / mine}
+
+
+def markdown(cells: Dict, speed: Dict) -> str:
+    lines = ["| model | build | " + " | ".join(PATHS) + " |", "|---|---|" + "---|" * len(PATHS)]
+    for (name, build), row in cells.items():
+        cols = []
+        for path in PATHS:
+            cell = row.get(path)
+            if cell is None:
+                cols.append("-")
+            elif cell["status"] == "completed":
+                cols.append(f"ok {cell['eval']:.3f}" if cell["eval"] is not None else "ok")
+            else:
+                cols.append(f"**{cell['status']}**")
+        lines.append(f"| {name} | {build} | " + " | ".join(cols) + " |")
+    if speed:
+        lines += ["", "| model | build | solo path ms/epoch | own loop ms/epoch | own loop / ours |",
+                  "|---|---|---|---|---|"]
+        for (name, build), s in speed.items():
+            ours = "-" if s["ours_ms"] is None else f"{s['ours_ms']:.1f}"
+            ratio = "-" if s["ratio"] is None else f"{s['ratio']:.2f}x"
+            lines.append(f"| {name} | {build} | {ours} | {s['own_loop_ms']:.1f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--models", default="", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--compiled", action="store_true", help="also every model compiled")
+    parser.add_argument("--speed", action="store_true", help="solo path vs own loop, interleaved")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT", "outputs/zoo_matrix"))
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in args.models.split(",") if n] or zoo_names()
+    builds = [False, True] if args.compiled else [False]
+    cells: Dict = {}
+    for name in names:
+        for compiled in builds:
+            row = cells.setdefault((name, "compiled" if compiled else "eager"), {})
+            for path in args.paths.split(","):
+                run_dir = out / f"{name}-{'c' if compiled else 'e'}-{path}"
+                row[path] = cell = run_cell(name, cell_overrides(path, args.device, compiled),
+                                            args.epochs, run_dir, args.timeout)
+                print(f"{name:18s} {'compiled' if compiled else 'eager':8s} {path:13s} "
+                      f"{cell['status']:10s} eval {cell.get('eval')} {cell['wall_s']:.0f} s", flush=True)
+                if cell["status"] != "completed":
+                    print(cell.get("tail", ""), flush=True)
+    speed = {}
+    if args.speed:
+        for name in names:
+            for compiled in builds:
+                speed[(name, "compiled" if compiled else "eager")] = s = speed_rounds(
+                    name, args.device, max(args.epochs, 3), compiled, args.rounds, out)
+                print(f"speed {name} {'compiled' if compiled else 'eager'}: {s}", flush=True)
+    table = markdown(cells, speed)
+    (out / "matrix.md").write_text(table)
+    (out / "matrix.json").write_text(json.dumps(
+        {"cells": {f"{n}/{b}": r for (n, b), r in cells.items()},
+         "speed": {f"{n}/{b}": s for (n, b), s in speed.items()}}, indent=1))
+    print(table)
+    failed = [k for k, row in cells.items() for c in row.values() if c["status"] != "completed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
