@@ -163,7 +163,8 @@ def test_gpt2_steps_read_the_models_config():
 
 def test_bert_takes_padded_dict_batches_through_its_pooler():
     """Pins the encoder's reasons: a dict batch (`model(**batch)`) with real padding under the
-    attention mask, a pooler that training reaches, and non-persistent int64 buffers that the
+    attention mask, which reaches the model (the tokens under it change nothing), a pooler that
+    training reaches, and non-persistent int64 buffers that the
     state dict leaves out."""
     recipe, model = _built("bert_cls")
     batches = _batches(recipe, 3)
@@ -172,6 +173,10 @@ def test_bert_takes_padded_dict_batches_through_its_pooler():
     pooler = model.bert.pooler.dense.weight.detach().clone()
     _train(recipe, model, batches)
     assert not torch.equal(model.bert.pooler.dense.weight, pooler)
+    padded = batches[0]["attention_mask"] == 0
+    other_padding = {**batches[0], "input_ids": batches[0]["input_ids"].masked_fill(padded, 5)}
+    logits = [_step(recipe)(model, b).logits for b in (batches[0], other_padding)]
+    torch.testing.assert_close(*logits)  # the mask reaches the model: what is under it is not seen
     hidden = {n for n, b in model.named_buffers() if n not in model.state_dict()}
     assert {"bert.embeddings.position_ids", "bert.embeddings.token_type_ids"} <= hidden
 

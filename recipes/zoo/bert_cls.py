@@ -3,8 +3,8 @@ passed as `model(**batch)`, variable-length sequences padded under an attention 
 over the first token, a ModelOutput with `.loss`, and non-persistent buffers (the embeddings'
 int64 `position_ids` and `token_type_ids`, left out of the state dict).
 
-The task is synthetic (does a marker token occur among the padded sequence's tokens?); eval is
-held-out accuracy.
+The task is synthetic (are most of the padded sequence's tokens from the upper half of the
+vocabulary?); eval is held-out accuracy.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
 
-from recipes.zoo.data import PAD, Columns, marked_sequences  # noqa: E402
+from recipes.zoo.data import PAD, Columns, majority_sequences  # noqa: E402
 
 VOCAB_SIZE = 100
 
 
 def train_dataset(num_train: int = 1024, max_len: int = 32, **_: object) -> Columns:
-    return marked_sequences(train=True, num_samples=num_train, vocab_size=VOCAB_SIZE, max_len=max_len)
+    return majority_sequences(train=True, num_samples=num_train, vocab_size=VOCAB_SIZE, max_len=max_len)
 
 
 def eval_dataset(max_len: int = 32, **_: object) -> Columns:
-    return marked_sequences(train=False, num_samples=256, vocab_size=VOCAB_SIZE, max_len=max_len)
+    return majority_sequences(train=False, num_samples=256, vocab_size=VOCAB_SIZE, max_len=max_len)
 
 
 def build_model(device: torch.device, max_len: int = 32, hidden_size: int = 64, num_layers: int = 2,
@@ -42,7 +42,7 @@ def build_model(device: torch.device, max_len: int = 32, hidden_size: int = 64, 
     return BertForSequenceClassification(config).to(device)
 
 
-def build_optimizer(parameters, lr: float = 1e-3, weight_decay: float = 0.01, **_: object):
+def build_optimizer(parameters, lr: float = 2e-3, weight_decay: float = 0.01, **_: object):
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
 
 
