@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torch.utils.data import default_collate
 
 from flodl_run.contracts.recipe import RecipeError, load_recipe
 from flodl_run.rank.replica import Optimizers, Replica, as_one_optimizer
@@ -58,7 +59,7 @@ def test_shipped_recipe_satisfies_the_contract(module, params, direction):
     train = recipe.call("train_dataset")
     assert isinstance(model, torch.nn.Module)
     assert isinstance(optimizer, (torch.optim.Optimizer, Optimizers))
-    batch = [t[:8] for t in train.tensors] if hasattr(train, "tensors") else train[0]
+    batch = default_collate([train[i] for i in range(8)])  # as the runner collates: tuples or dicts
     if recipe.loop is None:
         loss = recipe.train_step(model, batch)
         assert loss.dim() == 0 and loss.requires_grad and torch.isfinite(loss)
@@ -68,7 +69,8 @@ def test_shipped_recipe_satisfies_the_contract(module, params, direction):
         run_loop(recipe, Worker(replica, lambda: iter([batch]), reported.append, 0, 1))
         assert len(reported) == 1 and torch.isfinite(torch.as_tensor(reported[0]))
     assert recipe.has_eval, f"{module} has no held-out eval"
-    held_out = [t[:8] for t in recipe.call("eval_dataset").tensors]
+    eval_set = recipe.call("eval_dataset")
+    held_out = default_collate([eval_set[i] for i in range(8)])
     if recipe.eval_fn is not None:
         assert math.isfinite(recipe.call("eval_fn", model, held_out))
         return
