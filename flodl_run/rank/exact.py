@@ -96,13 +96,15 @@ def _through(ddp: Optional[DistributedDataParallel], state: _Hook) -> Iterator[N
         yield
         return
 
+    # DDP's own forward also marks itself active, which has dynamo split a compiled model's
+    # graph at bucket boundaries; on one H200 that split failed a compiled ResNet's backward
+    # (a stride check in convolution_backward). Unmarked, a compiled model is one graph whose
+    # gradients reach the reducer as its backward ends (no overlap: docs/decisions.md).
     def before(module, args, kwargs):
         state.forwarded = True
-        DistributedDataParallel._active_ddp_module = ddp  # what compiled autograd looks for
         return ddp._pre_forward(*args, **kwargs)
 
     def after(module, args, output):
-        DistributedDataParallel._active_ddp_module = None
         return ddp._post_forward(output)
 
     handles = [ddp.module.register_forward_pre_hook(before, with_kwargs=True),
