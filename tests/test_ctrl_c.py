@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,9 +19,10 @@ import pytest
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
 from flodl_run.contracts.checkpoint import read_meta
 from flodl_run.contracts.summary import ReduceRecord
+from flodl_run.control.dispatch import epoch_span
 from flodl_run.control.runstate import STOP_GRACE_S, RunAborted, StopRequest
 from flodl_run.observe.observer import Observer
-from tests.fakes import NUM_SAMPLES, cohort, drive
+from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
 from tests.support import PAIR, _live_ranks, start_cli
 from tests.support import _run as run_cli_summary
 
@@ -78,38 +80,181 @@ class _StopAtEpochEnd(Observer):
 
 
 @pytest.mark.coordinator
-def test_a_stop_after_an_epochs_last_window_resumes_at_the_next_epoch(tmp_path):
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_sync", "nccl_sync"])
+def test_a_stop_after_an_epochs_last_window_closes_it_and_resumes_at_the_next_epoch(tmp_path, mode):
     """Pins: a stop whose reduce was the epoch's last saved that epoch with nothing listed
-    uncovered, which a resume reads as the whole epoch (trained twice). The bundle now names
-    the next epoch, whole, and the consensus holds epoch 0 once."""
+    uncovered, which a resume reads as the whole epoch (trained twice). The bundle then named
+    the next epoch, but the epoch's close never ran (issue 45.10: no eval, no epoch_fn, no
+    summary record for samples the weights hold). Now the epoch closes first (its record and
+    eval), then the bundle names the next epoch, whole; the consensus holds epoch 0 once."""
     stem = str(tmp_path / "ck")
     stop = _StopAtEpochEnd()
-    run = ExperimentConfig(elche=ElCheConfig.preset("nccl_cadence"), num_epochs=2, batch_size=8,
-                           save_path=stem)
+    run = ExperimentConfig(elche=replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params),
+                           num_epochs=2, batch_size=8, save_path=stem, epoch_callback_policy="rank:0")
     stop.coord, fakes, group = cohort(run, [3.0, 3.0], observer=stop)
     summary, _ = drive(stop.coord, fakes)
-    assert summary.status == "interrupted", summary.message
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert [(e.epoch, e.eval, e.samples) for e in summary.epochs] == [(0, 0.5, NUM_SAMPLES)]
+    assert fakes[0].evaluations == 1
     coverage = read_meta(stem).coverage
-    assert (coverage.epoch, coverage.uncovered) == (1, [])
+    span = epoch_span(1, NUM_SAMPLES, 1, 1)
+    assert (coverage.epoch, coverage.uncovered) == (1, [[span.pass_index, 0, NUM_SAMPLES]])
     seen = group.consensus()
     assert set(seen) == {(0, i) for i in range(NUM_SAMPLES)} and set(seen.values()) == {1}
 
 
 def test_the_stop_grace_counts_from_the_last_batch_and_a_second_request_cuts_it():
     """Pins the grace: while a rank is in a batch the deadline moves on (a batch is never cut,
-    however long), once none is it runs out and the run stops unsaved, saying why; a second
-    request stops at once even with a rank in a batch."""
+    however long), once none is it runs out (the caller then lets go of what holds the stop
+    up, or gives up: the run stops unsaved, saying why); a second request stops at once even
+    with a rank in a batch."""
     stop = StopRequest()
     stop.request("interrupted by SIGINT")
     stop.deadline = time.monotonic() - 1.0  # the grace ran out long ago ...
-    stop.check(in_batch=True)  # ... but a rank is still in its batch
+    assert stop.check(in_batch=True) is False  # ... but a rank is still in its batch
     assert stop.deadline > time.monotonic() + STOP_GRACE_S - 1.0
     stop.deadline = time.monotonic() - 1.0
+    assert stop.check(in_batch=False) is True
     with pytest.raises(RunAborted, match=r"no save within 8s of the ranks' last batch: not saved"):
-        stop.check(in_batch=False)
+        stop.give_up()
     stop.request("interrupted by SIGINT")
     with pytest.raises(RunAborted, match="stopped at once"):
         stop.check(in_batch=True)
+
+
+def test_a_second_request_cuts_a_save_under_way_a_grace_after_the_first():
+    """Pins issue 45.2's rule: a save under way is never cut by the first request, nor by a
+    second within the grace of the first; a second request after that grace (or the grace
+    running out after a second request) cuts it, naming the save."""
+    patient = StopRequest(grace_s=60.0)
+    patient.request("interrupted by SIGTERM")
+    with patient.while_saving("the checkpoint save of ck"):
+        patient.request("interrupted by SIGINT")  # within the first's grace: the save may finish
+        assert patient.check() is False
+    late = StopRequest(grace_s=0.0)  # every second request comes after the grace
+    late.request("interrupted by SIGTERM")
+    with late.while_saving("the checkpoint save of ck"):
+        assert late.check() is False  # the first request never cuts a save
+        late.request("interrupted by SIGINT")
+        with pytest.raises(RunAborted) as cut:
+            late.check()
+    assert cut.value.reason == ("interrupted by SIGTERM; then SIGINT (stopped at once, cutting the "
+                                "checkpoint save of ck: not saved)")
+
+
+@pytest.mark.coordinator
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "nccl_sync", "cpu_async"])
+def test_a_stop_while_a_ranks_eval_hangs_lets_it_go_and_saves_what_the_others_hold(tmp_path, mode):
+    """Pins issue 45.1: a stop while the callback rank's eval hung (a recipe's eval_step or
+    epoch_fn that never returns) waited for the eval's limit (300 s and more), ran out of its
+    grace and ended `no save within 8s of the ranks' last batch: not saved`, losing every
+    finished epoch. Now the rank is declared hung once the grace runs out, and the survivor
+    saves the consensus it holds: epoch 1 (the eval hung at its close) closes without its eval,
+    the bundle names epoch 2, and the saved consensus holds epochs 0 and 1 once each, and of
+    epoch 2 exactly what the bundle does not list uncovered."""
+    stem = str(tmp_path / "ck")
+    elche = replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params)
+    run = ExperimentConfig(elche=elche, num_epochs=4, batch_size=8, save_path=stem,
+                           epoch_callback_policy="rank:1")
+    hang = Fault(rank=1, kind="hang", at=2, point="evaluate")  # at epoch 1's close
+    coord, fakes, group = cohort(run, [3.0, 3.0], faults=[hang])
+    coord.stop.grace_s = 1.0
+    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
+    summary, fakes = drive(coord, fakes)
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert summary.dead_ranks == [1] and fakes[1].fate.startswith("hang at evaluate 2")
+    assert [(e.epoch, e.eval) for e in summary.epochs] == [(0, 0.5), (1, None)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch) == ("graceful_shutdown", 2)
+    # cpu_async trains on while an epoch closes: its bundle may hold some of epoch 2, listing the rest
+    lacks = {(p, i) for p, start, end in meta.coverage.uncovered for i in range(start, end)}
+    held = {(2, i) for i in range(NUM_SAMPLES)} - lacks if lacks else set()
+    seen = group.consensus()
+    assert set(seen.values()) == {1}
+    assert set(seen) == {(e, i) for e in (0, 1) for i in range(NUM_SAMPLES)} | held
+
+
+def _run_in_thread(coord):
+    """The coordinator's run on a thread of its own (as the launcher runs it): (thread, box)."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(coord.run()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+@pytest.mark.coordinator
+@pytest.mark.parametrize("earlier", [False, True], ids=["first-save", "after-a-checkpoint"])
+def test_a_second_signal_after_the_grace_ends_a_run_whose_final_save_hangs(tmp_path, earlier):
+    """Pins issue 45.2: with the writer hung in checkpoint_fn during the final save, SIGTERM,
+    then SIGINT after the grace, each said `at once (a save under way still finishes)` and
+    the run went on waiting for the save's limit (20 x 300 s): only SIGKILL ended it, with no
+    summary. Now the second signal cuts the save and the run ends interrupted, saying the
+    save was not written and what the save path still holds (nothing, or the checkpoint
+    written after epoch 0)."""
+    stem = str(tmp_path / "ck")
+    run = ExperimentConfig(elche=ElCheConfig.preset("nccl_cadence"), num_epochs=2, batch_size=8,
+                           save_path=stem, epoch_callback_policy="rank:0",
+                           checkpoint_every=1 if earlier else None)
+    hang = Fault(rank=0, kind="hang", at=2 if earlier else 1, point="save")  # the final save's
+    coord, fakes, _ = cohort(run, [3.0, 3.0], faults=[hang])
+    coord.stop.grace_s = 0.5
+    second = threading.Timer(1.0, coord.request_stop, ["interrupted by SIGINT"])  # past the grace
+
+    def first(fake) -> None:
+        coord.request_stop("interrupted by SIGTERM")
+        second.start()
+
+    fakes[0].on_stuck = first
+    for fake in fakes:
+        fake.start()
+    thread, box = _run_in_thread(coord)
+    thread.join(timeout=15.0)
+    for fake in fakes:  # what the launcher's stop does to a rank that does not leave
+        fake.kill()
+    assert not thread.is_alive(), "the run did not end after the second signal"
+    summary = box[0]
+    stays = (f"{stem} still holds the bundle of generation 1 (checkpoint, resume at epoch 1)"
+             if earlier else f"no bundle at {stem}")
+    assert summary.status == "interrupted"
+    assert summary.message == ("interrupted by SIGTERM; then SIGINT (stopped at once, cutting the "
+                               f"checkpoint save of {stem}: not saved); {stays}")
+    assert [e.epoch for e in summary.epochs] == [0, 1]
+
+
+class _Progress(Observer):
+    """What the progress bar is told: the resume point and each batch count."""
+
+    def __init__(self) -> None:
+        self.resumed = None
+        self.batches: list = []
+
+    def on_resume(self, epoch: int, batches_done: int) -> None:
+        self.resumed = (epoch, batches_done)
+
+    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+        self.batches.append((epoch, batches_done))
+
+
+@pytest.mark.coordinator
+def test_a_resumed_partial_epochs_progress_counts_on_from_the_bundle(tmp_path):
+    """Pins issue 45.11: a resumed partial epoch's progress started at epoch 1, 0 batches,
+    and ended short (74/128) while training epoch 2: the observers were told neither where the
+    run resumed nor the batches the bundle held. Now they are told both (on_resume), and the
+    resumed epoch's count goes on from there to the epoch's batches."""
+    stem = str(tmp_path / "ck")
+    _stopped_mid_epoch("nccl_cadence", stem, stop_at=EPOCH_BATCHES // 2 + 5)
+    uncovered = read_meta(stem).coverage.uncovered
+    left = sum(-(-(end - start) // 8) for _, start, end in uncovered)
+    assert 0 < left < EPOCH_BATCHES
+    progress = _Progress()
+    run = ExperimentConfig(elche=replace(ElCheConfig.preset("nccl_cadence"), sync_average=SyncAverage.params),
+                           num_epochs=2, batch_size=8, resume_from=stem)
+    coord, fakes, _ = cohort(run, [3.0, 3.0], observer=progress)
+    summary, _ = drive(coord, fakes)
+    assert summary.status == "completed", summary.message
+    assert progress.resumed == (1, EPOCH_BATCHES - left)
+    assert progress.batches[0][1] > EPOCH_BATCHES - left
+    assert progress.batches[-1] == (1, EPOCH_BATCHES)
 
 
 def _sigint_mid_window(run_dir: Path, *overrides: str) -> dict:

@@ -35,17 +35,29 @@ class OrderClock:
     included): `factor` times the longest of that kind measured so far, never less than
     `floor_s`; before one was measured, `factor` times the floor (a first eval or save of a
     large model may well outlast the floor that suits batches). The batch clock cannot judge
-    these: a rank that is not training restarts it."""
+    these: a rank that is not training restarts it. Also which rank is on such an order now
+    (`out`: rank -> (kind, since when)), so that a stop can let go of one that holds it up."""
 
     def __init__(self, factor: float, floor_s: float):
         self.factor, self.floor_s = factor, floor_s
         self.longest_s: Dict[str, float] = {}
+        self.out: Dict[int, Tuple[str, float]] = {}
 
     def limit_s(self, kind: str) -> float:
         return max(self.floor_s, self.factor * self.longest_s.get(kind, self.floor_s))
 
     def took(self, kind: str, seconds: float) -> None:
         self.longest_s[kind] = max(seconds, self.longest_s.get(kind, 0.0))
+
+    def sent(self, kind: str, rank: int) -> float:
+        """`rank` was given a `kind` order now; when (time.monotonic)."""
+        began = time.monotonic()
+        self.out[rank] = (kind, began)
+        return began
+
+    def answered(self, rank: int) -> None:
+        """`rank` answered its order, or is gone."""
+        self.out.pop(rank, None)
 
 
 class Membership:
@@ -160,6 +172,16 @@ class Membership:
             self.report_death(rank, f"hung: its {kind} ran for {waited:.1f}s (limit {limit:g}s)")
         return bool(late)
 
+    def hang_orders_out(self, kind: str, why: str) -> bool:
+        """Report as hung each live rank on a `kind` order now (`why`: the rule it broke);
+        True when any was."""
+        now = time.monotonic()
+        late = sorted((rank, began) for rank, (k, began) in self.orders.out.items()
+                      if k == kind and rank in self.alive)
+        for rank, began in late:
+            self.report_death(rank, f"hung: its {kind} ran for {now - began:.1f}s, {why}")
+        return bool(late)
+
     def _silent(self, now: float) -> List[Tuple[int, str]]:
         timeout = self.heartbeat_timeout_s
         return [(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
@@ -199,6 +221,7 @@ class Membership:
             if rank not in self.alive:
                 continue
             self.alive.discard(rank)
+            self.orders.answered(rank)
             dead.append(rank)
             self._on_lost(rank, reason)
             self.regroup_needed = self.collective
@@ -226,6 +249,8 @@ class Membership:
         limit = self.max_failure
         if not self.alive:
             raise ShutdownWithSave("all_ranks_lost", reason)
+        if self.ctx.stop.is_set():  # the stop saves with the survivors anyway
+            return
         if (limit.absolute is not None and dead >= limit.absolute) or \
                 (limit.percent is not None and dead >= math.ceil(limit.percent * self.world_size)):
             raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")

@@ -203,9 +203,13 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
         while _signal_names:
             name, again = _signal_names.pop(0), coordinator.stop.is_set()
             coordinator.request_stop(f"interrupted by {name}")
-            say(console, f"stopping ({name}): " + ("at once (a save under way still finishes)" if again else
-                "the ranks finish the batch in hand, then the run saves what they trained (within "
-                f"{SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once without saving"))
+            say(console, f"stopping ({name}): " + (_AT_ONCE if again else _AFTER_THE_BATCH))
+
+
+_AFTER_THE_BATCH = ("the ranks finish the batch in hand, then the run saves what they trained "
+                    f"(within {SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once "
+                    "without saving")
+_AT_ONCE = f"at once (a save under way gets until {SAVE_GRACE_S:.0f} s after the first signal)"
 
 
 def _report_exits(coordinator: Coordinator, procs: List[RankProcess], reported: set) -> None:
