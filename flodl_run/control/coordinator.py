@@ -328,11 +328,17 @@ class Coordinator:
             self._run_async(total)
         else:
             for epoch in range(self._start_epoch, total):
+                self._stop_if_asked(epoch)
                 self.epochs.close(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
-        if self.stop.is_set():  # asked in the last epoch, which closed: nothing is left to train
-            self.saving.graceful_stop(total, [])
+        self._stop_if_asked(total)
         self.epochs.final_eval(total)
         self.save_bundle("checkpoint", total, [])
+
+    def _stop_if_asked(self, epoch: int) -> None:
+        """A stop asked before `epoch` began (while the one before it closed, or at its last
+        reduce): save with none of `epoch` trained (of a resumed one, what the bundle lacked)."""
+        if self.stop.is_set():
+            self.saving.graceful_stop(epoch, self._resume_uncovered if epoch == self._start_epoch else [])
 
     def _batches_before(self) -> int:
         """The batches of the resumed epoch the bundle holds (none when it resumes an epoch

@@ -158,6 +158,7 @@ class Saving:
         meta = read_meta(stem)
         self.balance.elche = ElChe.from_state(self.config.elche, meta.elche_state,
                                               world_size=self.world_size, epoch_batches=epoch_batches)
+        self.balance.elche.rejoin_all()  # a rank the saved run lost is a fresh one now
         outer_file = checkpoint.bundle_files(stem, meta)["outer"]
         if not self.mode.is_collective and outer_file.is_file():
             state = load_tensors(outer_file)

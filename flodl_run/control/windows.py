@@ -94,8 +94,6 @@ class Windows:
         return self.reduces.sync_now(self.reduces.round + rounds, self.reduces.global_step + steps)
 
     def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
-        if self.stop.is_set():  # asked before this epoch began (or during the last one's close)
-            self.bundles.graceful_stop(epoch, pool.uncovered())
         epoch_tally = EpochTally.empty(self.world_size)
         if self.exact is not None:
             self.exact.run_epoch(epoch, pool, epoch_tally)
