@@ -312,7 +312,8 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     """Pins the in-process run (`cluster=solo`): a Ctrl-C raised KeyboardInterrupt wherever the
     trainer was and saved nothing. A stop request now ends it after the batch in hand, saves
     the replica with the rest of the epoch listed uncovered, and a resume trains exactly those
-    positions of the pass's permutation, then the epochs after it."""
+    positions of the pass's permutation, then the epochs after it; its progress counts on from
+    the batches the bundle holds (issue 45.11: it started again at 0)."""
     from flodl_run.contracts.recipe import load_recipe
     from flodl_run.data.passes import permutation
     from flodl_run.rank.solo import SoloTrainer
@@ -328,9 +329,13 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     train = len(watch.trainer.train_source)
     assert meta.save_reason == "graceful_shutdown" and meta.global_step == 50
     assert (meta.coverage.epoch, meta.coverage.uncovered) == (0, [[0, 400, train]])
-    resumed = SoloTrainer(replace(config, resume_from=stem, save_path=None), recipe)
+    progress = _Progress()
+    resumed = SoloTrainer(replace(config, resume_from=stem, save_path=None), recipe, progress)
     summary = resumed.run().summary
     assert summary.status == "completed"
     assert [(e.epoch, e.samples) for e in summary.epochs] == [(0, train - 400), (1, train)]
+    # issue 45.11: its progress goes on from the 50 batches the bundle holds, to the epoch's end
+    assert progress.resumed == (0, 50)
+    assert [n for e, n in progress.batches if e == 0][-1] == -(-train // 8)
     order = permutation(train, 0, 0) % train
     assert resumed._epoch_indices(0).tolist() == order[400:].tolist()
