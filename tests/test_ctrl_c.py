@@ -8,6 +8,7 @@ of them resumed."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -22,7 +23,7 @@ from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.control.runstate import STOP_GRACE_S, RunAborted, StopRequest
 from flodl_run.observe.observer import Observer
 from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
-from tests.support import PAIR, _live_ranks, start_cli
+from tests.support import PAIR, REPO, _live_ranks, start_cli
 from tests.support import _run as run_cli_summary
 
 EPOCH_BATCHES = NUM_SAMPLES // 8
@@ -297,6 +298,54 @@ def test_sigint_mid_window_saves_what_was_trained_and_the_resume_trains_the_rest
                                         *SLOW_WINDOWS[1:], f"resume_from={tmp_path / 'a' / 'checkpoint'}")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert [e["samples"] for e in summary["epochs"]] == [len(lacks)]
+
+
+HANGING_EPOCH_FN = """
+import os, time
+from pathlib import Path
+from recipes.synthetic_mlp import (build_model, build_optimizer, eval_dataset, eval_step,
+                                    train_dataset, train_step)
+
+def epoch_fn(epoch, model, marker):
+    if os.environ["RANK"] == "1" and epoch >= 1:  # rank 1's epoch_fn never returns from epoch 1 on
+        Path(marker).write_text(str(epoch))
+        while True:
+            time.sleep(1)
+"""
+
+
+@pytest.mark.e2e
+def test_sigint_while_a_ranks_epoch_fn_hangs_saves_the_finished_epochs(tmp_path):
+    """Pins issue 45.1 on real ranks: Ctrl-C while the callback rank's epoch_fn hung at epoch
+    1's close ended `no save within 8s of the ranks' last batch: not saved`, exit 130, no
+    bundle (nccl_cadence, cpu_cadence and nccl_sync alike). Now, once the grace runs out, the
+    hung rank is declared hung and killed, and rank 0 saves the consensus: epochs 0 and 1 in
+    the summary (1 without its eval), a graceful_shutdown bundle resuming at epoch 2, no rank
+    process left."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "hanging_epoch_fn.py").write_text(HANGING_EPOCH_FN)
+    run_dir, marker = tmp_path / "run", tmp_path / "hung"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), str(REPO)]))
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", *PAIR, "elche=nccl_cadence",
+                     "num_epochs=3", "epoch_callback_policy=rank:1", "recipe=custom",
+                     "recipe.module=hanging_epoch_fn", "+recipe.params.num_samples=2000",
+                     "+recipe.params.hidden=16", "+recipe.params.depth=1",
+                     f"+recipe.params.marker={marker}", env=env)
+    deadline = time.monotonic() + 120
+    while not marker.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)  # polling the recipe's own note that it hangs, bounded
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stem = str(run_dir / "checkpoint")
+    assert (summary["status"], summary["message"]) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert summary["dead_ranks"] == [1] and "rank 1 lost: hung: its eval ran for" in out, out
+    assert [(e["epoch"], e["eval"] is None) for e in summary["epochs"]] == [(0, False), (1, True)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])
+    assert _live_ranks(run_dir) == []
 
 
 class _StopAfterFirstRead(Observer):
