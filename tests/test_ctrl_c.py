@@ -173,6 +173,27 @@ def test_a_stop_while_a_ranks_eval_hangs_lets_it_go_and_saves_what_the_others_ho
     assert set(seen) == {(e, i) for e in (0, 1) for i in range(NUM_SAMPLES)} | held
 
 
+@pytest.mark.coordinator
+def test_a_stop_while_the_final_eval_hangs_saves_the_run_as_interrupted(tmp_path):
+    """Pins the final eval's case of issue 45.1: rank 1 hung in the run's final eval (the last
+    epoch scored none) and a stop came. The stop lets the rank go once its grace runs out, and
+    the run ends interrupted with a graceful_shutdown bundle past the last epoch (not
+    `completed`, as if the eval the user cut had been scored)."""
+    stem = str(tmp_path / "ck")
+    run = ExperimentConfig(elche=ElCheConfig.preset("nccl_cadence"), num_epochs=3, batch_size=8,
+                           save_path=stem, epoch_callback_policy="rank:1", eval_every_epochs=2)
+    hang = Fault(rank=1, kind="hang", at=2, point="evaluate")  # epoch 1's eval, then the final one
+    coord, fakes, _ = cohort(run, [3.0, 3.0], faults=[hang])
+    coord.stop.grace_s = 1.0
+    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
+    summary, _ = drive(coord, fakes)
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert summary.dead_ranks == [1] and summary.final_eval is None
+    assert [(e.epoch, e.eval) for e in summary.epochs] == [(0, None), (1, 0.5), (2, None)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 3, [])
+
+
 def _run_in_thread(coord):
     """The coordinator's run on a thread of its own (as the launcher runs it): (thread, box)."""
     box: list = []

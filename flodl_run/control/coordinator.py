@@ -332,6 +332,7 @@ class Coordinator:
                 self.epochs.close(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
         self._stop_if_asked(total)
         self.epochs.final_eval(total)
+        self._stop_if_asked(total)  # asked during the final eval: the run ends interrupted
         self.save_bundle("checkpoint", total, [])
 
     def _stop_if_asked(self, epoch: int) -> None:
