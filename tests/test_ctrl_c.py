@@ -7,6 +7,7 @@ of them resumed."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,10 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
 from flodl_run.contracts.checkpoint import read_meta
 from flodl_run.contracts.summary import ReduceRecord
+from flodl_run.contracts.wire import new_secret
+from flodl_run.control.coordinator import Coordinator
 from flodl_run.control.runstate import STOP_GRACE_S, RunAborted, StopRequest
 from flodl_run.observe.observer import Observer
 from tests.fakes import NUM_SAMPLES, Fault, cohort, drive
@@ -239,6 +243,38 @@ def test_a_second_signal_after_the_grace_ends_a_run_whose_final_save_hangs(tmp_p
     assert summary.message == ("interrupted by SIGTERM; then SIGINT (stopped at once, cutting the "
                                f"checkpoint save of {stem}: not saved); {stays}")
     assert [e.epoch for e in summary.epochs] == [0, 1]
+
+
+@pytest.mark.coordinator
+def test_the_launcher_leaves_a_coordinator_stuck_past_a_second_signal():
+    """Pins the rule that a second signal after the grace wins over anything: a coordinator
+    stuck in the launcher's own process (a recipe's metrics_fn that never returns) never came
+    back to look at the stop, so the launcher watched it forever. It now stops waiting
+    LEAVE_S after the cut was due, and the summary says where the coordinator was stuck."""
+    from flodl_run.launch.supervisor import LEAVE_S, _watch
+
+    release = threading.Event()
+
+    def metrics_fn() -> None:  # as a recipe's callback blocks the coordinator's thread
+        release.wait(10.0)
+
+    stuck = threading.Thread(target=metrics_fn, daemon=True)
+    stuck.start()
+    coord = Coordinator(ExperimentConfig(), 2, new_secret())
+    try:
+        coord.request_stop("interrupted by SIGTERM")
+        coord.request_stop("interrupted by SIGINT")
+        coord.stop.cut_at = time.monotonic() - LEAVE_S  # the grace and LEAVE_S passed, unnoticed
+        _watch(coord, stuck, [], Console(file=io.StringIO()))
+        assert stuck.is_alive(), "the launcher waited for the stuck coordinator"
+    finally:
+        release.set()
+        coord.channel.socket.close()
+    line = metrics_fn.__code__.co_firstlineno + 1
+    assert coord.summary.status == "interrupted"
+    assert coord.summary.message == (
+        "interrupted by SIGTERM; then SIGINT (stopped at once, leaving the coordinator stuck in "
+        f"metrics_fn (test_ctrl_c.py:{line}) {LEAVE_S:g}s past the stop: not saved)")
 
 
 class _Progress(Observer):

@@ -226,6 +226,15 @@ class Coordinator:
         self.members.note_raised(RankFailed(rank, reason))
         self.members.report_death(rank, f"failed: {reason}")
 
+    def left_behind(self, where: str, waited_s: float) -> None:
+        """The launcher stops waiting for this run's thread, stuck in `where` (a launcher-side
+        callback, an output that blocks) `waited_s` past the instant a second stop signal
+        ended the run: the summary says so (thread-safe: the thread is not getting anywhere).
+        No observer is told: the thread may be stuck in one of them."""
+        self.summary.status = "interrupted"
+        self.summary.message = (f"{self.stop.reason} (stopped at once, leaving the coordinator stuck "
+                                f"in {where} {waited_s:g}s past the stop: not saved)")
+
     def stopped(self, rank: int) -> bool:
         """The rank was sent Stop: its exit is clean, never a death."""
         return rank in self.members.stopped
