@@ -48,12 +48,11 @@ class StopRequest:
     Owns the request (thread-safe: set from the launcher's thread), its reason, the grace
     (`grace_s`, STOP_GRACE_S but in tests) and its end (`deadline`), the save under way
     (`saving`: what it writes) and, after a second request, the instant the run ends whatever
-    is under way (`cut_at`). The grace counts
-    from the last batch's end, not from the request: a batch is never cut, however long it
-    takes (a rank that never finishes one is found hung by the liveness rule), and the reduce
-    and save that follow get the grace. A stop always ends: a second request ends the run at
-    once, or, while a save is under way, a grace after the first request (a save already that
-    late is hung, and cut)."""
+    is under way (`cut_at`). The grace counts from the last batch's end, not from the
+    request: a batch is never cut, however long it takes (a rank that never finishes one is
+    found hung by the liveness rule), and the reduce and save that follow get the grace. A
+    stop always ends: a second request ends the run at once, or, while a save is under way, a
+    grace after the first request (a save already that late is hung, and cut)."""
 
     def __init__(self, grace_s: float = STOP_GRACE_S) -> None:
         self.grace_s = grace_s

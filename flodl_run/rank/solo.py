@@ -199,9 +199,7 @@ class SoloTrainer:
         (epoch_splits cuts a pass into slices); a resumed epoch only what its bundle left
         uncovered."""
         splits = self.config.data.epoch_splits
-        n = len(self.train_source) * self.config.data.augment
-        part = epoch % splits
-        whole = (part * n // splits, (part + 1) * n // splits)
+        whole = self._whole_range(epoch)
         if epoch == self._resume_epoch and self._resume_uncovered:
             for i, (_, start, end) in enumerate(self._resume_uncovered):
                 if start < whole[0] or end > whole[1]:
@@ -221,13 +219,18 @@ class SoloTrainer:
     def _batches_in_epoch(self, epoch: int) -> int:
         return num_batches(len(self._epoch_indices(epoch)), self.config.batch_size)
 
+    def _whole_range(self, epoch: int) -> Tuple[int, int]:
+        """The positions of its pass's permutation epoch `epoch` covers whole (epoch_splits
+        cuts a pass into slices)."""
+        splits = self.config.data.epoch_splits
+        n = len(self.train_source) * self.config.data.augment
+        part = epoch % splits
+        return part * n // splits, (part + 1) * n // splits
+
     def _whole_batches(self, epoch: int) -> int:
         """The batches of epoch `epoch` whole (a resumed one's included)."""
-        data = self.config.data
-        n = len(self.train_source) * data.augment
-        part = epoch % data.epoch_splits
-        size = (part + 1) * n // data.epoch_splits - part * n // data.epoch_splits
-        return num_batches(size, self.config.batch_size)
+        start, end = self._whole_range(epoch)
+        return num_batches(end - start, self.config.batch_size)
 
     def _batches_before(self, epoch: int) -> int:
         """The batches of `epoch` a resumed bundle holds (none unless it resumes that epoch
