@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig, MaxFailureConfig, SyncAverage
 from flodl_run.contracts.checkpoint import read_meta
 from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.contracts.wire import new_secret
@@ -182,10 +182,12 @@ def test_a_stop_while_the_final_eval_hangs_saves_the_run_as_interrupted(tmp_path
     """Pins the final eval's case of issue 45.1: rank 1 hung in the run's final eval (the last
     epoch scored none) and a stop came. The stop lets the rank go once its grace runs out, and
     the run ends interrupted with a graceful_shutdown bundle past the last epoch (not
-    `completed`, as if the eval the user cut had been scored)."""
+    `completed`, as if the eval the user cut had been scored). The rank let go does not count
+    against max_failure (one dead rank here would otherwise end the run shutdown_with_save)."""
     stem = str(tmp_path / "ck")
     run = ExperimentConfig(elche=ElCheConfig.preset("nccl_cadence"), num_epochs=3, batch_size=8,
-                           save_path=stem, epoch_callback_policy="rank:1", eval_every_epochs=2)
+                           save_path=stem, epoch_callback_policy="rank:1", eval_every_epochs=2,
+                           max_failure=MaxFailureConfig(absolute=1))
     hang = Fault(rank=1, kind="hang", at=2, point="evaluate")  # epoch 1's eval, then the final one
     coord, fakes, _ = cohort(run, [3.0, 3.0], faults=[hang])
     coord.stop.grace_s = 1.0
