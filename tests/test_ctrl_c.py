@@ -178,6 +178,37 @@ def test_a_stop_while_a_ranks_eval_hangs_lets_it_go_and_saves_what_the_others_ho
 
 
 @pytest.mark.coordinator
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_path, mode):
+    """Pins issue 45.1 for a rank stuck in its train_step: the stop waited for the progress
+    rule (max(20 x its batch, 300 s)) before it could save. While the run stops, a batch may
+    take 4 x the rank's batch time (at least the grace): past it the rank is declared hung, its
+    work since the last reduce goes back, and the survivor saves its consensus with exactly
+    the rest of the epoch listed uncovered, within seconds."""
+    stem = str(tmp_path / "ck")
+    elche = replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params)
+    run = ExperimentConfig(elche=elche, num_epochs=2, batch_size=8, save_path=stem)
+    coord, fakes, group = cohort(run, [3.0, 3.0], faults=[Fault(rank=1, kind="hang", at=3)])
+    coord.stop.grace_s = 1.0
+    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
+    for fake in fakes:
+        fake.start()
+    thread, box = _run_in_thread(coord)
+    thread.join(timeout=15.0)
+    assert not thread.is_alive(), "the stop waited for the progress rule's 300 s"
+    summary = box[0]
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert summary.dead_ranks == [1]
+    meta = read_meta(stem)
+    lacks = {(p, i) for p, start, end in meta.coverage.uncovered for i in range(start, end)}
+    epoch = meta.coverage.epoch
+    seen = group.consensus()
+    assert lacks and set(seen.values()) == {1}
+    assert set(seen) == ({(e, i) for e in range(epoch) for i in range(NUM_SAMPLES)}
+                         | {(epoch, i) for i in range(NUM_SAMPLES)} - lacks)
+
+
+@pytest.mark.coordinator
 def test_a_stop_while_the_final_eval_hangs_saves_the_run_as_interrupted(tmp_path):
     """Pins the final eval's case of issue 45.1: rank 1 hung in the run's final eval (the last
     epoch scored none) and a stop came. The stop lets the rank go once its grace runs out, and

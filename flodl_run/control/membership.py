@@ -21,6 +21,10 @@ from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 __all__ = ["Membership", "OrderClock", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
 
 LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
+STOP_PROGRESS_FACTOR = 4.0
+"""While the run stops, a batch may take this many times the rank's smoothed batch time (at
+least the stop's grace) before the rank is declared hung: the stop's save must not wait for
+progress_factor (20) x a batch, or the 300 s floor, on a rank stuck in its train_step."""
 log = logging.getLogger(__name__)
 
 
@@ -192,11 +196,20 @@ class Membership:
         hung = []
         for rank, (batches, since) in self.batch_clock.items():
             ms = smoothed[rank] if rank < len(smoothed) else None
-            limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
+            limit, during = self._batch_limit_s(ms), " during a stop" if self.ctx.stop.is_set() else ""
             if rank in self.alive and now - since > limit:
                 hung.append((rank, f"hung: no batch finished for {now - since:.1f}s while "
-                                   f"training (limit {limit:g}s; last at batch {batches})"))
+                                   f"training (limit {limit:g}s{during}; last at batch {batches})"))
         return hung
+
+    def _batch_limit_s(self, ms: Optional[float]) -> float:
+        """How long a rank may go without finishing a batch (`ms`: its smoothed batch time).
+        While the run stops, a rank whose batch time is known gets STOP_PROGRESS_FACTOR of it
+        (never less than the stop's grace): a stop waits for a slow batch, not a hung one."""
+        limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
+        if self.ctx.stop.is_set() and ms:
+            limit = min(limit, hung_limit_s(ms, STOP_PROGRESS_FACTOR, self.ctx.stop.grace_s))
+        return limit
 
     def _grace(self, now: float, gap: float) -> None:
         """Restart every rank's heartbeat and progress clocks: the silence was ours."""
