@@ -3,7 +3,10 @@ coordinator reduces what they trained and saves it, and the bundle lists the sam
 untrained, so a resume trains exactly those. At the coordinator tier against scripted ranks
 (a stop requested from inside a window, counted on the consensus ledger), the grace rule on
 its own, and real runs (nccl_cadence, nccl_sync, cpu_async) stopped by SIGINT mid-window, one
-of them resumed."""
+of them resumed. And that a stop always saves what can be saved and always ends (issue 45): a
+rank stuck in an eval or a batch is let go and the others save, a second signal cuts a hung
+save or leaves a stuck coordinator behind, an epoch whose last reduce the stop followed is
+closed before the save, and a resumed run's progress starts where the bundle left it."""
 
 from __future__ import annotations
 
