@@ -66,7 +66,8 @@ NUM_SAMPLES = 640
 BEAT_S = 1.0  # heartbeat period, as in real ranks (a shorter one: `beat_s`)
 WAIT_S = 30.0  # the longest a fake waits for anything: past it, the run is stuck (a failure)
 
-KINDS = {"die": ("train", "reduce", "reduced", "evaluate"), "raise": ("train",), "hang": ("train",),
+KINDS = {"die": ("train", "reduce", "reduced", "evaluate"), "raise": ("train",),
+         "hang": ("train", "evaluate", "save"),
          "freeze": ("train", "reduce"), "reduce_fail": ("reduce",)}
 
 
@@ -79,13 +80,15 @@ class Fault:
     SyncNow, or one riding on a Train), once its collective peers wait in it; "reduced": on
     leaving its at-th collective reduce, completed, before its answer leaves (a SIGKILL right
     after the all-reduce: the coordinator never hears that the round completed); "evaluate":
-    on receiving its at-th Evaluate order, before answering (a death at an epoch's close).
+    on receiving its at-th Evaluate order, before answering (a death at an epoch's close);
+    "save": on receiving its at-th SaveCheckpoint order, before answering.
     Kinds: "die": the process vanishes (no more messages; its peers' collective breaks; the
     launcher reports the exit). "raise": the recipe's train_step raises: the rank reports
     RankFailed with the error, then its process exits (reported). "hang": stuck in
-    train_step, heartbeats go on, the batch count stands still (the coordinator's hung-rank
-    rule must catch it). "freeze": stopped whole (SIGSTOP): no heartbeats, no messages (the
-    heartbeat timeout must catch it). Both wait until the coordinator declares them dead and
+    train_step (or in a recipe's eval or checkpoint_fn), heartbeats go on, the batch count
+    stands still (the coordinator's hung-rank rule, or an order's limit, must catch it).
+    "freeze": stopped whole (SIGSTOP): no heartbeats, no messages (the heartbeat timeout
+    must catch it). Both wait until the coordinator declares them dead and
     the launcher kills them. "reduce_fail": the collective breaks under every member (a
     transient error) and the rank reports ReduceFailed, as a real rank does; it lives on."""
 
@@ -220,6 +223,7 @@ class FakeRank(threading.Thread):
         self.generation = 0
         self.trains = 0  # Train orders started
         self.evaluations = 0  # Evaluate orders received
+        self.saves = 0  # SaveCheckpoint orders received
         self.reduces = 0  # reduces entered
         self.reduced_round = 0
         self.held_ahead: List[Train] = []
@@ -240,6 +244,7 @@ class FakeRank(threading.Thread):
         self.left = 0  # batches its deadline orders left untrained
         self.cut = False  # a CutWindow came: every window ends after the batch in hand
         self.on_batch: Optional[Callable[["FakeRank"], None]] = None  # after each batch (a test's trigger)
+        self.on_stuck: Optional[Callable[["FakeRank"], None]] = None  # as a hang or freeze begins
 
     # ---- the launcher's view -----------------------------------------------------------------
 
@@ -434,10 +439,12 @@ class FakeRank(threading.Thread):
 
     def _stuck(self, fault: Fault) -> None:
         """hang: heartbeats on, training, the count standing still; freeze: silent. Until the
-        launcher kills the process."""
-        self.training = True
+        launcher kills the process. Only a rank stuck in train_step says it is training."""
+        self.training = fault.point == "train"
         if fault.kind == "freeze":
             self.quiet.set()
+        if self.on_stuck is not None:
+            self.on_stuck(self)
         self.killed.wait(WAIT_S)
         self._vanish(f"{fault.kind} at {fault.point} {fault.at}, killed", report=False)
 
@@ -469,10 +476,17 @@ class FakeRank(threading.Thread):
             return self._window(order)
         if isinstance(order, Evaluate):
             self.evaluations += 1
-            if self.faults.get(("evaluate", self.evaluations)) is not None:
+            fault = self.faults.get(("evaluate", self.evaluations))
+            if fault is not None and fault.kind == "hang":
+                self._stuck(fault)
+            if fault is not None:
                 self._vanish(f"die at evaluate {self.evaluations}")
             return Evaluated(self.rank, order.epoch, 0.5)
         if isinstance(order, SaveCheckpoint):
+            self.saves += 1
+            fault = self.faults.get(("save", self.saves))
+            if fault is not None:
+                self._stuck(fault)
             return CheckpointSaved(self.rank, order.stem)
         raise AssertionError(order)
 

@@ -143,10 +143,10 @@ def test_a_stop_deadline_never_cuts_a_save_in_half():
         coord.request_stop("interrupted by SIGTERM")
         coord.stop.deadline = time.monotonic() - 1.0
         Channel(rank, secret).send(CheckpointSaved(0, "stem"))
-        coord.stop.saving = True
+        coord.stop.saving = "the checkpoint save of stem"
         saved = coord._next(expect=CheckpointSaved)
         assert isinstance(saved, CheckpointSaved) and saved.rank == 0
-        coord.stop.saving = False
+        coord.stop.saving = None
         with pytest.raises(RunAborted, match="SIGTERM"):
             coord._next(expect=CheckpointSaved)
     finally:

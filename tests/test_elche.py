@@ -168,6 +168,22 @@ def test_forget_rank_reseats_and_recounts() -> None:
     assert run(elche, 1, [10.0, 20.0, 5.0])[0].batch_counts == (20, 10, 0)
 
 
+def test_a_resume_rejoins_every_rank_a_saved_run_had_lost() -> None:
+    """Pins the resume of a bundle saved after a death (a stop that let a hung rank go, a
+    shutdown_with_save): its elche_state kept the rank dead, so the resumed run, all of whose
+    ranks are fresh, never gave that rank a batch. It now plans the anchor's count for it
+    until its speed is measured, and counts it by speed from then on."""
+    elche = ElChe(ElCheConfig(), 3, prior=[3.0, 2.0, 1.0])
+    run(elche, 3, [10.0, 20.0, 25.0])
+    elche.forget_rank(2)
+    resumed = ElChe.from_state(ElCheConfig(), json.loads(json.dumps(elche.export_state())))
+    assert resumed.plan().batch_counts[2] == 0
+    plan = resumed.rejoin_all()
+    assert plan.batch_counts == (20, 10, 10) and resumed.alive == [True, True, True]
+    assert [e.kind for e in plan.events] == ["rank_rejoined"]
+    assert run(resumed, 1, [10.0, 20.0, 5.0])[0].batch_counts == (20, 10, 40)
+
+
 def test_window_never_exceeds_the_epoch() -> None:
     """Pins the one-epoch cap, including a new cap handed over with a report."""
     elche = ElChe(ElCheConfig(), 2, epoch_batches=21)

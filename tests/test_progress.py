@@ -68,3 +68,19 @@ def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
     forward(_Proc(), console, "rank 1")
     assert out.getvalue().splitlines() == [f"rank_lost: rank 1 lost: {GLOO_ERROR}",
                                            f"failed: {GLOO_ERROR}", f"[rank 1] {GLOO_ERROR}"]
+
+
+def test_a_resumed_run_starts_the_bar_where_the_bundle_left_it():
+    """Pins issue 45.11: a run resumed 54 batches into epoch 2 (of 2, 64 batches each) showed
+    `epoch 1` and 0/128 until its first window and ended at 74/128. The bar now starts at
+    epoch 2, 118 of 128, counts that as done rather than as this run's speed, and ends full."""
+    out = io.StringIO()
+    progress = TerminalProgress(Console(file=out, force_terminal=True, width=200))
+    progress.on_start(2, 64, 2)
+    progress.on_resume(1, 54)
+    task = progress._progress.tasks[0]
+    assert (task.description, task.completed, task.total) == ("epoch 2/2", 118, 128)
+    assert task.speed is None  # what the bundle held is no speed of this run
+    progress.on_batch(1, 64, 0.5)
+    assert progress._progress.tasks[0].completed == 128
+    progress.close()

@@ -58,11 +58,16 @@ class RunContext:
 
 
 class OrderDeadlines(Protocol):
-    """How long a rank may take over an ordered eval or save (membership's OrderClock)."""
+    """How long a rank may take over an ordered eval or save, and who is on one now
+    (membership's OrderClock)."""
 
     def limit_s(self, kind: str) -> float: ...
 
     def took(self, kind: str, seconds: float) -> None: ...
+
+    def sent(self, kind: str, rank: int) -> float: ...
+
+    def answered(self, rank: int) -> None: ...
 
 
 class Members(Protocol):

@@ -207,8 +207,9 @@ class Coordinator:
 
     def request_stop(self, reason: str) -> None:
         """Cut the windows after the batch in hand, reduce what was trained and save
-        (SIGINT/SIGTERM); a second request, or no save within STOP_GRACE_S of the ranks' last
-        batch, stops at once without saving."""
+        (SIGINT/SIGTERM). A rank still in an eval STOP_GRACE_S after the ranks' last batch is
+        let go (declared hung) and the others save; a second request stops at once without
+        saving (a save under way gets until STOP_GRACE_S after the first)."""
         self.stop.request(reason)
 
     def report_failure(self, status: str, reason: str) -> None:
@@ -224,6 +225,15 @@ class Coordinator:
         rank's failure (thread-safe, as report_death)."""
         self.members.note_raised(RankFailed(rank, reason))
         self.members.report_death(rank, f"failed: {reason}")
+
+    def left_behind(self, where: str, waited_s: float) -> None:
+        """The launcher stops waiting for this run's thread, stuck in `where` (a launcher-side
+        callback, an output that blocks) `waited_s` past the instant a second stop signal
+        ended the run: the summary says so (thread-safe: the thread is not getting anywhere).
+        No observer is told: the thread may be stuck in one of them."""
+        self.summary.status = "interrupted"
+        self.summary.message = (f"{self.stop.reason} (stopped at once, leaving the coordinator stuck "
+                                f"in {where} {waited_s:g}s past the stop: not saved)")
 
     def stopped(self, rank: int) -> bool:
         """The rank was sent Stop: its exit is clean, never a death."""
@@ -317,6 +327,9 @@ class Coordinator:
     def _train_all_epochs(self) -> None:
         total = self.config.num_epochs * self.config.data.epoch_splits
         self.observer.on_start(total, self.epoch_batches(0), self.world_size)
+        if self.config.resume_from:  # the resumed epoch's progress counts on from the bundle's
+            before = self.windows.batches_before[self._start_epoch] = self._batches_before()
+            self.observer.on_resume(self._start_epoch, before)
         for kind, message in self._pending_events:  # noted while the ranks joined: after the start
             self.observer.on_event(kind, message)
         self._train_started = time.perf_counter()
@@ -324,9 +337,27 @@ class Coordinator:
             self._run_async(total)
         else:
             for epoch in range(self._start_epoch, total):
+                self._stop_if_asked(epoch)
                 self.epochs.close(epoch, self.windows.run_epoch(epoch, self._epoch_pool(epoch)))
+        self._stop_if_asked(total)
         self.epochs.final_eval(total)
+        self._stop_if_asked(total)  # asked during the final eval: the run ends interrupted
         self.save_bundle("checkpoint", total, [])
+
+    def _stop_if_asked(self, epoch: int) -> None:
+        """A stop asked before `epoch` began (while the one before it closed, or at its last
+        reduce): save with none of `epoch` trained (of a resumed one, what the bundle lacked)."""
+        if self.stop.is_set():
+            self.saving.graceful_stop(epoch, self._resume_uncovered if epoch == self._start_epoch else [])
+
+    def _batches_before(self) -> int:
+        """The batches of the resumed epoch the bundle holds (none when it resumes an epoch
+        whole); the progress of that epoch counts on from them."""
+        if not self._resume_uncovered:
+            return 0
+        size = self.config.batch_size
+        left = sum(-(-(end - start) // size) for _, start, end in self._resume_uncovered)
+        return max(0, self.epoch_batches(self._start_epoch) - left)
 
     def _run_async(self, total: int) -> None:
         """cpu_async: the async loop trains every epoch from the resume point on."""
@@ -376,7 +407,8 @@ class Coordinator:
         while True:
             if self._failure is not None:
                 raise self._failure
-            self.stop.check(self.members.any_in_batch())
+            if self.stop.check(self.members.any_in_batch()):
+                self._unblock_stop()
             self._cut_windows()
             self.members.check_liveness()  # also while messages flow: a busy socket must not hide a hang
             if self.members.deaths_pending() and self.members.absorb():
@@ -433,6 +465,14 @@ class Coordinator:
                 self._deferred.append(received)
             elif not isinstance(message, (Heartbeat, RankJoined, Listening)):
                 raise RunAborted("failed", f"unexpected {type(message).__name__} from rank {rank}")
+
+    def _unblock_stop(self) -> None:
+        """The stop's grace ran out with no save under way: a rank the stop waits on in an
+        eval (a recipe's eval or epoch_fn that hangs) is declared hung, and the others get a
+        fresh grace to save what they hold; with nobody to let go, the run stops unsaved."""
+        if not self.members.hang_orders_out("eval", f"past the stop's {self.stop.grace_s:g}s grace"):
+            self.stop.give_up()
+        self.stop.rearm()
 
     def _cut_windows(self) -> None:
         """A stop was asked for: every live rank ends its window after the batch in hand, so

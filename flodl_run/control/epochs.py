@@ -60,7 +60,8 @@ class Epochs:
             self.bundles.fail_callback(failure, epoch + 1, [])
         every = self.config.checkpoint_every
         total = self.config.num_epochs * self.config.data.epoch_splits
-        if every and (epoch + 1) % every == 0 and epoch + 1 < total:
+        stopping = self.ctx.stop.is_set()  # the stop's own save comes next
+        if every and (epoch + 1) % every == 0 and epoch + 1 < total and not stopping:
             self.bundles.save_bundle("checkpoint", epoch + 1, [])
 
     def final_eval(self, total: int) -> None:
@@ -111,7 +112,9 @@ class Epochs:
         return self.members.callback_rank()
 
     def evaluate(self, epoch: int, score: bool = True, epoch_fn: bool = False) -> Optional[float]:
-        """The eval on the callback rank (`score`), then the recipe's epoch_fn there (`epoch_fn`)."""
+        """The eval on the callback rank (`score`), then the recipe's epoch_fn there (`epoch_fn`).
+        A callback rank lost meanwhile (dead, or hung: past the eval's limit, or past a stop's
+        grace) hands the eval to another, unless the run is stopping: then no eval (None)."""
         rank = self.callback_rank()
         center = self.averager.center if self.mode is Mode.cpu_async else None
         if center is not None:  # under EASGD, eval scores the center, not a replica
@@ -119,13 +122,16 @@ class Epochs:
                        [as_frame(p) for p in center])
         else:
             self.ctx.send(rank, Evaluate(epoch, score=score, epoch_fn=epoch_fn))
-        began = time.monotonic()
+        began = self.members.orders.sent("eval", rank)
         deadline = began + self.members.orders.limit_s("eval")
         result = self.ctx.next(expect=Evaluated, deadline=deadline)
         while result is None or result.rank not in self.alive:
+            if rank not in self.alive and self.ctx.stop.is_set():
+                return None  # a stop let it go: the others save, no eval starts again
             if rank not in self.alive:  # the callback rank died or hung: ask another
                 return self.evaluate(epoch, score, epoch_fn)
             self.members.overdue("eval", {rank}, began)  # past its limit: declared hung
             result = self.ctx.next(expect=Evaluated, deadline=deadline)
+        self.members.orders.answered(rank)
         self.members.orders.took("eval", time.monotonic() - began)
         return result.score if score and result.score == result.score else None  # NaN: no eval set

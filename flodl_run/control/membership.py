@@ -21,6 +21,10 @@ from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 __all__ = ["Membership", "OrderClock", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
 
 LIVENESS_EVERY_S = 0.2  # how often heartbeats and progress are checked, even while messages flow
+STOP_PROGRESS_FACTOR = 4.0
+"""While the run stops, a batch may take this many times the rank's smoothed batch time (at
+least the stop's grace) before the rank is declared hung: the stop's save must not wait for
+progress_factor (20) x a batch, or the 300 s floor, on a rank stuck in its train_step."""
 log = logging.getLogger(__name__)
 
 
@@ -35,17 +39,29 @@ class OrderClock:
     included): `factor` times the longest of that kind measured so far, never less than
     `floor_s`; before one was measured, `factor` times the floor (a first eval or save of a
     large model may well outlast the floor that suits batches). The batch clock cannot judge
-    these: a rank that is not training restarts it."""
+    these: a rank that is not training restarts it. Also which rank is on such an order now
+    (`out`: rank -> (kind, since when)), so that a stop can let go of one that holds it up."""
 
     def __init__(self, factor: float, floor_s: float):
         self.factor, self.floor_s = factor, floor_s
         self.longest_s: Dict[str, float] = {}
+        self.out: Dict[int, Tuple[str, float]] = {}
 
     def limit_s(self, kind: str) -> float:
         return max(self.floor_s, self.factor * self.longest_s.get(kind, self.floor_s))
 
     def took(self, kind: str, seconds: float) -> None:
         self.longest_s[kind] = max(seconds, self.longest_s.get(kind, 0.0))
+
+    def sent(self, kind: str, rank: int) -> float:
+        """`rank` was given a `kind` order now; when (time.monotonic)."""
+        began = time.monotonic()
+        self.out[rank] = (kind, began)
+        return began
+
+    def answered(self, rank: int) -> None:
+        """`rank` answered its order, or is gone."""
+        self.out.pop(rank, None)
 
 
 class Membership:
@@ -160,6 +176,16 @@ class Membership:
             self.report_death(rank, f"hung: its {kind} ran for {waited:.1f}s (limit {limit:g}s)")
         return bool(late)
 
+    def hang_orders_out(self, kind: str, why: str) -> bool:
+        """Report as hung each live rank on a `kind` order now (`why`: the rule it broke);
+        True when any was."""
+        now = time.monotonic()
+        late = sorted((rank, began) for rank, (k, began) in self.orders.out.items()
+                      if k == kind and rank in self.alive)
+        for rank, began in late:
+            self.report_death(rank, f"hung: its {kind} ran for {now - began:.1f}s, {why}")
+        return bool(late)
+
     def _silent(self, now: float) -> List[Tuple[int, str]]:
         timeout = self.heartbeat_timeout_s
         return [(rank, f"silent for {now - seen:.1f}s (heartbeat timeout {timeout:g}s)")
@@ -170,11 +196,20 @@ class Membership:
         hung = []
         for rank, (batches, since) in self.batch_clock.items():
             ms = smoothed[rank] if rank < len(smoothed) else None
-            limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
+            limit, during = self._batch_limit_s(ms), " during a stop" if self.ctx.stop.is_set() else ""
             if rank in self.alive and now - since > limit:
                 hung.append((rank, f"hung: no batch finished for {now - since:.1f}s while "
-                                   f"training (limit {limit:g}s; last at batch {batches})"))
+                                   f"training (limit {limit:g}s{during}; last at batch {batches})"))
         return hung
+
+    def _batch_limit_s(self, ms: Optional[float]) -> float:
+        """How long a rank may go without finishing a batch (`ms`: its smoothed batch time).
+        While the run stops, a rank whose batch time is known gets STOP_PROGRESS_FACTOR of it
+        (never less than the stop's grace): a stop waits for a slow batch, not a hung one."""
+        limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
+        if self.ctx.stop.is_set() and ms:
+            limit = min(limit, hung_limit_s(ms, STOP_PROGRESS_FACTOR, self.ctx.stop.grace_s))
+        return limit
 
     def _grace(self, now: float, gap: float) -> None:
         """Restart every rank's heartbeat and progress clocks: the silence was ours."""
@@ -199,6 +234,7 @@ class Membership:
             if rank not in self.alive:
                 continue
             self.alive.discard(rank)
+            self.orders.answered(rank)
             dead.append(rank)
             self._on_lost(rank, reason)
             self.regroup_needed = self.collective
@@ -226,6 +262,8 @@ class Membership:
         limit = self.max_failure
         if not self.alive:
             raise ShutdownWithSave("all_ranks_lost", reason)
+        if self.ctx.stop.is_set():  # the stop saves with the survivors anyway
+            return
         if (limit.absolute is not None and dead >= limit.absolute) or \
                 (limit.percent is not None and dead >= math.ceil(limit.percent * self.world_size)):
             raise ShutdownWithSave("max_failure_exceeded", f"{dead} of {self.world_size} ranks dead")

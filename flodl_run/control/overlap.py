@@ -241,6 +241,7 @@ class AsyncLoop:
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
         if self.stop.is_set() and not any(self.in_hand.values()):  # cut windows still out: their round first
+            self._close_held_epochs()
             self.bundles.graceful_stop(*self.save_point())
         self._maybe_start_round()
 
@@ -261,6 +262,15 @@ class AsyncLoop:
         live ranks trained or hold since their work last folded in (a dead rank's went back to
         the pool)."""
         return self.pools[epoch].uncovered() + self.holdings.uncovered(epoch)
+
+    def _close_held_epochs(self) -> None:
+        """A stop saves next: close, in order, each epoch the center holds whole (nothing of it
+        undispatched, in hand or unfolded), so the bundle, which names the first epoch the
+        center does not hold whole, and the summary list the same epochs."""
+        while self.closed < len(self.spans) and self.outstanding[self.closed] == 0 \
+                and not self._uncovered(self.closed):
+            self.epochs.close(self.closed, self.tallies[self.closed])
+            self.closed += 1
 
     def _close_epochs(self) -> None:
         """Close finished epochs in order, only between rounds (their work is in the center)."""

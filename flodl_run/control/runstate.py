@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, NoReturn, Optional, Sequence
 
 from flodl_run.control.dispatch import SliceT, as_range
 from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
@@ -19,7 +19,10 @@ POLL_MS = 200
 """How long the coordinator waits on its socket before it checks deaths, liveness and stops."""
 STOP_GRACE_S = 8.0
 """SIGINT -> the ranks end their windows after the batch in hand, then reduce and save: the save
-must begin within this of the last rank leaving its batch, or the run stops unsaved."""
+must begin within this of the last rank leaving its batch. Past it, a rank the stop waits on
+in an eval is declared hung and the others save (with none to blame, the run stops unsaved);
+after a second signal, a save under way gets until this long after the first, then the run
+ends."""
 
 
 class RunAborted(Exception):
@@ -42,27 +45,36 @@ class StopRequest:
     """A SIGINT/SIGTERM seen by the launcher: the ranks cut their windows after the batch in
     hand, the coordinator reduces what they trained and saves it, then the run stops.
 
-    Owns the request (thread-safe: set from the launcher's thread), its reason, the deadline
-    after which the run stops without saving, and whether a bundle is being written (a
-    deadline waits for that save). The grace counts from the last batch's end, not from the
+    Owns the request (thread-safe: set from the launcher's thread), its reason, the grace
+    (`grace_s`, STOP_GRACE_S but in tests) and its end (`deadline`), the save under way
+    (`saving`: what it writes) and, after a second request, the instant the run ends whatever
+    is under way (`cut_at`). The grace counts from the last batch's end, not from the
     request: a batch is never cut, however long it takes (a rank that never finishes one is
-    found hung by the liveness rule), and the reduce and save that follow get STOP_GRACE_S."""
+    found hung by the liveness rule), and the reduce and save that follow get the grace. A
+    stop always ends: a second request ends the run at once, or, while a save is under way, a
+    grace after the first request (a save already that late is hung, and cut)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.grace_s = grace_s
         self._event = threading.Event()
         self.reason = ""
+        self.first_at = float("inf")
         self.deadline = float("inf")
-        self.saving = False
+        self.cut_at = float("inf")
+        self.saving: Optional[str] = None
         self.again = False
         """A second request came: stop at once (the grace was cut short, not run out)."""
 
     def request(self, reason: str) -> None:
-        """A second request, or no save within STOP_GRACE_S of the ranks' last batch, stops at
-        once without saving. The reason names every signal that came (`interrupted by SIGTERM;
-        then SIGINT`)."""
+        """The first request starts the grace; a second one stops at once (a save under way
+        gets until a grace after the first). The reason names every signal that came
+        (`interrupted by SIGTERM; then SIGINT`)."""
         now = time.monotonic()
-        self.deadline = now if self._event.is_set() else now + STOP_GRACE_S
-        self.again = self._event.is_set()
+        if self._event.is_set():
+            self.again = True
+            self.cut_at = min(self.cut_at, max(now, self.first_at + self.grace_s))
+        else:
+            self.first_at, self.deadline = now, now + self.grace_s
         if self.reason and reason != self.reason:
             reason = f"{self.reason}; then {reason.rsplit(' ', 1)[-1]}"
         self.reason = reason
@@ -71,27 +83,40 @@ class StopRequest:
     def is_set(self) -> bool:
         return self._event.is_set()
 
-    def check(self, in_batch: bool = False) -> None:
-        """Raise RunAborted(interrupted) once the grace is over and no save is under way.
-        `in_batch`: a live rank is still in a batch (its heartbeats say so): the grace starts
-        afresh, unless a second request asked to stop at once."""
+    def check(self, in_batch: bool = False) -> bool:
+        """Raise RunAborted(interrupted) when a second request ends the run now: at once with
+        no save under way, else once `cut_at` passed. True when the grace ran out with no save
+        under way: the caller declares hung the ranks that hold the stop up (then `rearm`),
+        or gives up (`give_up`). `in_batch`: a live rank is still in a batch (its heartbeats
+        say so): the grace starts afresh."""
         if not self._event.is_set():
-            return
+            return False
         now = time.monotonic()
+        if self.again and (self.saving is None or now >= self.cut_at):
+            cut = "" if self.saving is None else f", cutting {self.saving}"
+            raise RunAborted("interrupted", f"{self.reason or 'stopped'} (stopped at once{cut}: not saved)")
         if in_batch and not self.again:
-            self.deadline = max(self.deadline, now + STOP_GRACE_S)
-        if not self.saving and now > self.deadline:
-            why = "stopped at once" if self.again else \
-                f"no save within {STOP_GRACE_S:.0f}s of the ranks' last batch"
-            raise RunAborted("interrupted", f"{self.reason or 'stopped'} ({why}: not saved)")
+            self.deadline = max(self.deadline, now + self.grace_s)
+        return self.saving is None and now > self.deadline
+
+    def rearm(self) -> None:
+        """The ranks that held the stop up were let go: the others get a fresh grace to save."""
+        self.deadline = time.monotonic() + self.grace_s
+
+    def give_up(self) -> NoReturn:
+        """The grace ran out and nobody holds the stop up that could be let go: stop unsaved."""
+        raise RunAborted("interrupted", f"{self.reason or 'stopped'} (no save within "
+                                        f"{self.grace_s:g}s of the ranks' last batch: not saved)")
 
     @contextmanager
-    def while_saving(self) -> Iterator[None]:
-        self.saving = True
+    def while_saving(self, what: str) -> Iterator[None]:
+        """A save of `what` is under way: the grace waits for it (a second request cuts it
+        only at `cut_at`)."""
+        self.saving = what
         try:
             yield
         finally:
-            self.saving = False
+            self.saving = None
 
 
 class Balance:

@@ -18,6 +18,7 @@ from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import Mode
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.checkpoint import (
+    BundleError,
     BundleMeta,
     Coverage,
     load_tensors,
@@ -67,12 +68,14 @@ class Saving:
         stem = self.config.save_path
         if not stem:
             return None
-        with self.stop.while_saving():
+        with self.stop.while_saving(f"the {reason} save of {stem}"):
             try:  # checkpoint_fn: the epoch the saved weights end with
                 hook = (epoch if uncovered else epoch - 1) if reason == "checkpoint" else None
                 generation, files = self._write_generation(stem, hook)
             except CallbackFailed as failure:
                 self.fail_callback(failure, epoch, uncovered)
+            except RunAborted as aborted:
+                self._say_what_stays(aborted, stem)
             center = self.averager.center if self.mode is Mode.cpu_async else None
             if not self.mode.is_collective and self.averager.outer.active or center is not None:
                 state = dict(self.averager.outer.state_dict(), center=center)
@@ -83,6 +86,18 @@ class Saving:
         self.summary.checkpoint = stem
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
         return stem
+
+    @staticmethod
+    def _say_what_stays(aborted: RunAborted, stem: str) -> NoReturn:
+        """A save cut short (a second stop signal, every rank lost): re-raise, naming the
+        bundle `stem` still holds (the generation being written never became current)."""
+        try:
+            meta = read_meta(stem)
+            stays = (f"{stem} still holds the bundle of generation {meta.generation} "
+                     f"({meta.save_reason}, resume at epoch {meta.epoch})")
+        except BundleError:
+            stays = f"no bundle at {stem}"
+        raise RunAborted(aborted.status, f"{aborted.reason}; {stays}") from None
 
     def _write_generation(self, stem: str, hook: Optional[int]) -> Tuple[int, Dict[str, str]]:
         """Ranks write a fresh generation's files (the writer then runs checkpoint_fn(hook, model)
@@ -143,6 +158,7 @@ class Saving:
         meta = read_meta(stem)
         self.balance.elche = ElChe.from_state(self.config.elche, meta.elche_state,
                                               world_size=self.world_size, epoch_batches=epoch_batches)
+        self.balance.elche.rejoin_all()  # a rank the saved run lost is a fresh one now
         outer_file = checkpoint.bundle_files(stem, meta)["outer"]
         if not self.mode.is_collective and outer_file.is_file():
             state = load_tensors(outer_file)

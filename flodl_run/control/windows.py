@@ -55,6 +55,7 @@ class Windows:
         # (rank -> (when sent, the pool it came from, the order))
         self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
         self.exact = None  # nccl_sync's exact windows (control.exact), when gradients are averaged
+        self.batches_before: Dict[int, int] = {}  # a resumed epoch's batches the bundle holds
         self.deadlines = Deadlines(ctx.recorder, ctx.config.elche.deadline_headroom)
 
     @property
@@ -93,8 +94,6 @@ class Windows:
         return self.reduces.sync_now(self.reduces.round + rounds, self.reduces.global_step + steps)
 
     def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
-        if self.stop.is_set():  # asked during the last epoch's close: none of this one is trained
-            self.bundles.graceful_stop(epoch, pool.uncovered())
         epoch_tally = EpochTally.empty(self.world_size)
         if self.exact is not None:
             self.exact.run_epoch(epoch, pool, epoch_tally)
@@ -200,11 +199,15 @@ class Windows:
     def stop_if_asked(self, epoch: int) -> None:
         """A stop was asked for: save what the consensus holds and stop (after a reduce, with no
         order out). Uncovered: what of the epoch is not handed out (a cut window's untrained
-        batches went back there) or is held by a rank left out of the round. An epoch held
-        whole is not redone: the resume starts at the next one."""
-        if self.stop.is_set():
-            self.bundles.graceful_stop(*self.resume_point(
-                epoch, self.uncovered() + self.holdings.uncovered(epoch)))
+        batches went back there) or is held by a rank left out of the round. An epoch the
+        consensus holds whole is not saved here: it closes first (its record, eval and
+        epoch_fn, within the stop's grace), and the next epoch's start saves, so the bundle
+        and the summary name the same epochs."""
+        if not self.stop.is_set():
+            return
+        uncovered = self.uncovered() + self.holdings.uncovered(epoch)
+        if uncovered:
+            self.bundles.graceful_stop(epoch, uncovered)
 
     def resume_point(self, epoch: int, uncovered: List[List[int]]) -> Tuple[int, List[List[int]]]:
         """Where a bundle saved now resumes, and what of that epoch the weights lack. An empty
@@ -382,5 +385,5 @@ class Windows:
 
     def progress(self, epoch: int, epoch_tally: EpochTally, window: WindowTally,
                   done: WindowDone) -> None:
-        batches = sum(epoch_tally.batches) + sum(window.batches)
+        batches = self.batches_before.get(epoch, 0) + sum(epoch_tally.batches) + sum(window.batches)
         self.observer.on_batch(epoch, batches, done.loss_sum / max(done.batches, 1))

@@ -359,6 +359,23 @@ class ElChe:
         self._last = self._plan(cycle, self._last.divergence)
         return self._last
 
+    def rejoin_all(self) -> Plan:
+        """A resume starts with every rank alive: a rank the saved run had lost trains again,
+        its speed measured afresh (the anchor's count until its first reading, as in Probe).
+        Returns the plan of the first window."""
+        lost = [rank for rank in range(self.world_size) if not self.alive[rank]]
+        if not lost:
+            return self._last
+        cycle = _Cycle()
+        for rank in lost:
+            self.alive[rank], self.calibrated[rank] = True, False
+            cycle.note("rank_rejoined", f"rank {rank}")
+        if self.anchor_rank is None:
+            self.anchor_rank = self._successor()
+        self._recount(cycle)
+        self._last = self._plan(cycle, self._last.divergence)
+        return self._last
+
     def _successor(self) -> Optional[int]:
         if self.shares is not None and self.calibration_count == 0:
             living = [r for r in range(self.world_size) if self.alive[r]]

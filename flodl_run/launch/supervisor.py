@@ -14,8 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -36,6 +38,9 @@ from flodl_run.report.say import say
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
+LEAVE_S = 5.0
+"""How long after a second signal's cut the coordinator may take to end itself (its Stop orders,
+the ranks' last timeline shipments: 2 s, closing its socket) before the launcher leaves it."""
 
 
 def rank_environment(cluster: ClusterConfig, rank: int, world_size: int, coord: str,
@@ -200,12 +205,38 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
         time.sleep(0.2)  # signals are noted, never raised: nothing here can be cut short
         zygotes = [z for z in zygotes if not _said_lost(z)]
         _report_exits(coordinator, procs, reported)
+        if time.monotonic() > coordinator.stop.cut_at + LEAVE_S:  # a second signal wins over anything
+            coordinator.left_behind(_where(thread), LEAVE_S)
+            return
         while _signal_names:
             name, again = _signal_names.pop(0), coordinator.stop.is_set()
             coordinator.request_stop(f"interrupted by {name}")
-            say(console, f"stopping ({name}): " + ("at once (a save under way still finishes)" if again else
-                "the ranks finish the batch in hand, then the run saves what they trained (within "
-                f"{SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once without saving"))
+            say(console, f"stopping ({name}): " + (_AT_ONCE if again else _AFTER_THE_BATCH))
+
+
+_AFTER_THE_BATCH = ("the ranks finish the batch in hand, then the run saves what they trained "
+                    f"(within {SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once "
+                    "without saving")
+_AT_ONCE = f"at once (a save under way gets until {SAVE_GRACE_S:.0f} s after the first signal)"
+
+
+def _where(thread: threading.Thread) -> str:
+    """The innermost function `thread` is in now outside Python's standard library (a lock's
+    or a socket's wait says little), and its place: `metrics_fn (my_recipe.py:12)`."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "an unknown place"
+    stack = traceback.extract_stack(frame)
+    ours = [f for f in stack if not _in_stdlib(f.filename)] or stack
+    return f"{ours[-1].name} ({Path(ours[-1].filename).name}:{ours[-1].lineno})"
+
+
+def _in_stdlib(filename: str) -> bool:
+    """In Python's standard library (site-packages may lie inside its folder: not counted)."""
+    paths = sysconfig.get_paths()
+    parents = set(Path(filename).resolve().parents)
+    site = {Path(paths["purelib"]).resolve(), Path(paths["platlib"]).resolve()}
+    return Path(paths["stdlib"]).resolve() in parents and not parents & site
 
 
 def _report_exits(coordinator: Coordinator, procs: List[RankProcess], reported: set) -> None:

@@ -26,8 +26,13 @@ class Observer:
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
         """Once, before the first batch."""
 
+    def on_resume(self, epoch: int, batches_done: int) -> None:
+        """Once, right after on_start, when the run resumes a bundle: training starts in
+        `epoch`, of which `batches_done` batches were trained before (the bundle holds them)."""
+
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
-        """After a batch (solo) or a rank's window (distributed); `batches_done` in this epoch."""
+        """After a batch (solo) or a rank's window (distributed); `batches_done` in this epoch
+        (a resumed epoch's count includes the batches trained before the resume)."""
 
     def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:
         """A rank finished a window: `samples` trained in `wall_ms` of compute; `device_bytes`
@@ -71,6 +76,9 @@ class Observers(Observer):
 
     def on_start(self, total_epochs: int, batches_per_epoch: int, world_size: int) -> None:
         self._fan("on_start", total_epochs, batches_per_epoch, world_size)
+
+    def on_resume(self, epoch: int, batches_done: int) -> None:
+        self._fan("on_resume", epoch, batches_done)
 
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
         self._fan("on_batch", epoch, batches_done, loss)

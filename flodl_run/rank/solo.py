@@ -114,7 +114,9 @@ class SoloTrainer:
         re-raises; a recipe callback that raises ends the run failed, with a bundle."""
         start = time.perf_counter()
         first = self._restore() if self.config.resume_from else 0
-        self.observer.on_start(self.total_epochs, self._batches_in_epoch(0), 1)
+        self.observer.on_start(self.total_epochs, self._whole_batches(0), 1)
+        if self.config.resume_from:  # the resumed epoch's progress counts on from the bundle's
+            self.observer.on_resume(first, self._batches_before(first))
         self._trained = first
         try:
             try:
@@ -198,9 +200,7 @@ class SoloTrainer:
         (epoch_splits cuts a pass into slices); a resumed epoch only what its bundle left
         uncovered."""
         splits = self.config.data.epoch_splits
-        n = len(self.train_source) * self.config.data.augment
-        part = epoch % splits
-        whole = (part * n // splits, (part + 1) * n // splits)
+        whole = self._whole_range(epoch)
         if epoch == self._resume_epoch and self._resume_uncovered:
             for i, (_, start, end) in enumerate(self._resume_uncovered):
                 if start < whole[0] or end > whole[1]:
@@ -220,10 +220,30 @@ class SoloTrainer:
     def _batches_in_epoch(self, epoch: int) -> int:
         return num_batches(len(self._epoch_indices(epoch)), self.config.batch_size)
 
+    def _whole_range(self, epoch: int) -> Tuple[int, int]:
+        """The positions of its pass's permutation epoch `epoch` covers whole (epoch_splits
+        cuts a pass into slices)."""
+        splits = self.config.data.epoch_splits
+        n = len(self.train_source) * self.config.data.augment
+        part = epoch % splits
+        return part * n // splits, (part + 1) * n // splits
+
+    def _whole_batches(self, epoch: int) -> int:
+        """The batches of epoch `epoch` whole (a resumed one's included)."""
+        start, end = self._whole_range(epoch)
+        return num_batches(end - start, self.config.batch_size)
+
+    def _batches_before(self, epoch: int) -> int:
+        """The batches of `epoch` a resumed bundle holds (none unless it resumes that epoch
+        in part)."""
+        if epoch != self._resume_epoch or not self._resume_uncovered:
+            return 0
+        return max(0, self._whole_batches(epoch) - self._batches_in_epoch(epoch))
+
     def _train_epoch(self, epoch: int) -> Generator[Any, None, EpochRecord]:
         """Hand the loop each batch of the epoch; returns the epoch's record."""
         indices = self._epoch_indices(epoch)
-        losses = _LossReader(self.observer, epoch)
+        losses = _LossReader(self.observer, epoch, self._batches_before(epoch))
         began = time.perf_counter()
         trained = 0
         for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
@@ -336,8 +356,9 @@ class _LossReader:
 
     READ_EVERY = 50
 
-    def __init__(self, observer: Observer, epoch: int):
+    def __init__(self, observer: Observer, epoch: int, before: int = 0):
         self.observer, self.epoch = observer, epoch
+        self.before = before  # batches of the epoch a resumed bundle holds: progress counts on
         self.pending: Optional[torch.Tensor] = None
         self.pending_count = self.count = 0
         self.total = 0.0
@@ -354,7 +375,7 @@ class _LossReader:
         chunk = float(self.pending)
         self.total += chunk
         self.count += self.pending_count
-        self.observer.on_batch(self.epoch, self.count, chunk / self.pending_count)
+        self.observer.on_batch(self.epoch, self.before + self.count, chunk / self.pending_count)
         self.pending, self.pending_count = None, 0
 
     @property

@@ -25,7 +25,6 @@ from flodl_run.contracts.summary import EpochRecord, ReportRecord
 from flodl_run.observe.observer import Observer
 from flodl_run.report.say import say, say_labelled
 
-
 LINE_EVERY_S = 30.0
 """Without a TTY, at most one within-epoch line this often: a slow epoch shows it is moving."""
 
@@ -45,6 +44,7 @@ class TerminalProgress(Observer):
         self._task = None
         self._total_epochs = 0
         self._batches_per_epoch = 0
+        self._start = (0, 0)  # (epoch, batches done in it) where this run began: a resume's
         self._started = 0.0
         self._epoch_began = 0.0
         self._last_line = 0.0
@@ -66,6 +66,14 @@ class TerminalProgress(Observer):
             "epoch 1", total=total_epochs * batches_per_epoch, loss="-",
             rates="samples/s -" if world_size > 1 else "")
 
+    def on_resume(self, epoch: int, batches_done: int) -> None:
+        """The bar starts where the bundle left the run (what it holds counts as done, not as
+        this run's speed); the rates and ETAs count only what this run trains."""
+        self._start = (epoch, batches_done)
+        if self._progress is not None:
+            self._progress.reset(self._task, completed=epoch * self._batches_per_epoch + batches_done,
+                                 description=f"epoch {epoch + 1}/{self._total_epochs}")
+
     def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
         if self._progress is not None:
             done = epoch * self._batches_per_epoch + batches_done
@@ -77,7 +85,8 @@ class TerminalProgress(Observer):
     def _within_epoch_line(self, epoch: int, batches_done: int, loss: float) -> None:
         now = self.clock()
         self._last_line = now
-        rate = batches_done / (now - self._epoch_began) if now > self._epoch_began else 0.0
+        trained = batches_done - (self._start[1] if epoch == self._start[0] else 0)  # by this run
+        rate = trained / (now - self._epoch_began) if now > self._epoch_began else 0.0
         left = max(self._batches_per_epoch - batches_done, 0)
         eta = f"{left / rate:,.0f}s" if rate > 0 else "-"
         say(self.console, f"epoch {epoch + 1}/{self._total_epochs}  batch {batches_done}/"
@@ -88,7 +97,8 @@ class TerminalProgress(Observer):
         done = record.epoch + 1
         self._epoch_began = self._last_line = self.clock()
         elapsed = self._epoch_began - self._started
-        eta = elapsed / done * (self._total_epochs - done)
+        ran = max(done - self._start[0] - self._start[1] / max(self._batches_per_epoch, 1), 1e-9)
+        eta = elapsed / ran * (self._total_epochs - done)  # epochs (or the part of one) run here
         rates = " ".join(f"{r:,.0f}" for r in record.per_rank_throughput)
         shares = " ".join(f"{s:.2f}" for s in record.per_rank_batch_share)
         line = (f"epoch {done}/{self._total_epochs}  loss {_fmt(record.avg_loss)}  "
