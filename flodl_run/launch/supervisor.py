@@ -313,6 +313,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     previous, previous_int = signal.signal(signal.SIGTERM, _raise_interrupt), None
     stop, previous_stop = stop_signal(os.environ), None
     procs: List[RankProcess] = []
+    secret_file: Optional[Path] = None
     try:
         thread.start()
         if slurm is not None:
@@ -330,7 +331,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
             procs = spawn_ranks(config.cluster, plan.world_size, coordinator.address, secret, run_dir,
                                 console, uuids, shm_prefix)
         else:
-            _announce_controller_only(plan.world_size, coordinator.address, secret, run_dir, console)
+            secret_file = _announce_controller_only(plan.world_size, coordinator.address, secret,
+                                                    run_dir, console)
         coordinator.on_rank_dead = _killer(procs)
         previous_int = signal.signal(signal.SIGINT, _note_signal)  # from here on, signals are noted
         signal.signal(signal.SIGTERM, _note_signal)
@@ -345,6 +347,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         if previous_stop is not None:  # the sweep launcher's handler again (it requeues)
             signal.signal(stop, previous_stop)
         remove_run(shm_prefix)  # also what a killed rank left behind
+        if secret_file is not None:  # the run is over: no rank may join with it any more
+            secret_file.unlink(missing_ok=True)
     summary = summary_box[0] if summary_box else coordinator.summary
     _name_the_cause(summary, procs)
     return summary
@@ -408,7 +412,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _announce_controller_only(world_size: int, coord: str,
-                              secret: bytes, run_dir: Path, console: Console) -> None:
+                              secret: bytes, run_dir: Path, console: Console) -> Path:
+    """Write the secret (0600) and controller.json for the ranks to come, say how to start
+    them; returns the secret's file, which the run removes when it ends."""
     secret_file = run_dir / "secret"
     secret_file.touch(mode=0o600)
     secret_file.write_text(secret.hex())
@@ -420,3 +426,4 @@ def _announce_controller_only(world_size: int, coord: str,
         f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
         f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
         markup=False, highlight=False, soft_wrap=True)
+    return secret_file
