@@ -8,6 +8,7 @@ does; this module only tells it when a child died or the user pressed Ctrl-C. Ne
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -163,19 +164,46 @@ def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
 
 
 def _groups_with_members(groups: List[int]) -> List[int]:
-    """The groups among `groups` that a live process (not a zombie) is in, from /proc."""
+    """The groups among `groups` that a live process (not a zombie) is in, from /proc; with no
+    file descriptor left to read /proc (a connection flood took them: reading it failed the
+    run at its end), those the kernel still knows (zombies too: they are signalled in vain)."""
     wanted, found = set(groups), set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) in wanted:  # state, ppid, pgrp, ...
-            found.add(int(fields[2]))
+    try:
+        with os.scandir("/proc") as entries:
+            for entry in entries:
+                group = _live_group_of(entry.name)
+                if group in wanted:
+                    found.add(group)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        return [g for g in groups if _group_exists(g)]
     return sorted(found)
+
+
+def _live_group_of(name: str) -> Optional[int]:
+    """The process group of /proc entry `name`, None for a zombie, a non-process entry or one
+    gone meanwhile. Raises OSError EMFILE/ENFILE when no file can be opened."""
+    if not name.isdigit():
+        return None
+    try:
+        with open(f"/proc/{name}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
+        return None
+    return None if fields[0] == "Z" else int(fields[2])  # state, ppid, pgrp, ...
+
+
+def _group_exists(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user took the id: not ours
+        return False
+    return True
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
