@@ -207,8 +207,45 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> str:
 
 
 def save_tensors(path: Path, state: Any) -> str:
-    """torch.save, atomically and durably; returns the file's SHA-256."""
-    return _atomic(path, lambda tmp: torch.save(state, tmp))
+    """torch.save, atomically and durably; returns the file's SHA-256. A write the disk refuses
+    raises its OSError (ENOSPC, EFBIG)."""
+    return _atomic(path, lambda tmp: _torch_save(state, tmp))
+
+
+def _torch_save(state: Any, tmp: Path) -> None:
+    """torch.save through a file of ours: torch's own writer reported a full disk as
+    `RuntimeError: ... unexpected pos 1024 vs 918`; through a Python file the OSError behind
+    it is at hand."""
+    with open(tmp, "wb") as out:
+        try:
+            torch.save(state, out)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
+
+
+class NotWritten(Exception):
+    """A generation's files could not be written (a rank's disk, full or over a size limit)."""
+
+
+def discard(stem: str | Path, generation: int) -> None:
+    """Remove what a failed save wrote of `generation` (the meta never named it): the space
+    goes back to the next save."""
+    for path in _generations(stem).get(generation, []):
+        if not _written_by_another_live_process(path):
+            path.unlink(missing_ok=True)
+
+
+def unwritten(stem: str | Path, generation: int, why: str) -> str:
+    """What a failed save says: which generation, why, and what the bundle still holds."""
+    try:
+        meta = read_meta(stem)
+        kept = (f"the bundle stays intact at generation g{meta.generation} (resume at epoch "
+                f"{meta.epoch})")
+    except BundleError:
+        kept = "no earlier bundle there"
+    return f"could not write generation g{generation} of {stem} ({why}); {kept}"
 
 
 def require_finite(state: Any, what: str) -> None:
