@@ -35,7 +35,7 @@ from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
 from flodl_run.report.rundir import EventFile, link_latest, written
 from flodl_run.report.say import say, say_labelled
-from flodl_run.report.tracking import make_tracker, unreachable_server
+from flodl_run.report.tracking import NullTracker, make_tracker, unreachable_server
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -222,7 +222,7 @@ def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLo
                                    f"{exc}: give each run its own save_path")]) from None
 
 
-def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: Observer,
+def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: NullTracker,
                    errors: OutputErrors, console: Console) -> Optional[Path]:
     """summary.json (its outcome first, then the whole record), each output's end (the `end`
     line of events.jsonl, ...), the tracked run, and the `outputs/latest` link. What does not
@@ -240,6 +240,9 @@ def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tra
                        summary, run_dir)
     except KeyboardInterrupt:  # Ctrl-C during the upload skips what is left of it
         say_labelled(console, "warning", "tracking: interrupted, the MLflow run is not complete", "yellow")
+    lost = tracker.unwritten()  # an outage of the store that outlasted the run's end
+    if lost:
+        errors.note(tracker.output or type(tracker).__name__, lost)
     latest: List[Optional[Path]] = [None]
 
     def link() -> None:
