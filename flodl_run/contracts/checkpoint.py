@@ -333,6 +333,9 @@ def read_meta(stem: str | Path) -> BundleMeta:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise BundleError(f"{path}: schema_version {version!r} is newer than this flodl_run "
                           f"reads ({SCHEMA_VERSION})")
+    if version >= 3 and not raw.get("meta_sha256"):  # removing it used to turn the check off
+        raise BundleError(f"{path}: meta_sha256 is missing: a schema 3 meta records its own "
+                          f"checksum; an edited meta ({_WHAT_TO_DO})")
     if raw.get("meta_sha256") and raw["meta_sha256"] != meta_digest(raw):
         raise BundleError(f"{path}: does not match the checksum it records (meta_sha256): an "
                           f"edited or damaged meta ({_WHAT_TO_DO})")
@@ -378,9 +381,14 @@ def meta_problems(raw: Dict[str, Any]) -> List[str]:
     return problems + _uncovered_problems(coverage.get("uncovered", []))
 
 
+MAX_COUNT = 2**63 - 1  # torch's int64: `global_step=10**40` raised OverflowError, exit 1
+
+
 def _count_problems(key: str, value: Any, low: Optional[int]) -> List[str]:
     if not isinstance(value, int) or isinstance(value, bool):
         return [f"{key} must be an integer, got {value!r}"]
+    if abs(value) > MAX_COUNT:
+        return [f"{key} must be at most {MAX_COUNT} in size, got {value}"]
     return [f"{key} must be >= {low}, got {value}"] if low is not None and value < low else []
 
 
