@@ -440,6 +440,22 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
 
 
 @_check
+def _save_path(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    """A bundle's stem names files beside it (`<stem>.meta.json`, `<stem>.g<n>.pt`): a directory
+    put the generations inside it as hidden `.g1.pt` files while its lock went beside it, and
+    `/dev/null` wrote `null.g1.pt` into /dev."""
+    path = cfg.save_path
+    if not path:
+        return
+    if path.endswith(("/", os.sep)) or Path(path).is_dir():
+        yield Problem("save_path", path, "must name a bundle's stem, not a directory (the files "
+                      "go beside it: e.g. save_path=<that directory>/checkpoint)")
+    elif Path(path).exists() and not Path(path).is_file():
+        yield Problem("save_path", path, "must name a bundle's stem in a directory of files, not "
+                      "a device or another special file")
+
+
+@_check
 def _recipe(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     yield from _at_least("recipe.batch_size", cfg.recipe.batch_size, 1)
     direction = cfg.recipe.eval_direction  # Python callers may pass a plain "max" / "min"
