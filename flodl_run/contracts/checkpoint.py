@@ -229,23 +229,32 @@ class NotWritten(Exception):
     """A generation's files could not be written (a rank's disk, full or over a size limit)."""
 
 
-def discard(stem: str | Path, generation: int) -> None:
+def discard(stem: str | Path, generation: Optional[int]) -> None:
     """Remove what a failed save wrote of `generation` (the meta never named it): the space
-    goes back to the next save."""
-    for path in _generations(stem).get(generation, []):
-        if not _written_by_another_live_process(path):
-            path.unlink(missing_ok=True)
+    goes back to the next save. Best effort: what stays (no descriptor left to list the
+    directory) goes with the next save's prune."""
+    if generation is None:
+        return
+    try:
+        for path in _generations(stem).get(generation, []):
+            if not _written_by_another_live_process(path):
+                path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
-def unwritten(stem: str | Path, generation: int, why: str) -> str:
-    """What a failed save says: which generation, why, and what the bundle still holds."""
+def unwritten(stem: str | Path, generation: Optional[int], why: str) -> str:
+    """What a failed save says: which generation (None: the next, not yet numbered), why, and
+    what the bundle still holds."""
     try:
         meta = read_meta(stem)
         kept = (f"the bundle stays intact at generation g{meta.generation} (resume at epoch "
                 f"{meta.epoch})")
-    except BundleError:
-        kept = "no earlier bundle there"
-    return f"could not write generation g{generation} of {stem} ({why}); {kept}"
+    except (BundleError, OSError):
+        kept = "no earlier bundle there" if not paths(stem)["meta"].exists() else \
+            "the bundle stays as it was"
+    which = "the next generation" if generation is None else f"generation g{generation}"
+    return f"could not write {which} of {stem} ({why}); {kept}"
 
 
 def require_finite(state: Any, what: str) -> None:

@@ -77,6 +77,8 @@ class Saving:
                 self.fail_callback(failure, epoch, uncovered)
             except NotWritten as exc:
                 return self._unwritten(reason, stem, *exc.args)
+            except OSError as exc:  # this process could not look for the next generation (EMFILE)
+                return self._unwritten(reason, stem, None, f"{type(exc).__name__}: {exc}")
             try:  # the meta is the commit point: after it, this generation is the bundle
                 self._write_outer(stem, generation, files)
                 save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
@@ -96,7 +98,7 @@ class Saving:
             outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
             files[outer.name] = save_tensors(outer, state)
 
-    def _unwritten(self, reason: str, stem: str, generation: int, why: str) -> None:
+    def _unwritten(self, reason: str, stem: str, generation: Optional[int], why: str) -> None:
         """A save the disk refused: an output failure, never the run's end. What was written
         of `generation` goes, the previous generation stays the bundle, and the event says
         so (the run's end line lists it)."""

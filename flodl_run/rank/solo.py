@@ -297,8 +297,9 @@ class SoloTrainer:
         stem = self.config.save_path
         if not stem:
             return False
-        generation = checkpoint.next_generation(stem)
+        generation: Optional[int] = None
         try:
+            generation = checkpoint.next_generation(stem)
             self._write_generation(stem, generation, reason, epoch, uncovered, trained)
         except OSError as exc:
             checkpoint.discard(stem, generation)
