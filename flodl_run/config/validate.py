@@ -233,9 +233,13 @@ def _data(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
 
 
 def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Problem]:
-    """data.epoch_splits may not exceed the batches of one pass (every epoch needs a batch).
-    Needs the train set's size, so the materializer and the data plane call it, not validate()."""
+    """data.epoch_splits may not exceed the batches of one pass (every epoch needs a batch),
+    and the train set may not be empty. Needs the train set's size, so the materializer and
+    the data plane call it, not validate()."""
     d = cfg.data
+    if num_samples == 0:  # it was named as data.epoch_splits exceeding 0 batches
+        return Problem("recipe.module", cfg.recipe.module, "must give a train_dataset with at "
+                       "least one sample (its train_dataset is empty)")
     batches = -(-num_samples * max(d.augment, 1) // max(cfg.batch_size, 1))
     if d.epoch_splits > batches:
         return Problem("data.epoch_splits", d.epoch_splits,
