@@ -133,3 +133,32 @@ def test_an_outage_that_outlasts_the_run_is_said_and_the_run_is_not_marked_finis
     assert f"the MLflow run (run {tracker.run_id} did not get: " in console.file.getvalue()
     run = mlflow.MlflowClient(f"sqlite:///{mlflow_db}").get_run(tracker.run_id)
     assert run.info.status == "RUNNING" and "status" not in run.data.tags
+
+
+def test_the_queue_keeps_order_through_an_outage_and_drops_the_oldest_past_its_bound():
+    """Pins the queue behind the tracker: a send that fails stays first and is retried, what
+    comes meanwhile waits behind it in order, and past the bound the oldest go, counted as
+    lost (the tracker names them in the run's `tracking_incomplete` tag) rather than the
+    launcher's memory growing without end."""
+    from flodl_run.report.sendqueue import SendQueue
+
+    store_back, refused, sent = threading.Event(), threading.Event(), []
+
+    def send(n: int):
+        def go() -> None:
+            if not store_back.is_set():
+                refused.set()
+                raise OSError("the store is locked")
+            sent.append(n)
+        return go
+
+    queue = SendQueue("test", first_retry_s=0.5, max_retry_s=0.5, max_buffered=3)  # puts land in the wait
+    queue.put("batch 0", send(0))
+    assert refused.wait(10)  # the outage met: batch 0 stays first, retried
+    for n in range(1, 5):
+        queue.put(f"batch {n}", send(n))
+    assert queue.lost() == {"batch 0": 1, "batch 1": 1}
+    store_back.set()
+    assert queue.drain(10)
+    queue.close()
+    assert sent == [2, 3, 4] and queue.lost() == {"batch 0": 1, "batch 1": 1}
