@@ -15,7 +15,7 @@ from rich.console import Console
 from flodl_run.config.app import fail_config, run_hydra_app
 from flodl_run.config.compose import experiment_to_yaml
 from flodl_run.config.materialize import ConfigError, materialize
-from flodl_run.report.rundir import remove_startup_files
+from flodl_run.report.rundir import release_dirs, remove_startup_files
 from flodl_run.report.say import say_labelled
 
 EXIT_INTERRUPTED = 130
@@ -66,4 +66,5 @@ def main() -> None:
         # Hydra's on_multirun_end is skipped when a job failed or Ctrl-C stopped the sweep:
         # the jobs that ran still get their comparison and the parent run its status.
         end_active()
+        release_dirs()  # the run's (or sweep's) directory is another run's to take now
 

@@ -7,15 +7,19 @@ imports another one.
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import re
+import selectors
 import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Optional, Set
+from typing import Dict, Optional, Set
 
 import pytest
 import torch
@@ -471,3 +475,78 @@ def cadence_bench_jobs(**variants) -> list:
                                            torch_ddp=False, torch_localsgd=False, **variants),
                          cluster=ClusterConfig(topology=Topology.cpu, num_ranks=2))
     return plan(cfg, _pair_rig())
+
+
+REOPEN = 20  # connections a Flood re-opens a port every 10 ms (2,000 a second)
+
+
+class Flood:
+    """Keeps `count` idle TCP connections open to each port of `targets` from a thread of its
+    own, re-opening each one the far side closes (`dropped` counts those). `stop()` closes them
+    all."""
+
+    def __init__(self) -> None:
+        self.targets: Dict[int, int] = {}
+        self.live: Dict[int, int] = {}
+        self.dropped: Dict[int, int] = {}
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def aim(self, port: int, count: int) -> None:
+        with self._lock:
+            self.targets[port] = count
+            self.live.setdefault(port, 0)
+            self.dropped.setdefault(port, 0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _open(self, port: int) -> bool:
+        sock = socket.socket()
+        sock.setblocking(False)
+        if sock.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
+            sock.close()
+            return False
+        self._selector.register(sock, selectors.EVENT_READ, port)
+        self.live[port] += 1
+        return True
+
+    def _run(self) -> None:
+        """Open each port's connections at once, then re-open what was closed, at most
+        REOPEN a port every 10 ms: a flood kept up, not a busy loop on two cores."""
+        full: Set[int] = set()
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    targets = dict(self.targets)
+                for port, count in targets.items():
+                    missing = count - self.live[port]
+                    for _ in range(min(REOPEN, missing) if port in full else missing):
+                        if not self._open(port):
+                            break
+                    full.add(port)
+                began = time.monotonic()
+                while time.monotonic() - began < 0.01:
+                    for key, _ in self._selector.select(0.01 - (time.monotonic() - began)):
+                        self._read(key)
+        finally:
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()
+            self._selector.close()
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        try:
+            if key.fileobj.recv(4096):
+                return  # a greeting: the connection stays idle from our side
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self._selector.unregister(key.fileobj)
+        key.fileobj.close()
+        self.live[key.data] -= 1
+        self.dropped[key.data] += 1

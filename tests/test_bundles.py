@@ -168,15 +168,17 @@ def _edited(stem: str, edit) -> None:
     (lambda raw: raw["coverage"].update(uncovered=[[0, 900, 100]]), "coverage.uncovered.0 must be"),
     (lambda raw: raw.pop("elche_state"), "elche_state is missing"),
     (lambda raw: raw.update(save_reason="because"), "save_reason must be one of"),
+    (lambda raw: raw.update(global_step=10**40), "global_step must be at most 9223372036854775807"),
 ])
 def test_a_meta_is_validated_like_a_config_naming_the_field(tmp_path, edit, field):
     """Pins edited metas: `epoch=-3` trained and then raised ZeroDivisionError,
     `epoch='abc'` a TypeError, a stripped elche_state a KeyError, out-of-range uncovered
-    ranges gave empty batches; all exit 1 after the ranks started. Now read_meta refuses the
-    meta naming the field and the rule (a BundleError: exit 2, before any rank starts)."""
+    ranges gave empty batches, `global_step=10**40` an OverflowError; all exit 1 after the
+    ranks started. Now read_meta refuses the meta naming the field and the rule (a
+    BundleError: exit 2, before any rank starts), its checksum recomputed or not."""
     stem = str(tmp_path / "checkpoint")
     _save(stem, 1.0)
-    _edited(stem, lambda raw: (edit(raw), raw.pop("meta_sha256")))  # an older meta: no checksum
+    _edited(stem, lambda raw: (edit(raw), raw.update(meta_sha256=checkpoint.meta_digest(raw))))
     with pytest.raises(checkpoint.BundleError, match=field.replace("[", r"\[").replace("(", r"\(")):
         read_meta(stem)
 
@@ -191,6 +193,39 @@ def test_a_meta_carries_its_own_checksum(tmp_path):
     _edited(stem, lambda raw: raw.update(global_step=11))
     with pytest.raises(checkpoint.BundleError, match="does not match the checksum it records"):
         read_meta(stem)
+
+
+def test_a_meta_without_its_checksum_is_refused(tmp_path):
+    """Pins: removing `meta_sha256` from a schema 3 meta turned its check off, and an edit
+    (`epoch=20`) was accepted. A schema 3 meta always records it: one without is an edited
+    meta (exit 2), named as such."""
+    stem = str(tmp_path / "checkpoint")
+    _save(stem, 1.0)
+    _edited(stem, lambda raw: (raw.update(epoch=20), raw["coverage"].update(epoch=20),
+                               raw.pop("meta_sha256")))
+    with pytest.raises(checkpoint.BundleError, match="meta_sha256 is missing"):
+        read_meta(stem)
+
+
+@pytest.mark.parametrize("key,value,said", [
+    ("anchor", -5, "elche_state.anchor must be an integer >= 1, got -5"),
+    ("phase", "zzz", "elche_state.phase must be one of probe, "),
+    ("alive", [True], "elche_state.alive must be a list of 2 (one per rank), got [True]"),
+])
+def test_an_elche_state_elche_cannot_take_is_a_resume_problem(key, value, said):
+    """Pins: a meta's elche_state with `anchor=-5` (clamped silently to 1), `phase='zzz'` or
+    `alive=[True]` for two ranks (carried into the next bundle) was accepted. Each is now a
+    resume problem naming the key, the value and the rule (exit 2, before any rank starts)."""
+    from flodl_run.config.schema import ElCheConfig
+    from flodl_run.elche.balancer import ElChe
+    from flodl_run.launch.launcher import Plan, _trajectory_problems
+
+    state = json.loads(json.dumps(ElChe(ElCheConfig(), 2).export_state()))
+    state[key] = value
+    meta = dataclasses.replace(_meta(1, {}), elche_state=state)
+    problems = _trajectory_problems(ExperimentConfig(num_epochs=3), Plan(world_size=2, in_process=False,
+                                                                         gpus=[]), meta)
+    assert len(problems) == 1 and said in problems[0], problems
 
 
 def test_resuming_at_or_past_num_epochs_says_how_to_extend_the_run(tmp_path):

@@ -257,3 +257,17 @@ def test_ranks_may_share_a_gpu_in_collective_modes_over_gloo():
     assert validate(make(**shared, cluster__backend=Backend.gloo)).ok
     problems = [str(p) for p in validate(make(**shared)).problems]
     assert any("set cluster.backend=gloo to share one" in m for m in problems), problems
+
+
+@pytest.mark.parametrize("path,rule", [
+    ("/dev/null", "must name a bundle's stem in a directory of files, not a device"),
+    ("{tmp}/", "must name a bundle's stem, not a directory"),
+    ("{tmp}", "must name a bundle's stem, not a directory"),
+])
+def test_save_path_names_a_stem_not_a_directory_or_a_device(tmp_path, path, rule):
+    """Pins: `save_path=/dev/null` wrote `null.g1.pt` into /dev, and `save_path=/x/` wrote
+    hidden `.g1.pt` files inside /x while its lock went to `/.x.lock`. Each is now refused
+    before the run starts, naming save_path, the value and the rule."""
+    path = path.format(tmp=tmp_path)
+    messages = [str(p) for p in validate(make(save_path=path)).problems]
+    assert any(m.startswith("save_path: ") and rule in m and repr(path) in m for m in messages), messages

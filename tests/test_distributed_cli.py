@@ -98,7 +98,8 @@ def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
 
 def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     """Pins the torchrun contract: `cluster.launch_ranks=false` starts only the coordinator and
-    `torchrun -m flodl_run.rank` with the announced environment completes the run."""
+    `torchrun -m flodl_run.rank` with the announced environment completes the run. The secret's
+    file goes with the run (it stayed in the run dir after it)."""
     run_dir = tmp_path / "run"
     launcher, env = start_controller(run_dir, 2, "num_epochs=1")
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
@@ -109,6 +110,7 @@ def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     launcher.communicate(timeout=60)
     assert launcher.returncode == 0
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert not (run_dir / "secret").exists() and (run_dir / "controller.json").exists()
 
 
 def test_user_recipe_outside_the_repo_runs_distributed_from_a_launcher_that_never_touches_cuda(

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from flodl_run.contracts.checkpoint import read_meta
-from tests.support import REPO, _live_ranks, _run, start_cli
+from tests.support import REPO, _live_ranks, _run, start_cli, text_of, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -153,3 +153,63 @@ def test_what_a_recipe_starts_ends_with_the_run(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_what_a_recipe_starts_ends_with_a_killed_launcher(tmp_path):
+    """Pins: with the launcher killed by SIGKILL, the ranks saw they were orphaned (or their
+    output pipe broke) and exited, and what their recipe had started (a `sleep 3600`, an
+    os.fork child) ran on, re-parented to init: no launcher was left to end the ranks' process
+    groups, and a rank did not end its own. Now an orphaned rank ends its group as it exits."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "spawning_recipe.py").write_text(STARTS_PROCESSES)
+    left, run_dir = tmp_path / "left", tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), LEFT_FILE=str(left))
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "recipe=custom",
+                     "recipe.module=spawning_recipe", "cluster=cpu_pair", "num_epochs=500", env=env)
+    pids = []
+    try:
+        wait_for("both ranks' children", lambda: len(text_of(left).split()) == 4)
+        pids = [int(pid) for pid in left.read_text().split()]
+        assert len(_live_ranks(run_dir)) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+        wait_for("the orphaned ranks' exit", lambda: _live_ranks(run_dir) == [], timeout_s=30)
+        wait_for("the recipe's children's end", lambda: [p for p in pids if _running(p)] == [],
+                 timeout_s=10)
+    finally:
+        for pid in pids + _live_ranks(run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+PRINTS_ITS_CHILDS_ENVIRONMENT = (
+    "import os, subprocess\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def build_model(device, **kw):\n"
+    "    names = subprocess.run(['env'], capture_output=True, text=True).stdout\n"
+    "    with open(os.environ['ENV_FILE'], 'a') as out:\n"
+    "        out.write(''.join(line.split('=', 1)[0] + '\\n' for line in names.splitlines()))\n"
+    "    return digits_mlp.build_model(device, **kw)\n"
+)
+
+
+def test_what_a_recipe_starts_does_not_inherit_the_run_secret(tmp_path):
+    """Pins: every process a recipe started inherited FLODL_RUN_SECRET, the key that lets a
+    process speak for a rank on the control plane. Now the rank drops it from its environment
+    once read: an `env` the recipe runs on either rank lists the run's other variables, not
+    the secret."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "env_recipe.py").write_text(PRINTS_ITS_CHILDS_ENVIRONMENT)
+    names = tmp_path / "names"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), ENV_FILE=str(names))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=env_recipe", "cluster=cpu_pair",
+                         "num_epochs=1", env=env)
+    assert proc.returncode == 0 and summary["status"] == "completed", proc.stdout + proc.stderr
+    seen = names.read_text().split()
+    assert seen.count("FLODL_RUN_COORD") == 2, seen  # both ranks' children wrote theirs
+    assert "FLODL_RUN_SECRET" not in seen

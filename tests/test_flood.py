@@ -1,107 +1,34 @@
-"""A connection flood without the run's secret against the launcher's two listeners (the
-coordinator's control port and the rendezvous store) while a real run trains, with the launcher
-held to 1,024 open files. Each idle connection used to take one of the launcher's descriptors:
-about 1,100 on the control port (for up to its handshake deadline, and re-opened at once) and
-1,000 on the store (for good) left none for events.jsonl, and the run failed."""
+"""A connection flood without the run's secret against the launcher's listeners (the
+coordinator's control port, the rendezvous store, the live dashboard) while a real run trains,
+with the launcher held to 1,024 open files. Each idle connection used to take one of the
+launcher's descriptors: about 1,100 on the control port (for up to its handshake deadline, and
+re-opened at once) and 1,000 on the store (for good) left none for events.jsonl, and the run
+failed; 1,100 on the dashboard left none to read /proc with at the run's end."""
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 import os
 import re
 import resource
-import selectors
 import signal
-import socket
-import threading
+import subprocess
 import time
+import urllib.request
 from pathlib import Path
-from typing import Dict, Set
+from typing import Set
 
 import pytest
 
-from tests.support import _free_port, start_cli
+from tests.support import Flood, _free_port, start_cli
 
 pytestmark = pytest.mark.e2e
 
 NUM_TRAIN = 1437  # digits train split
 FILES = 1024  # the common soft limit, here the hard one too: the launcher cannot raise it
-CONTROL_FLOOD, STORE_FLOOD = 1100, 1000
+CONTROL_FLOOD, STORE_FLOOD, DASHBOARD_FLOOD = 1100, 1000, 1100
 EPOCHS = 8
-REOPEN = 20  # connections re-opened a port every 10 ms (2,000 a second)
-
-
-class Flood:
-    """Keeps `count` idle TCP connections open to each port of `targets` from a thread of its
-    own, re-opening each one the far side closes (`dropped` counts those). `stop()` closes them
-    all."""
-
-    def __init__(self) -> None:
-        self.targets: Dict[int, int] = {}
-        self.live: Dict[int, int] = {}
-        self.dropped: Dict[int, int] = {}
-        self._selector = selectors.DefaultSelector()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def aim(self, port: int, count: int) -> None:
-        with self._lock:
-            self.targets[port] = count
-            self.live.setdefault(port, 0)
-            self.dropped.setdefault(port, 0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _open(self, port: int) -> bool:
-        sock = socket.socket()
-        sock.setblocking(False)
-        if sock.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
-            sock.close()
-            return False
-        self._selector.register(sock, selectors.EVENT_READ, port)
-        self.live[port] += 1
-        return True
-
-    def _run(self) -> None:
-        """Open each port's connections at once, then re-open what was closed, at most
-        REOPEN a port every 10 ms: a flood kept up, not a busy loop on two cores."""
-        full: Set[int] = set()
-        try:
-            while not self._stop.is_set():
-                with self._lock:
-                    targets = dict(self.targets)
-                for port, count in targets.items():
-                    missing = count - self.live[port]
-                    for _ in range(min(REOPEN, missing) if port in full else missing):
-                        if not self._open(port):
-                            break
-                    full.add(port)
-                began = time.monotonic()
-                while time.monotonic() - began < 0.01:
-                    for key, _ in self._selector.select(0.01 - (time.monotonic() - began)):
-                        self._read(key)
-        finally:
-            for key in list(self._selector.get_map().values()):
-                key.fileobj.close()
-            self._selector.close()
-
-    def _read(self, key: selectors.SelectorKey) -> None:
-        try:
-            if key.fileobj.recv(4096):
-                return  # a greeting: the connection stays idle from our side
-        except BlockingIOError:
-            return
-        except OSError:
-            pass
-        self._selector.unregister(key.fileobj)
-        key.fileobj.close()
-        self.live[key.data] -= 1
-        self.dropped[key.data] += 1
 
 
 def _listening_ports(pid: int) -> Set[int]:
@@ -187,3 +114,70 @@ def test_a_connection_flood_without_the_secret_does_not_end_the_run(tmp_path):
     floods = [e["message"] for e in events if e["kind"] == "connection_flood"]
     assert len(floods) == 1 and "closed" in floods[0], kinds
     assert flood.dropped[control_port] > 0  # the flood was kept up: what was closed came back
+
+
+def test_a_connection_flood_on_the_live_dashboard_neither_ends_the_run_nor_shuts_the_page(tmp_path):
+    """Pins: 1,100 idle connections kept open against the live dashboard's port of a 1,024-file
+    launcher ended the run `failed: OSError: [Errno 24] Too many open files: '/proc'` (the
+    supervisor reading /proc for the ranks' leftovers), exit 1, no summary.json, megabytes of
+    asyncio tracebacks in cli.log, and the page refused connections for the rest of the run.
+    Now the dashboard holds at most its cap of connections, closing what sent nothing to take
+    new ones: a request made during the flood is answered, the run completes with every output
+    written, and cli.log stays small."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < DASHBOARD_FLOOD + 200:
+        pytest.skip(f"the flood needs {DASHBOARD_FLOOD + 200} open files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    run_dir, port = tmp_path / "run", _free_port()
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu_pair", "num_epochs=6",
+                     f"dashboard.serve={port}")
+    flood = Flood()
+    try:
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILES, FILES))
+        _await("dashboard port", lambda: port in _listening_ports(proc.pid), proc)
+        flood.aim(port, DASHBOARD_FLOOD)
+        _await("start event", lambda: _started(run_dir / "events.jsonl"), proc)
+        _await("the flood", lambda: flood.live[port] + flood.dropped[port] >= DASHBOARD_FLOOD, proc)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=10) as page:
+                answer = json.loads(page.read())
+        except OSError as exc:
+            answer = {"error": str(exc)}
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        flood.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "not written" not in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed", summary.get("message")
+    assert (run_dir / "cli.log").stat().st_size < 50_000, (run_dir / "cli.log").read_text()[-3000:]
+    assert json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])["kind"] == "end"
+    assert "version" in answer, answer  # answered during the flood
+    assert flood.dropped[port] > 0  # what sent nothing was closed to make room
+
+
+def test_a_ranks_leftovers_end_with_no_file_descriptor_left():
+    """Pins: the supervisor found what was left in the ranks' process groups by reading /proc;
+    with every file descriptor of the launcher taken (a connection flood) that raised EMFILE
+    at the run's end and failed the run, leaving the leftovers running. Now, with /proc out of
+    reach, the kernel is asked for each group instead, and the leftover is ended."""
+    from flodl_run.launch.supervisor import end_leftovers
+
+    leftover = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+        with contextlib.suppress(OSError):
+            while True:  # take every descriptor left
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        end_leftovers([leftover.pid], grace_s=0.5)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        leftover.kill()
+    assert leftover.wait(timeout=10) == -signal.SIGTERM

@@ -8,16 +8,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import resource
 import signal
+from pathlib import Path
+from typing import List
 
+import pytest
 from rich.console import Console
 
+from flodl_run.contracts.checkpoint import read_meta
 from flodl_run.contracts.summary import EpochRecord, Summary
 from flodl_run.launch.launcher import _close_records, say_unwritten
 from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.report.rundir import EventFile
 from flodl_run.report.tracking import NullTracker
+from tests.support import REPO, start_cli, text_of, wait_for
 
 
 @contextlib.contextmanager
@@ -90,3 +96,82 @@ def test_an_output_that_cannot_write_neither_stops_the_run_nor_the_other_observe
     observers.on_event("regroup", "generation 1")
     assert others.kinds == ["rank_lost", "regroup"]
     assert list(observers.errors.failed) == ["events.jsonl"]
+
+
+WAITS_IN_EPOCH_2 = (
+    "import os, time\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def epoch_fn(epoch, model):\n"
+    "    while epoch == 1 and not os.path.exists(os.environ['GO_FILE']):\n"
+    "        time.sleep(0.02)\n"
+)
+
+
+def _checkpoints(events: Path) -> List[str]:
+    return [json.loads(line)["kind"] for line in text_of(events).splitlines()
+            if json.loads(line)["kind"] in ("checkpoint", "checkpoint_failed")]
+
+
+def _disk_fills_after_the_first_checkpoint(tmp_path: Path, room_bytes: int, *overrides: str):
+    """A run with a checkpoint every epoch whose launcher may write no file past `room_bytes`
+    from its first checkpoint on (its recipe's epoch_fn(1) waits for that): (the finished
+    process with its output, its run dir, the bundle's stem)."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "waiting_recipe.py").write_text(WAITS_IN_EPOCH_2)
+    run_dir, stem, go = tmp_path / "run", tmp_path / "bundle", tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), GO_FILE=str(go))
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "recipe=custom",
+                     "recipe.module=waiting_recipe", "num_epochs=4", "checkpoint_every=1",
+                     f"save_path={stem}", *overrides, env=env)
+    try:
+        wait_for("the first checkpoint", lambda: _checkpoints(run_dir / "events.jsonl") == ["checkpoint"])
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (room_bytes, room_bytes))
+        go.touch()
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc, out, run_dir, stem
+
+
+def _assert_the_first_generation_stands(proc, out: str, run_dir: Path, stem: Path) -> None:
+    """The run completed all its epochs, exit 0; the bundle is generation 1 (epoch 1), nothing
+    of the later generations is left beside it; the end line names the checkpoint that was
+    not written and what the bundle still holds."""
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["checkpoint"] == str(stem), summary
+    meta = read_meta(stem)
+    assert (meta.generation, meta.epoch) == (1, 1)
+    assert sorted({p.name.split(".")[1] for p in stem.parent.glob("bundle.g*")}) == ["g1"]
+    unwritten = [line for line in out.splitlines() if line.startswith("not written:")]
+    assert unwritten and "a checkpoint (" in unwritten[0], out[-3000:]
+    assert "the bundle stays intact at generation g1 (resume at epoch 1)" in unwritten[0], unwritten
+    assert "failed" not in summary["status"] and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_full_disk_at_a_solo_checkpoint_says_so_and_training_goes_on(tmp_path):
+    """Pins: a solo run whose checkpoint at `checkpoint_every` met a full disk ended `failed`
+    with torch's `unexpected pos 1024 vs 918` (not saying it was the disk), its summary wiped.
+    Now the write's own error (File too large) is said, the previous generation stays the
+    bundle, and the run trains on to the end."""
+    proc, out, run_dir, stem = _disk_fills_after_the_first_checkpoint(
+        tmp_path, 64 * 1024, "cluster=solo")  # the model's file is ~105 kB, the run's text ones less
+    _assert_the_first_generation_stands(proc, out, run_dir, stem)
+    assert "File too large" in out and "unexpected pos" not in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [e["epoch"] for e in summary["epochs"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.e2e
+def test_a_meta_the_launcher_cannot_write_says_so_and_training_goes_on(tmp_path):
+    """Pins: two ranks, the launcher under a file-size limit: its write of the bundle's meta
+    failed the run (`coordinator error: OSError: [Errno 27] File too large`). Now the failed
+    generation's files go, the previous generation stays the bundle, it is said, and the
+    ranks train on to the end."""
+    proc, out, run_dir, stem = _disk_fills_after_the_first_checkpoint(
+        tmp_path, 4096, "cluster=cpu_pair")  # a meta takes 5 kB, the run's log and events less
+    _assert_the_first_generation_stands(proc, out, run_dir, stem)

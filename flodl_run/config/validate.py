@@ -234,9 +234,13 @@ def _data(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
 
 
 def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Problem]:
-    """data.epoch_splits may not exceed the batches of one pass (every epoch needs a batch).
-    Needs the train set's size, so the materializer and the data plane call it, not validate()."""
+    """data.epoch_splits may not exceed the batches of one pass (every epoch needs a batch),
+    and the train set may not be empty. Needs the train set's size, so the materializer and
+    the data plane call it, not validate()."""
     d = cfg.data
+    if num_samples == 0:  # it was named as data.epoch_splits exceeding 0 batches
+        return Problem("recipe.module", cfg.recipe.module, "must give a train_dataset with at "
+                       "least one sample (its train_dataset is empty)")
     batches = -(-num_samples * max(d.augment, 1) // max(cfg.batch_size, 1))
     if d.epoch_splits > batches:
         return Problem("data.epoch_splits", d.epoch_splits,
@@ -442,6 +446,22 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
         yield Problem("tracking.experiment", t.experiment, "must not be empty")
     if not t.system_metrics_interval_s > 0:
         yield Problem("tracking.system_metrics_interval_s", t.system_metrics_interval_s, "must be > 0")
+
+
+@_check
+def _save_path(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
+    """A bundle's stem names files beside it (`<stem>.meta.json`, `<stem>.g<n>.pt`): a directory
+    put the generations inside it as hidden `.g1.pt` files while its lock went beside it, and
+    `/dev/null` wrote `null.g1.pt` into /dev."""
+    path = cfg.save_path
+    if not path:
+        return
+    if path.endswith(("/", os.sep)) or Path(path).is_dir():
+        yield Problem("save_path", path, "must name a bundle's stem, not a directory (the files "
+                      "go beside it: e.g. save_path=<that directory>/checkpoint)")
+    elif Path(path).exists() and not Path(path).is_file():
+        yield Problem("save_path", path, "must name a bundle's stem in a directory of files, not "
+                      "a device or another special file")
 
 
 @_check

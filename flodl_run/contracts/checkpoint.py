@@ -207,8 +207,54 @@ def _atomic(path: Path, write: Callable[[Path], None]) -> str:
 
 
 def save_tensors(path: Path, state: Any) -> str:
-    """torch.save, atomically and durably; returns the file's SHA-256."""
-    return _atomic(path, lambda tmp: torch.save(state, tmp))
+    """torch.save, atomically and durably; returns the file's SHA-256. A write the disk refuses
+    raises its OSError (ENOSPC, EFBIG)."""
+    return _atomic(path, lambda tmp: _torch_save(state, tmp))
+
+
+def _torch_save(state: Any, tmp: Path) -> None:
+    """torch.save through a file of ours: torch's own writer reported a full disk as
+    `RuntimeError: ... unexpected pos 1024 vs 918`; through a Python file the OSError behind
+    it is at hand."""
+    with open(tmp, "wb") as out:
+        try:
+            torch.save(state, out)
+        except RuntimeError as exc:
+            if isinstance(exc.__context__, OSError):
+                raise exc.__context__ from None
+            raise
+
+
+class NotWritten(Exception):
+    """A generation's files could not be written (a rank's disk, full or over a size limit)."""
+
+
+def discard(stem: str | Path, generation: Optional[int]) -> None:
+    """Remove what a failed save wrote of `generation` (the meta never named it): the space
+    goes back to the next save. Best effort: what stays (no descriptor left to list the
+    directory) goes with the next save's prune."""
+    if generation is None:
+        return
+    try:
+        for path in _generations(stem).get(generation, []):
+            if not _written_by_another_live_process(path):
+                path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def unwritten(stem: str | Path, generation: Optional[int], why: str) -> str:
+    """What a failed save says: which generation (None: the next, not yet numbered), why, and
+    what the bundle still holds."""
+    try:
+        meta = read_meta(stem)
+        kept = (f"the bundle stays intact at generation g{meta.generation} (resume at epoch "
+                f"{meta.epoch})")
+    except (BundleError, OSError):
+        kept = "no earlier bundle there" if not paths(stem)["meta"].exists() else \
+            "the bundle stays as it was"
+    which = "the next generation" if generation is None else f"generation g{generation}"
+    return f"could not write {which} of {stem} ({why}); {kept}"
 
 
 def require_finite(state: Any, what: str) -> None:
@@ -296,6 +342,9 @@ def read_meta(stem: str | Path) -> BundleMeta:
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise BundleError(f"{path}: schema_version {version!r} is newer than this flodl_run "
                           f"reads ({SCHEMA_VERSION})")
+    if version >= 3 and not raw.get("meta_sha256"):  # removing it used to turn the check off
+        raise BundleError(f"{path}: meta_sha256 is missing: a schema 3 meta records its own "
+                          f"checksum; an edited meta ({_WHAT_TO_DO})")
     if raw.get("meta_sha256") and raw["meta_sha256"] != meta_digest(raw):
         raise BundleError(f"{path}: does not match the checksum it records (meta_sha256): an "
                           f"edited or damaged meta ({_WHAT_TO_DO})")
@@ -341,9 +390,14 @@ def meta_problems(raw: Dict[str, Any]) -> List[str]:
     return problems + _uncovered_problems(coverage.get("uncovered", []))
 
 
+MAX_COUNT = 2**63 - 1  # torch's int64: `global_step=10**40` raised OverflowError, exit 1
+
+
 def _count_problems(key: str, value: Any, low: Optional[int]) -> List[str]:
     if not isinstance(value, int) or isinstance(value, bool):
         return [f"{key} must be an integer, got {value!r}"]
+    if abs(value) > MAX_COUNT:
+        return [f"{key} must be at most {MAX_COUNT} in size, got {value}"]
     return [f"{key} must be >= {low}, got {value}"] if low is not None and value < low else []
 
 

@@ -125,6 +125,9 @@ def _clean(value: Any) -> Any:
     return value
 
 
+CHECKPOINT_FAILED = "checkpoint_failed"
+"""The event of a save the disk refused: the run goes on, its end line says so."""
+
 OUTCOME_FIELDS = ("status", "message", "mode", "outer", "world_size", "final_eval", "wall_s",
                   "dead_ranks", "checkpoint", "mlflow_run_id")
 """What `write_outcome` keeps: how the run ended and where its bundle is, in a few hundred bytes."""

@@ -178,6 +178,9 @@ class CheckpointSaved(Message):
     """Empty when the model and optimizer files were written."""
     files: Dict[str, str] = {}
     """File name -> SHA-256 of each file this rank wrote (the meta records them)."""
+    disk: bool = False
+    """The error is the disk's (an OSError: full, over a size limit): an output failure, the
+    run goes on with the previous generation as its bundle."""
 
 
 class ReduceFailed(Message):

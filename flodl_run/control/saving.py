@@ -21,12 +21,14 @@ from flodl_run.contracts.checkpoint import (
     BundleError,
     BundleMeta,
     Coverage,
+    NotWritten,
     load_tensors,
     read_meta,
     save_meta,
     save_tensors,
 )
 from flodl_run.contracts.recipe import CallbackFailed
+from flodl_run.contracts.summary import CHECKPOINT_FAILED
 from flodl_run.contracts.wire import CheckpointSaved, SaveCheckpoint
 from flodl_run.control.context import Members, RunContext, Trajectory
 from flodl_run.control.runstate import RunAborted
@@ -76,12 +78,15 @@ class Saving:
                 self.fail_callback(failure, epoch, uncovered)
             except RunAborted as aborted:
                 self._say_what_stays(aborted, stem)
-            center = self.averager.center if self.mode is Mode.cpu_async else None
-            if not self.mode.is_collective and self.averager.outer.active or center is not None:
-                state = dict(self.averager.outer.state_dict(), center=center)
-                outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
-                files[outer.name] = save_tensors(outer, state)
-            save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
+            except NotWritten as exc:
+                return self._unwritten(reason, stem, *exc.args)
+            except OSError as exc:  # this process could not look for the next generation (EMFILE)
+                return self._unwritten(reason, stem, None, f"{type(exc).__name__}: {exc}")
+            try:  # the meta is the commit point: after it, this generation is the bundle
+                self._write_outer(stem, generation, files)
+                save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
+            except OSError as exc:  # this process's disk: the outer state or the meta
+                return self._unwritten(reason, stem, generation, f"{type(exc).__name__}: {exc}")
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
@@ -99,6 +104,23 @@ class Saving:
             stays = f"no bundle at {stem}"
         raise RunAborted(aborted.status, f"{aborted.reason}; {stays}") from None
 
+    def _write_outer(self, stem: str, generation: int, files: Dict[str, str]) -> None:
+        """The outer state this process keeps, when there is one, into `generation` (its
+        checksum added to `files`)."""
+        center = self.averager.center if self.mode is Mode.cpu_async else None
+        if not self.mode.is_collective and self.averager.outer.active or center is not None:
+            state = dict(self.averager.outer.state_dict(), center=center)
+            outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
+            files[outer.name] = save_tensors(outer, state)
+
+    def _unwritten(self, reason: str, stem: str, generation: Optional[int], why: str) -> None:
+        """A save the disk refused: an output failure, never the run's end. What was written
+        of `generation` goes, the previous generation stays the bundle, and the event says
+        so (the run's end line lists it)."""
+        checkpoint.discard(stem, generation)
+        self.observer.on_event(CHECKPOINT_FAILED, f"{reason}: {checkpoint.unwritten(stem, generation, why)}")
+        return None
+
     def _write_generation(self, stem: str, hook: Optional[int]) -> Tuple[int, Dict[str, str]]:
         """Ranks write a fresh generation's files (the writer then runs checkpoint_fn(hook, model)
         unless `hook` is None); a writer lost meanwhile is replaced by another survivor writing
@@ -107,7 +129,10 @@ class Saving:
             generation = checkpoint.next_generation(stem)
             data = checkpoint.generation_stem(stem, generation)
             writer = self.members.callback_rank()
-            files = self._ranks_save(data, writer, hook)
+            try:
+                files = self._ranks_save(data, writer, hook)
+            except NotWritten as exc:
+                raise NotWritten(generation, *exc.args) from None
             if writer in self.alive:
                 return generation, files
         raise RunAborted("failed", f"every rank was lost while saving {stem}")
@@ -125,6 +150,7 @@ class Saving:
             self.ctx.send(writer, SaveCheckpoint(data, epoch=hook))
         files: Dict[str, str] = {}
         answered: Set[int] = set()
+        refused: List[str] = []  # the ranks whose disk refused their files
         began, late = time.monotonic(), False
         deadline = began + self.members.orders.limit_s("save")
         while not self.alive <= answered:
@@ -134,11 +160,15 @@ class Saving:
             if saved is None or saved.stem != data:
                 continue
             answered.add(saved.rank)
-            if saved.error:
+            if saved.error and not saved.disk:
                 raise RunAborted("failed", f"rank {saved.rank} could not save {data}: {saved.error}")
+            if saved.error:
+                refused.append(f"rank {saved.rank}: {saved.error}")
             files.update(saved.files)
         if not late:  # a hang is not a measure of how long a save takes
             self.members.orders.took("save", time.monotonic() - began)
+        if refused:  # every rank answered: none writes this generation any more
+            raise NotWritten("; ".join(refused))
         return files
 
     def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]], generation: int,

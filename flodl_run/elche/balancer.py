@@ -420,6 +420,9 @@ class ElChe:
             raise ValueError(f"elche_state was saved with world size {saved}, not {world_size}")
         if int(state.get("version", STATE_VERSION)) != STATE_VERSION:
             raise ValueError(f"elche_state version {state.get('version')} is not {STATE_VERSION}")
+        problems = state_problems(state, saved)
+        if problems:
+            raise ValueError("; ".join(problems))
         elche = cls(config, saved, epoch_batches=epoch_batches)
         elche._restore(state)
         return elche
@@ -445,6 +448,30 @@ class ElChe:
         self.wanted = [float(w) for w in state.get("wanted_anchors", [])]
         verdict = verdict_from_json(state.get("last_verdict", {"kind": "stable"}))
         self._last = self._plan(_Cycle(verdict=verdict))
+
+
+PER_RANK_STATE = ("alive", "calibrated", "batch_counts")
+
+
+def state_problems(state: Dict[str, Any], world_size: int) -> List[str]:
+    """What of an exported state `from_state` must not take, each naming the key, its value and
+    the rule: an anchor below 1 (it was clamped silently), an unknown phase, a per-rank list
+    of another length than the world (`alive=[True]` for two ranks was carried into the next
+    bundle)."""
+    problems = []
+    anchor = state.get("anchor")
+    if not isinstance(anchor, int) or isinstance(anchor, bool) or anchor < 1:
+        problems.append(f"elche_state.anchor must be an integer >= 1, got {anchor!r}")
+    phase = state.get("phase")
+    labels = [p.label for p in Phase]
+    if phase is not None and phase not in labels:
+        problems.append(f"elche_state.phase must be one of {', '.join(labels)}, got {phase!r}")
+    for key in PER_RANK_STATE:
+        value = state.get(key)
+        if not isinstance(value, list) or len(value) != world_size:
+            problems.append(f"elche_state.{key} must be a list of {world_size} (one per rank), "
+                            f"got {value!r}")
+    return problems
 
 
 def _normalized(ratios: Optional[Sequence[float]], world_size: int) -> Optional[List[float]]:

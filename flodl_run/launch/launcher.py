@@ -35,7 +35,7 @@ from flodl_run.report.progress import TerminalProgress
 from flodl_run.report.records import RecordLog
 from flodl_run.report.rundir import EventFile, link_latest, written
 from flodl_run.report.say import say, say_labelled
-from flodl_run.report.tracking import make_tracker, unreachable_server
+from flodl_run.report.tracking import NullTracker, make_tracker, unreachable_server
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -222,7 +222,7 @@ def _lock_save_path(save_path: Optional[str], run_dir: Path) -> Optional["SaveLo
                                    f"{exc}: give each run its own save_path")]) from None
 
 
-def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: Observer,
+def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tracker: NullTracker,
                    errors: OutputErrors, console: Console) -> Optional[Path]:
     """summary.json (its outcome first, then the whole record), each output's end (the `end`
     line of events.jsonl, ...), the tracked run, and the `outputs/latest` link. What does not
@@ -240,6 +240,9 @@ def _close_records(summary: Summary, run_dir: Path, outputs: List[Observer], tra
                        summary, run_dir)
     except KeyboardInterrupt:  # Ctrl-C during the upload skips what is left of it
         say_labelled(console, "warning", "tracking: interrupted, the MLflow run is not complete", "yellow")
+    lost = tracker.unwritten()  # an outage of the store that outlasted the run's end
+    if lost:
+        errors.note(tracker.output or type(tracker).__name__, lost)
     latest: List[Optional[Path]] = [None]
 
     def link() -> None:
@@ -312,8 +315,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
     """(summary, model or None, the exception the recipe raised or None)."""
     try:
         if plan.in_process:
-            summary, model = _train_in_process(config, observers, recipe, mlflow_run_id, console)
-            return summary, model, None
+            return _train_in_process(config, observers, recipe, mlflow_run_id, console)
         from flodl_run.launch.supervisor import launch_ranks
 
         _leave_cores_to_ranks(config.cluster, plan)
@@ -419,8 +421,10 @@ def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
 
 def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Optional["Recipe"],
                       mlflow_run_id: Optional[str], console: Console) -> tuple:
-    """(summary, model) of the in-process replica. A first SIGINT/SIGTERM stops it after the
-    batch in hand with a save (summary interrupted); a second one stops it at once, unsaved."""
+    """(summary, model, the exception the recipe raised or None) of the in-process replica. A
+    first SIGINT/SIGTERM stops it after the batch in hand with a save (summary interrupted); a
+    second one stops it at once, unsaved. An exception once training began fails the summary
+    the trainer kept (its epochs, its bundle, its wall time), not an empty one."""
     from flodl_run.contracts.recipe import load_recipe
     from flodl_run.rank.solo import SoloTrainer
 
@@ -443,14 +447,18 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     signals = [s for s in (signal.SIGINT, signal.SIGTERM, stop_signal(os.environ)) if s is not None]
     previous = {sig: signal.signal(sig, on_signal) for sig in signals} if main else {}
     trainer.mlflow_run_id = mlflow_run_id
+    error: Optional[Exception] = None
     try:
         trainer.run()
     except KeyboardInterrupt:  # the trainer marked its summary interrupted; the caller writes it
         pass
+    except Exception as exc:  # the recipe raised mid-run: what trained so far stays on record
+        error = exc
+        trainer.summary.status, trainer.summary.message = "failed", f"{type(exc).__name__}: {exc}"
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return trainer.summary, trainer.replica.model
+    return trainer.summary, trainer.replica.model, error
 
 
 def _report(summary: Summary, console: Console, artifacts: List[str],

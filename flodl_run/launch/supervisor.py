@@ -8,6 +8,7 @@ does; this module only tells it when a child died or the user pressed Ctrl-C. Ne
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -168,19 +169,46 @@ def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
 
 
 def _groups_with_members(groups: List[int]) -> List[int]:
-    """The groups among `groups` that a live process (not a zombie) is in, from /proc."""
+    """The groups among `groups` that a live process (not a zombie) is in, from /proc; with no
+    file descriptor left to read /proc (a connection flood took them: reading it failed the
+    run at its end), those the kernel still knows (zombies too: they are signalled in vain)."""
     wanted, found = set(groups), set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) in wanted:  # state, ppid, pgrp, ...
-            found.add(int(fields[2]))
+    try:
+        with os.scandir("/proc") as entries:
+            for entry in entries:
+                group = _live_group_of(entry.name)
+                if group in wanted:
+                    found.add(group)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        return [g for g in groups if _group_exists(g)]
     return sorted(found)
+
+
+def _live_group_of(name: str) -> Optional[int]:
+    """The process group of /proc entry `name`, None for a zombie, a non-process entry or one
+    gone meanwhile. Raises OSError EMFILE/ENFILE when no file can be opened."""
+    if not name.isdigit():
+        return None
+    try:
+        with open(f"/proc/{name}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
+        return None
+    return None if fields[0] == "Z" else int(fields[2])  # state, ppid, pgrp, ...
+
+
+def _group_exists(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user took the id: not ours
+        return False
+    return True
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -344,6 +372,7 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     previous, previous_int = signal.signal(signal.SIGTERM, _raise_interrupt), None
     stop, previous_stop = stop_signal(os.environ), None
     procs: List[RankProcess] = []
+    secret_file: Optional[Path] = None
     try:
         thread.start()
         if slurm is not None:
@@ -361,7 +390,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
             procs = spawn_ranks(config.cluster, plan.world_size, coordinator.address, secret, run_dir,
                                 console, uuids, shm_prefix)
         else:
-            _announce_controller_only(plan.world_size, coordinator.address, secret, run_dir, console)
+            secret_file = _announce_controller_only(plan.world_size, coordinator.address, secret,
+                                                    run_dir, console)
         coordinator.on_rank_dead = _killer(procs)
         previous_int = signal.signal(signal.SIGINT, _note_signal)  # from here on, signals are noted
         signal.signal(signal.SIGTERM, _note_signal)
@@ -376,6 +406,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         if previous_stop is not None:  # the sweep launcher's handler again (it requeues)
             signal.signal(stop, previous_stop)
         remove_run(shm_prefix)  # also what a killed rank left behind
+        if secret_file is not None:  # the run is over: no rank may join with it any more
+            secret_file.unlink(missing_ok=True)
     summary = summary_box[0] if summary_box else coordinator.summary
     _name_the_cause(summary, procs)
     return summary
@@ -439,7 +471,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _announce_controller_only(world_size: int, coord: str,
-                              secret: bytes, run_dir: Path, console: Console) -> None:
+                              secret: bytes, run_dir: Path, console: Console) -> Path:
+    """Write the secret (0600) and controller.json for the ranks to come, say how to start
+    them; returns the secret's file, which the run removes when it ends."""
     secret_file = run_dir / "secret"
     secret_file.touch(mode=0o600)
     secret_file.write_text(secret.hex())
@@ -451,3 +485,4 @@ def _announce_controller_only(world_size: int, coord: str,
         f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
         f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
         markup=False, highlight=False, soft_wrap=True)
+    return secret_file

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Sequence
 
-from flodl_run.contracts.summary import EpochRecord, ReduceRecord, ReportRecord
+from flodl_run.contracts.summary import CHECKPOINT_FAILED, EpochRecord, ReduceRecord, ReportRecord
 from flodl_run.contracts.wire import NodeSample
 from flodl_run.hardware.hostinfo import HostInfo
 
@@ -96,6 +96,8 @@ class Observers(Observer):
         self._fan("on_epoch", record)
 
     def on_event(self, kind: str, message: str) -> None:
+        if kind == CHECKPOINT_FAILED:  # an output too: the run's last lines say it
+            self.errors.note("a checkpoint", message)
         self._fan("on_event", kind, message)
 
     def on_nodes(self, nodes: List[HostInfo]) -> None:
@@ -116,6 +118,10 @@ class OutputErrors:
 
     def __init__(self) -> None:
         self.failed: Dict[str, str] = {}
+
+    def note(self, what: str, why: str) -> None:
+        """An output its owner found unwritten (and said itself); the latest `why` stands."""
+        self.failed[what] = why
 
     def attempt(self, what: str, write: Callable[..., object], *args: Any) -> bool:
         """`write(*args)`; False, said once for `what`, when it raised OSError."""

@@ -38,12 +38,13 @@ def swapped_in(flat: FlatParams, payloads: List[memoryview], dtypes: List[str]) 
 
 
 def write_share(order: SaveCheckpoint, payloads: List[memoryview], rank: int, replica: Replica,
-                flat: FlatParams, outer: OuterOptimizer, collective: bool) -> Tuple[str, Dict[str, str]]:
+                flat: FlatParams, outer: OuterOptimizer,
+                collective: bool) -> Tuple[str, Dict[str, str], bool]:
     """Model (or the center sent along) and optimizer; the outer state in collective modes.
     `order.stem` is the new generation's: the files become the bundle only when the
     coordinator's meta names them. Non-finite weights are refused, never written. Returns the
-    error ("" when none: a full disk must not kill the rank, the coordinator decides) and the
-    checksum of each file written, by name."""
+    error ("" when none: a full disk must not kill the rank, the coordinator decides), the
+    checksum of each file written, by name, and whether the error is the disk's (OSError)."""
     files = checkpoint.paths(order.stem)
     written: Dict[str, str] = {}
 
@@ -62,8 +63,8 @@ def write_share(order: SaveCheckpoint, payloads: List[memoryview], rank: int, re
             if collective and outer.active and outer.prev is not None:
                 save(files["outer"], to_cpu(outer.state_dict()))
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}", written
-    return "", written
+        return f"{type(exc).__name__}: {exc}", written, isinstance(exc, OSError)
+    return "", written, False
 
 
 def resume(stem: str, rank: int, replica: Replica, outer: OuterOptimizer, collective: bool,

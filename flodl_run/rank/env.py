@@ -8,10 +8,12 @@ orphan check ends a rank whose launcher died. Nothing here trains or talks to th
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -74,11 +76,60 @@ def is_orphaned(env: RankEnv) -> bool:
 
 
 def leave_orphaned(env: RankEnv) -> None:
-    """Exit at once, from any thread, leaving nothing in /dev/shm: the launcher that would
-    have removed the run's slabs (ours and the coordinator's) was killed."""
+    """Exit at once, from any thread, leaving nothing in /dev/shm and nothing the recipe
+    started: the launcher that would have removed the run's slabs (ours and the coordinator's)
+    and ended our process group was killed."""
     remove_run(os.environ.get(PREFIX_ENV))
+    end_own_group()
     try:  # our output went to the launcher: the pipe is most likely broken
         print(f"rank {env.rank}: the launcher is gone; exiting", file=sys.stderr, flush=True)
     except OSError:
         pass
     os._exit(1)
+
+
+ORPHAN_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long: a launcher killed leaves no wait
+
+
+def end_own_group(grace_s: float = ORPHAN_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`, to the other processes of this rank's process
+    group: what the recipe started (a `sleep 3600`, an os.fork child). Only when this rank leads
+    its group (the launcher and its zygote start each rank in a session of its own); a rank that
+    torchrun or srun started shares its group with others that are not ours to end."""
+    group = os.getpgrp()
+    if group != os.getpid():
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        members = _other_members(group)
+        for pid in members:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while members and time.monotonic() < deadline:
+            time.sleep(0.02)
+            members = _other_members(group)
+        if not members:
+            return
+
+
+def _other_members(group: int) -> List[int]:
+    """Live processes (not zombies) of process group `group` other than this one, from /proc;
+    [] when /proc cannot be read (no file descriptor left)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp, ...
+            found.append(int(name))
+    return found

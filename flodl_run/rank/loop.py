@@ -451,8 +451,8 @@ class RankWorker:
     def _save(self, order: SaveCheckpoint, payloads: List[memoryview]) -> None:
         """This rank's share of the bundle, then the recipe's checkpoint_fn on what was just
         saved (the center under EASGD); CheckpointSaved carries a write error, if any."""
-        error, written = write_share(order, payloads, self.env.rank, self.replica, self.flat,
-                                     self.outer, self.mode.is_collective)
+        error, written, disk = write_share(order, payloads, self.env.rank, self.replica, self.flat,
+                                           self.outer, self.mode.is_collective)
         if not error and order.write_model and order.epoch is not None:
             try:
                 with swapped_in(self.flat, payloads, order.dtypes):
@@ -460,7 +460,7 @@ class RankWorker:
             except CallbackFailed as failure:
                 self._callback_failed(failure)
                 return
-        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error, written))
+        self.channel.send(CheckpointSaved(self.env.rank, order.stem, error, written, disk))
 
     def _callback_failed(self, failure: CallbackFailed) -> None:
         """Print the user's exception once (this rank's log and the launcher's terminal) and

@@ -22,7 +22,7 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.recipe import CallbackFailed, Recipe
 from flodl_run.contracts.scalars import drain, roll_up
-from flodl_run.contracts.summary import EpochRecord, Summary
+from flodl_run.contracts.summary import CHECKPOINT_FAILED, EpochRecord, Summary
 from flodl_run.data.dataplane import DataPlane
 from flodl_run.data.passes import num_batches, permutation
 from flodl_run.hardware.devices import cpu_training_warning
@@ -173,9 +173,9 @@ class SoloTrainer:
         log.error("%s", failure.describe().rstrip())
         self.summary.status = "failed"
         try:
-            self._save_bundle("callback_failed", epoch)
-            saved = f"saved {self.summary.checkpoint}" if self.config.save_path else \
-                "not saved (no save_path)"
+            written = self._save_bundle("callback_failed", epoch)
+            saved = f"saved {self.summary.checkpoint}" if written else \
+                "not saved (the disk refused it)" if self.config.save_path else "not saved (no save_path)"
         except Exception as exc:  # a non-finite replica is refused: the earlier bundle stays
             saved = f"the save failed: {type(exc).__name__}: {exc}"
         self.summary.message = f"{failure}; {saved}"
@@ -191,9 +191,11 @@ class SoloTrainer:
             if start + done < end:
                 uncovered.append([pass_index, start + done, end])
         epoch = stopped.epoch if uncovered else stopped.epoch + 1
-        self._save_bundle("graceful_shutdown", epoch, uncovered, trained=stopped.trained)
-        saved = f"; saved {self.summary.checkpoint}" if self.config.save_path else ""
-        self.summary.status, self.summary.message = "interrupted", f"{self.stop_reason}{saved}"
+        saved = self._save_bundle("graceful_shutdown", epoch, uncovered, trained=stopped.trained)
+        said = ""
+        if self.config.save_path:
+            said = f"; saved {self.summary.checkpoint}" if saved else "; not saved (the disk refused it)"
+        self.summary.status, self.summary.message = "interrupted", f"{self.stop_reason}{said}"
 
     def _epoch_ranges(self, epoch: int) -> Tuple[int, List[Tuple[int, int]]]:
         """The pass epoch `epoch` belongs to and the positions of its permutation it covers
@@ -307,14 +309,35 @@ class SoloTrainer:
             self._save_bundle("checkpoint", epochs_done)
 
     def _save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]] = (),
-                     trained: int = 0) -> None:
+                     trained: int = 0) -> bool:
         """The bundle a multi-rank run writes, for a world of one: model, optimizer (also as
         rank 0's own), meta. `epoch` is where a resume starts, `uncovered` what of it the
-        weights do not include (none listed: all of it), `trained` its samples they do."""
+        weights do not include (none listed: all of it), `trained` its samples they do. A disk
+        that refuses the files is said (CHECKPOINT_FAILED) and the run goes on: False, the
+        previous generation stays the bundle, what was written of this one is removed."""
         stem = self.config.save_path
         if not stem:
-            return
-        generation = checkpoint.next_generation(stem)
+            return False
+        generation: Optional[int] = None
+        try:
+            generation = checkpoint.next_generation(stem)
+            self._write_generation(stem, generation, reason, epoch, uncovered, trained)
+        except OSError as exc:
+            checkpoint.discard(stem, generation)
+            why = f"{type(exc).__name__}: {exc}"
+            self.observer.on_event(CHECKPOINT_FAILED,
+                                   f"{reason}: {checkpoint.unwritten(stem, generation, why)}")
+            return False
+        checkpoint.prune(stem, generation)
+        self.summary.checkpoint = stem
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        if reason == "checkpoint" and epoch > 0:  # the epoch the saved weights end with
+            self.recipe.run_callback("checkpoint_fn", epoch - 1, self.replica.model)
+        return True
+
+    def _write_generation(self, stem: str, generation: int, reason: str, epoch: int,
+                          uncovered: List[List[int]], trained: int) -> None:
+        """Generation `generation`'s files, then the meta that makes it the bundle."""
         data_stem = checkpoint.generation_stem(stem, generation)
         files = checkpoint.paths(data_stem)
         model = self.replica.module.state_dict()
@@ -332,11 +355,6 @@ class SoloTrainer:
                                      json.loads(json.dumps(dotted_items(self.config), default=str)),
                                      self.mlflow_run_id, generation=generation, files=hashes)
         checkpoint.save_meta(stem, meta)  # the atomic step: this generation is now the bundle
-        checkpoint.prune(stem, generation)
-        self.summary.checkpoint = stem
-        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
-        if reason == "checkpoint" and epoch > 0:  # the epoch the saved weights end with
-            self.recipe.run_callback("checkpoint_fn", epoch - 1, self.replica.model)
 
     def _restore(self) -> int:
         """Load `resume_from`'s model and optimizer; returns the epoch to start at."""

@@ -6,11 +6,14 @@ clean stop at run end. The page is the dashboard's own body (`Dashboard.page`) p
 script that polls `/state.json` twice a second and re-fetches `/body` when the state moved, so
 the file written at teardown and the live page come from one renderer. Every rank on every host
 appears because the launcher's coordinator already receives what each rank reports.
-Starlette and uvicorn (both arrive with mlflow) are imported only when a server starts.
+Starlette and uvicorn (both arrive with mlflow) are imported only when a server starts. The
+server holds at most MAX_CONNECTIONS connections: a flood of idle ones used to take every file
+descriptor of the launcher and end the run.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import threading
@@ -25,8 +28,13 @@ from flodl_run.observe.observer import Observer
 from flodl_run.report.dashboard import Dashboard
 from flodl_run.report.say import say
 
+log = logging.getLogger(__name__)
+
 POLL_MS = 500  # the page asks twice a second: every change shows within a second
 STOP_WAIT_S = 5.0
+MAX_CONNECTIONS = 64
+"""Connections the server holds at once: a few browser tabs use one or two each. Far below the
+launcher's 1,024 open files (the common limit), which the rest of the run needs."""
 
 # Keeps the open rank tab across refreshes; says so when the server is gone (the run ended).
 POLLER = """<div id="conn" class="muted"></div><script>
@@ -87,6 +95,68 @@ def make_app(board: Dashboard) -> Any:
     return Starlette(routes=[Route("/", page), Route("/body", body), Route("/state.json", state)])
 
 
+def capped_protocol(max_connections: int = MAX_CONNECTIONS) -> type:
+    """uvicorn's h11 protocol, holding at most `max_connections` connections: past the cap, a
+    connection takes the place of the oldest one that has sent nothing yet (a browser sends
+    its request as it connects: what sends nothing is a port scan or a flood), or is closed at
+    once when every connection held has spoken. Said once, as a warning."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    said = []
+
+    class CappedH11Protocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            self.heard, self.opened_s, self.refused = False, self.loop.time(), False
+            self.transport = transport
+            if len(self.connections) >= max_connections and not self._make_room():
+                self.refused = True
+                transport.abort()
+                return
+            super().connection_made(transport)
+
+        def _make_room(self) -> bool:
+            """Close the oldest connection that has sent nothing (a request waiting unread, as
+            in a batch of connections accepted at once, counts as sent); False when none."""
+            if not said:
+                said.append(True)
+                log.warning("the live dashboard holds %d connections: it closes those that send "
+                            "nothing to take new ones (a connection flood?)", max_connections)
+            silent = sorted((c for c in self.connections if not getattr(c, "heard", True)),
+                            key=lambda c: c.opened_s)
+            for oldest in silent:
+                if _waiting(oldest.transport):
+                    oldest.heard = True
+                    continue
+                self.connections.discard(oldest)  # counted out now: it closes on the next turn
+                oldest.transport.abort()
+                return True
+            return False
+
+        def data_received(self, data: bytes) -> None:
+            self.heard = True
+            super().data_received(data)
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            if not self.refused:
+                super().connection_lost(exc)
+
+    return CappedH11Protocol
+
+
+def _waiting(transport: Any) -> bool:
+    """Whether bytes the peer sent wait unread on the transport's socket (peeked, not taken)."""
+    fd = transport.get_extra_info("socket").fileno()
+    if fd < 0:
+        return False
+    sock = socket.socket(fileno=fd)  # the transport's own descriptor: detached below, not closed
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing yet (EAGAIN), or a reset: either way nothing to answer
+        return False
+    finally:
+        sock.detach()
+
+
 class LiveServer(Observer):
     """uvicorn serving `make_app(board)` on a socket bound up front, in a daemon thread. An
     output of the run: `finish` (after the dashboard's own) stops it."""
@@ -124,7 +194,10 @@ class LiveServer(Observer):
         import uvicorn
 
         config = uvicorn.Config(make_app(board), log_level="warning", lifespan="off",
-                                access_log=False, timeout_graceful_shutdown=1)
+                                access_log=False, timeout_graceful_shutdown=1,
+                                http=capped_protocol(), backlog=MAX_CONNECTIONS)
+        # backlog: asyncio listens again with it and accepts up to that many in one go, each a
+        # descriptor before any is seen; uvicorn's 2,048 took them all in a flood (EMFILE)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]},
                                         name="flodl_run-dashboard", daemon=True)

@@ -2,18 +2,20 @@
 
 Owns `events.jsonl` (every event of the run, one JSON object a line), the `outputs/latest`
 link to the last run, the list of what a run wrote (the launcher's final line), a fresh
-directory for runs started from Python, and tidying away a directory a config error left.
-run.yaml, summary.json, the bundle and the dashboard are written by their own owners.
+directory for runs started from Python, the hold a run (or a sweep) keeps on its directory,
+and tidying away a directory a config error left. run.yaml, summary.json, the bundle and the
+dashboard are written by their own owners.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from flodl_run.contracts.summary import Summary
 from flodl_run.observe.observer import Observer
@@ -102,8 +104,12 @@ def written(run_dir: Path, summary: Summary, latest: Optional[Path] = None,
 def remove_startup_files(run_dir: Path, outputs: Path) -> None:
     """After a config error: remove what the runner put in `run_dir`, then the folder, and its
     parents up to `outputs` included, each only while empty: a stray `outputs/` is not left in
-    a directory the run never started in. A folder holding anything else stays."""
+    a directory the run never started in. A folder holding anything else stays. Only a run
+    that holds `run_dir` (`hold_dir`) gets here: one refused for another's directory never
+    wrote in it, and used to delete the live run's run.yaml, cli.log and .hydra/ here."""
     import shutil
+
+    release_dirs()
 
     for name in STARTUP_FILES:
         path = run_dir / name
@@ -120,3 +126,73 @@ def remove_startup_files(run_dir: Path, outputs: Path) -> None:
             folder.rmdir()  # only succeeds when empty
         except OSError:
             return
+
+
+HOLD_NAME = "flodl_run"  # the hold's file: `.flodl_run.lock` in the directory held
+_held: List[Any] = []  # this process's holds (SaveLock), released at exit
+
+
+class DirTaken(Exception):
+    """Another live run (or sweep) holds this directory; the message names it."""
+
+
+def hold_dir(directory: Path, key: str) -> None:
+    """Hold `directory` (a run's or a sweep's, `key` the Hydra key that named it) for this
+    process until it exits: an flock on `.flodl_run.lock` inside, naming this run. Raises
+    DirTaken naming the holder when another live process holds it: two runs in one directory
+    used to overwrite each other's run.yaml, .hydra/, cli.log, job dirs and comparison.md, and
+    the refused one deleted the live one's files on its way out."""
+    from flodl_run.contracts.checkpoint import SaveLock, SavePathTaken
+
+    directory = directory.resolve()
+    try:
+        lock = SaveLock.take(directory / HOLD_NAME, directory)
+    except SavePathTaken as exc:
+        holder = str(exc).split("(", 1)[-1].rstrip(")")
+        raise DirTaken(f"{key}={directory}: must not be another live run's directory (held by "
+                       f"{holder}): give each run its own {key}") from None
+    if not _held:
+        atexit.register(release_dirs)
+    _held.append(lock)
+
+
+def release_dirs() -> None:
+    """Let go of every directory this process holds (its lock files go too)."""
+    while _held:
+        _held.pop().release()
+
+
+class RunDirCallback:
+    """Hydra callback (`hydra.callbacks.rundir` in conf/config.yaml): holds the run's directory
+    (hydra.run.dir) or the sweep's (hydra.sweep.dir) before Hydra writes anything into it; a
+    directory another live run holds exits 2 (a config error) with nothing written there.
+    Hydra calls the on_* methods by name."""
+
+    def on_run_start(self, config: Any, **_: Any) -> None:
+        _hold_or_exit(Path(str(config.hydra.run.dir)), "hydra.run.dir")
+
+    def on_multirun_start(self, config: Any, **_: Any) -> None:
+        _hold_or_exit(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir")
+
+    def on_run_end(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_multirun_end(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_job_start(self, config: Any, **_: Any) -> None:
+        pass
+
+    def on_job_end(self, config: Any, **_: Any) -> None:
+        pass
+
+
+def _hold_or_exit(directory: Path, key: str) -> None:
+    from rich.console import Console
+
+    from flodl_run.config.app import fail_config
+
+    try:
+        hold_dir(directory, key)
+    except DirTaken as exc:
+        fail_config(str(exc), Console(stderr=True))

@@ -25,6 +25,7 @@ from flodl_run.contracts.wire import NodeSample
 from flodl_run.elche.phase import Phase
 from flodl_run.hardware.hostinfo import HostInfo, metric_safe, this_host
 from flodl_run.observe.observer import Observer
+from flodl_run.report.sendqueue import FIRST_RETRY_S, SendQueue
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ MAX_PARAMS_PER_BATCH = 100   # MLflow's log_batch limit on params
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit on metrics
 MAX_PARAM_CHARS = 250        # keep values short: long lists belong in run.yaml
 MAX_TAG_CHARS = 5000         # below every MLflow version's tag value limit
+FINISH_WAIT_S = 60.0
+"""How long the run's end waits for MLflow to take what is still queued (a store locked a
+minute, or a server restarting); past it, what is left is named on the end line."""
 STATUS = {"completed": "FINISHED", "interrupted": "KILLED", "failed": "FAILED",
           "shutdown_with_save": "FAILED"}
 # Events that end a run or shrink it; the last one is also a tag (the rest: events.jsonl).
@@ -157,30 +161,42 @@ class NullTracker(Observer):
     def finish(self, summary: Summary, run_dir: Path) -> None:
         pass
 
+    def unwritten(self) -> Optional[str]:
+        """What of the run never reached the tracking store; None when everything did."""
+        return None
+
 
 class MlflowTracker(NullTracker):
     """One MLflow run per job, in the store `tracking.uri` names.
 
-    Hooks run on the coordinator's thread during training; an MLflow error there is logged once
-    and ends tracking for the run, it never stops training. Errors in `start` do propagate: a
-    store that cannot be reached is reported before any work is done.
+    Hooks run on the coordinator's thread during training and only queue what they log: a
+    sender thread (SendQueue) writes it, in order, and keeps it through an outage of the store
+    (a lock, a server gone), trying again until it goes. At the end the tracker waits up to
+    `finish_wait_s` for the queue; what never went is named by `unwritten()` (for the run's end
+    line) and, when the outcome itself did, in the run's `tracking_incomplete` tag. The run is
+    set FINISHED (or KILLED, FAILED) only after its outcome tags went. Errors in `start` do
+    propagate: a store that cannot be reached is reported before any work is done.
     """
 
     output = "the MLflow run"
 
     def __init__(self, tracking: TrackingConfig, artifacts: Sequence[str] = (),
-                 parent_of: Callable[[Any, str], Optional[str]] = lambda client, experiment_id: None):
+                 parent_of: Callable[[Any, str], Optional[str]] = lambda client, experiment_id: None,
+                 finish_wait_s: float = FINISH_WAIT_S, first_retry_s: float = FIRST_RETRY_S):
         """`artifacts`: files of the run dir (the dashboard, the timeline) uploaded at the end
-        when the run wrote them; `parent_of(client, experiment id)`: the run's parent (a sweep's)."""
+        when the run wrote them; `parent_of(client, experiment id)`: the run's parent (a sweep's);
+        `finish_wait_s`: how long the end waits for what is still queued; `first_retry_s`: the
+        first wait before a failed send is tried again (doubling from there)."""
         import mlflow  # lazy: only tracked runs pay for it
 
         self.tracking, self.artifacts, self.parent_of = tracking, tuple(artifacts), parent_of
         self.client = mlflow.MlflowClient(tracking_uri=tracking.uri)
         self.run_id: Optional[str] = None
-        self._pending: List[Any] = []  # per-reduce Metric objects not sent yet
+        self.finish_wait_s = finish_wait_s
+        self.queue = SendQueue("mlflow", first_retry_s=first_retry_s)
+        self._pending: List[Any] = []  # per-reduce Metric objects not queued yet
         self._events: List[Dict[str, Any]] = []
         self._nodes_logged: Set[str] = set()
-        self._broken = False
         self._monitor: Optional[Any] = None  # MLflow's system-metrics monitor of this host
         self._busy_steps: Dict[int, int] = {}  # per rank: its busy samples so far
         self._node_samples = NodeSamples()  # the other nodes' system metrics over time
@@ -243,22 +259,17 @@ class MlflowTracker(NullTracker):
         host = host or this_host()
         if host.host in self._nodes_logged:
             return
-        self._nodes_logged.add(host.host)
         self._send(host.metrics(), step=0)
         if host.tags():
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in host.tags().items()])
+        self._nodes_logged.add(host.host)  # after the sends: a failed one is sent again
 
     # ---- during training (coordinator thread) -----------------------------------------------
 
-    def _guarded(self, what: str, fn: Callable[[], None]) -> None:
-        if self._broken or self.run_id is None:
-            return
-        try:
-            fn()
-        except Exception as exc:  # the tracking server went away, the disk filled, ...
-            self._broken = True
-            log.warning("mlflow: %s failed for run %s (%s: %s); tracking stops, training goes on",
-                        what, self.run_id, type(exc).__name__, exc)
+    def _guarded(self, what: str, fn: Callable[[], None], size: int = 1) -> None:
+        """Queue `fn` for the sender thread (`size`: the metrics it sends)."""
+        if self.run_id is not None:
+            self.queue.put(what, fn, size)
 
     def _metrics(self, values: Dict[str, float], step: int) -> List[Any]:
         from mlflow.entities import Metric
@@ -274,14 +285,16 @@ class MlflowTracker(NullTracker):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
     def _flush(self) -> None:
+        """Queue the reduce metrics gathered so far as one send."""
         pending, self._pending = self._pending, []
-        self._send_metrics(pending)
+        if pending:
+            self._guarded("logging reduce metrics", lambda: self._send_metrics(pending), len(pending))
 
     def on_reduce(self, record: ReduceRecord) -> None:
         """Buffered: one log_batch per MAX_METRICS_PER_BATCH metrics (and at each epoch end)."""
         self._pending.extend(self._metrics(reduce_values(record), record.round))
         if len(self._pending) >= MAX_METRICS_PER_BATCH:
-            self._guarded("logging reduce metrics", self._flush)
+            self._flush()
 
     def on_busy(self, rank: int, busy_percent: float) -> None:
         """`utilization/rank<k>` over time (step = the rank's sample, one per heartbeat),
@@ -302,14 +315,13 @@ class MlflowTracker(NullTracker):
     def on_report(self, record: ReportRecord) -> None:
         values = {"report/loss": record.avg_loss, "report/epoch": record.epoch + record.fraction}
         values.update({f"report/{metric_safe(k)}": v for k, v in record.scalars.items()})
-        self._guarded("logging a report", lambda: self._send(values, record.global_step))
+        metrics = self._metrics(values, record.global_step)
+        self._guarded("logging a report", lambda: self._send_metrics(metrics), len(metrics))
 
     def on_epoch(self, record: EpochRecord) -> None:
-        def send() -> None:
-            pending, self._pending = self._pending, []
-            self._send_metrics(pending + self._metrics(epoch_values(record), record.epoch))
-
-        self._guarded("logging epoch metrics", send)
+        pending, self._pending = self._pending, []
+        metrics = pending + self._metrics(epoch_values(record), record.epoch)
+        self._guarded("logging epoch metrics", lambda: self._send_metrics(metrics), len(metrics))
 
     def on_event(self, kind: str, message: str) -> None:
         self._events.append({"time": time.time(), "kind": kind, "message": message})
@@ -325,25 +337,41 @@ class MlflowTracker(NullTracker):
     # ---- teardown ---------------------------------------------------------------------------
 
     def finish(self, summary: Summary, run_dir: Path) -> None:
+        """Queue what is left, the outcome and the end status (in that order: the run is never
+        ended without its outcome), then wait up to `finish_wait_s` for all of it to go."""
         if self.run_id is None:
             return
         if summary.status != "completed":
             self.on_event(summary.status, summary.message or summary.status)
-        self._guarded("flushing reduce metrics", self._flush)
+        self._flush()
         if self._monitor is not None:  # its last samples go in before the run ends
             self._guarded("ending the system-metrics monitor", self._monitor.finish)
         self._guarded("logging the run's outcome", lambda: self._log_outcome(summary, run_dir))
-        try:  # even after an error above: the status is what the run list shows
-            self.client.set_terminated(self.run_id, STATUS.get(summary.status, "FAILED"))
-        except Exception as exc:
-            log.warning("mlflow: could not end run %s (%s: %s); summary.json has the outcome",
-                        self.run_id, type(exc).__name__, exc)
+        status = STATUS.get(summary.status, "FAILED")
+        self._guarded("ending the run", lambda: self.client.set_terminated(self.run_id, status))
+        if not self.queue.drain(self.finish_wait_s):
+            log.warning("mlflow: the store did not take what was left within %.0f s; run %s is "
+                        "incomplete there (summary.json has the outcome)", self.finish_wait_s, self.run_id)
+        self.queue.close()
+
+    def unwritten(self) -> Optional[str]:
+        """What of the run never reached MLflow (None: everything did), for the end line."""
+        lost = self.queue.lost()
+        if not lost:
+            return None
+        said = "; ".join(f"{what} x{count}" if count > 1 else what for what, count in lost.items())
+        if "ending the run" in lost:
+            said += " (MLflow shows the run RUNNING: its outcome is in summary.json)"
+        return f"run {self.run_id} did not get: {said}"
 
     def _log_outcome(self, summary: Summary, run_dir: Path) -> None:
         from mlflow.entities import RunTag
 
         tags = {"devices": ", ".join(summary.devices), "world_size": str(summary.world_size),
                 "status": summary.status}
+        lost = self.queue.lost()
+        if lost:  # dropped for room during a long outage: the run says it is not whole
+            tags["tracking_incomplete"] = ", ".join(f"{what} x{count}" for what, count in lost.items())
         stops = [e for e in self._events if e["kind"] in STOP_EVENT_KINDS]
         if stops:
             tags["last_event"] = f"{stops[-1]['kind']}: {stops[-1]['message']}"[:MAX_TAG_CHARS]
