@@ -16,7 +16,7 @@ from flodl_run.config.app import fail_config, run_hydra_app
 from flodl_run.config.compose import experiment_to_yaml
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.report.rundir import remove_startup_files
-from flodl_run.report.say import say_labelled
+from flodl_run.report.say import outlive_the_terminal, say_labelled
 
 EXIT_INTERRUPTED = 130
 
@@ -56,6 +56,7 @@ def main() -> None:
     """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
     from flodl_run.report.sweep import end_active
 
+    outlive_the_terminal()  # before Hydra's log handlers take sys.stdout
     try:
         run_hydra_app("config", run_job)
     except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import run_cli
+from tests.support import PAIR, run_cli, start_cli, text_of, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CONFIG = 2
@@ -109,3 +109,90 @@ def test_the_sweeps_own_process_shows_hydras_lines_and_no_other_librarys_info():
     lines = [line.split("] ", 1)[1] for line in stream.getvalue().splitlines()]
     assert lines == ["Launching 2 jobs locally", "a font is missing"]
 
+
+
+# --- Ctrl-C through a pipe that died -----------------------------------------------------------
+
+
+def _sigint_with_the_pipe_gone(events: Path, *args: str):
+    """`python -m flodl_run ... 2>&1 | tee log`, then Ctrl-C, which ends `tee` too: start the
+    run with stdout and stderr on one pipe, wait for its ranks to train (the `start` event in
+    `events`), close the pipe's only reader, SIGINT the launcher; its exit code."""
+    proc = start_cli(*args)
+    wait_for("the run's start event", lambda: '"start"' in text_of(events) or proc.poll() is not None,
+             timeout_s=120)
+    assert proc.poll() is None, proc.stdout.read()
+    proc.stdout.close()  # tee is gone: every later write to stdout or stderr fails (EPIPE)
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout=120)
+
+
+def _mlflow_status(db: Path, run_id: str) -> str:
+    import mlflow
+
+    return mlflow.MlflowClient(f"sqlite:///{db}").get_run(run_id).info.status
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path", ["ranks", "in_process"])
+def test_ctrl_c_after_the_terminals_reader_died_still_ends_the_run_as_interrupted(tmp_path, mlflow_db,
+                                                                                 path):
+    """Pins Ctrl-C through `| tee log`: the first line printed after tee died (the `stopping`
+    line) ended the launcher with exit 1 (rich's answer to a broken pipe is SystemExit(1)): no
+    summary.json, no `end` event, the MLflow run RUNNING for ever. Now the run writes its
+    records as without tee and exits 130, on ranks and in-process alike."""
+    run_dir = tmp_path / "run"
+    cluster = (*PAIR, "cluster.emulate_slowdown=[20,20]") if path == "ranks" else ("cluster=solo",)
+    code = _sigint_with_the_pipe_gone(run_dir / "events.jsonl", f"hydra.run.dir={run_dir}", *cluster,
+                                      *TINY, "num_epochs=500", f"tracking.uri=sqlite:///{mlflow_db}")
+    assert code == 130
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["message"].startswith("interrupted by SIGINT")
+    assert json.loads((run_dir / "events.jsonl").read_text().splitlines()[-1])["kind"] == "end"
+    assert _mlflow_status(mlflow_db, summary["mlflow_run_id"]) == "KILLED"
+
+
+@pytest.mark.e2e
+def test_ctrl_c_of_a_sweep_after_the_terminals_reader_died_still_writes_the_comparison(tmp_path,
+                                                                                     mlflow_db):
+    """Pins the sweep path of Ctrl-C through `| tee log`: the stopped job's records, the sweep's
+    comparison and its MLflow parent's status are written, and the sweep exits 130."""
+    import mlflow
+
+    sweep_dir = tmp_path / "sweep"
+    code = _sigint_with_the_pipe_gone(sweep_dir / "0" / "events.jsonl", "-m",
+                                      "seed=0,1", "cluster=solo", *TINY, "num_epochs=500",
+                                      f"tracking.uri=sqlite:///{mlflow_db}",
+                                      f"hydra.sweep.dir={sweep_dir}")
+    assert code == 130
+    summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    table = (sweep_dir / "comparison.md").read_text()
+    assert table.startswith("# Sweep comparison (1 jobs)") and "| 0 |  | interrupted |" in table
+    assert not (sweep_dir / "1").exists()
+    client = mlflow.MlflowClient(f"sqlite:///{mlflow_db}")
+    runs = client.search_runs([client.get_experiment_by_name("flodl_run").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["KILLED", "KILLED"]  # the job and its parent
+
+
+def test_a_stream_whose_reader_left_takes_every_later_write_and_other_errors_still_raise():
+    """Pins the stream under the terminal: a write into a pipe whose reader exited raised
+    BrokenPipeError (rich turns it into SystemExit(1)); now it and every later write succeed,
+    the descriptor points at /dev/null (the interpreter's last flush cannot fail), while an
+    error that is not about the reader (a closed file) still raises."""
+    from flodl_run.report.say import OutlivingStream
+
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    pipe = open(write_fd, "w", buffering=1)
+    stream = OutlivingStream(pipe)
+    assert stream.write("stopping (SIGINT)\n") == len("stopping (SIGINT)\n")
+    assert stream.gone and stream.write("wrote: ...\n") == len("wrote: ...\n")
+    assert os.readlink(f"/proc/self/fd/{write_fd}") == os.devnull
+    pipe.write("the interpreter's last flush\n")
+    pipe.flush()
+    pipe.close()
+    closed = OutlivingStream(open(os.devnull, "w"))
+    closed.stream.close()
+    with pytest.raises(ValueError):
+        closed.write("x")
