@@ -54,11 +54,12 @@ def run_job(cfg: Any) -> None:
 
 def main() -> None:
     """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
+    from flodl_run.config.sweep import job_problems
     from flodl_run.report.sweep import end_active
 
     outlive_the_terminal()  # before Hydra's log handlers take sys.stdout
     try:
-        run_hydra_app("config", run_job)
+        run_hydra_app("config", run_job, check_jobs=job_problems)
     except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there
         fail_config(str(exc), Console(stderr=True))
     except KeyboardInterrupt:  # a Ctrl-C after the run wrote its records: still our exit code

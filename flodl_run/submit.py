@@ -22,7 +22,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, SlurmConfig, Topology
 
@@ -95,15 +95,6 @@ def submit(script: Path) -> tuple[int, str]:
     return 0, done.stdout.strip().split(";")[0]
 
 
-def sweep_jobs(overrides: Sequence[str]) -> List[List[str]]:
-    """Each job's overrides, as Hydra's basic sweeper expands `a,b` and the other sweep forms."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
 def _launcher_node(overrides: Sequence[str]) -> Dict[str, Any]:
     """The sweep's `hydra.launcher` node, resolved (folder and job name as a sweep has them)."""
     from hydra import compose, initialize_config_dir
@@ -158,15 +149,10 @@ def _script_only_executor() -> type:
 def sweep_dry_run(overrides: Sequence[str]) -> str:
     """What `python -m flodl_run -m <overrides>` would submit; ConfigError naming the job."""
     from flodl_run.config.materialize import ConfigError
-    from flodl_run.config.validate import Problem
+    from flodl_run.config.sweep import job_problems, sweep_jobs
 
     jobs = sweep_jobs(overrides)
-    problems = []
-    for num, job in enumerate(jobs):
-        try:
-            _config(job, need_slurm=False)
-        except ConfigError as exc:
-            problems += [Problem(f"job {num}: {p.key}", p.value, p.rule) for p in exc.problems]
+    problems = job_problems(jobs)
     if problems:
         raise ConfigError(problems)
     launcher = _launcher_node(jobs[0])

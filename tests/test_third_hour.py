@@ -196,3 +196,20 @@ def test_a_stream_whose_reader_left_takes_every_later_write_and_other_errors_sti
     closed.stream.close()
     with pytest.raises(ValueError):
         closed.write("x")
+
+
+# --- a sweep checked before its first job ------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_sweep_with_a_bad_job_exits_2_naming_it_before_any_job_runs(tmp_path):
+    """Pins `-m elche=nccl_sync,cpu_async elche.anchor=0`: the sweep ran its good jobs, then
+    exited 2 at the bad one, leaving a comparison.md of what ran. Every job is now checked
+    before the first starts: the bad one is named and nothing is run or written."""
+    sweep_dir = tmp_path / "sweep"
+    proc = run_cli("-m", "elche.min_anchor=5,50", "elche.max_anchor=20", "cluster=solo", *TINY,
+                   "num_epochs=1", "tracking=off", f"hydra.sweep.dir={sweep_dir}")
+    assert proc.returncode == EXIT_CONFIG, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[1:] == [
+        "  job 1: elche.min_anchor: must be <= elche.max_anchor (20), got 50"]
+    assert "Launching" not in proc.stdout and not sweep_dir.exists()
