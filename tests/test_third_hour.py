@@ -213,3 +213,24 @@ def test_a_sweep_with_a_bad_job_exits_2_naming_it_before_any_job_runs(tmp_path):
     assert proc.stderr.splitlines()[1:] == [
         "  job 1: elche.min_anchor: must be <= elche.max_anchor (20), got 50"]
     assert "Launching" not in proc.stdout and not sweep_dir.exists()
+
+
+# --- the small ones ----------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_value_error_is_reported_before_torch_or_the_recipe_is_imported(tmp_path):
+    """Pins `num_epochs=0` taking 5-12 s where a mistyped key takes 1 s: the runner imported
+    the launcher (torch) and the recipe before it reported a value rule. Now the value rules
+    come first: exit 2 with torch never imported."""
+    code = ("import sys\n"
+            "sys.argv = ['flodl_run', 'num_epochs=0', 'tracking=off']\n"
+            "from flodl_run.cli import main\n"
+            "try:\n"
+            "    main()\n"
+            "except SystemExit as exc:\n"
+            "    print('exit', exc.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.splitlines()[-1] == "exit 2 False", proc.stdout + proc.stderr
+    assert "num_epochs: must be >= 1, got 0" in proc.stderr
