@@ -234,3 +234,18 @@ def test_a_value_error_is_reported_before_torch_or_the_recipe_is_imported(tmp_pa
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.splitlines()[-1] == "exit 2 False", proc.stdout + proc.stderr
     assert "num_epochs: must be >= 1, got 0" in proc.stderr
+
+
+def test_a_mistyped_enum_value_gets_a_did_you_mean_and_a_bool_only_takes_true_or_false():
+    """Pins `elche.mode=nccl_async` listing the modes with no suggestion (while the group
+    `elche=nccl_synk` got one), and `elche.relax_up=yes` (or 1) silently taken as true while
+    its typo `ye` was refused: a bool takes only true or false."""
+    from flodl_run.config.compose import conf_dir, register_schemas
+    from flodl_run.config.overrides import check
+
+    register_schemas()
+    found = {p.key: p.rule for p in check(["elche.mode=nccl_async", "elche.relax_up=yes",
+                                           "cluster.launch_ranks=1"], conf_dir(), "config")}
+    assert found["elche.mode"].endswith("(did you mean nccl_sync or cpu_async?)")
+    assert found["elche.relax_up"] == found["cluster.launch_ranks"] == "must be true or false"
+    assert check(["elche.relax_up=true", "elche.relax_up=false"], conf_dir(), "config") == []
