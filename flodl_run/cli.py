@@ -30,8 +30,6 @@ def run_job(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from flodl_run.launch.launcher import launch
-
     err = Console(stderr=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     outputs = Path.cwd() / "outputs"
@@ -40,6 +38,8 @@ def run_job(cfg: Any) -> None:
         for warning in materialized.warnings:
             say_labelled(err, "warning", warning, "yellow")
         (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
+        from flodl_run.launch.launcher import launch  # torch and the rest: only for a valid config
+
         status = launch(materialized.config, run_dir, Console())
     except ConfigError as exc:  # also what only the hardware or the hosts can tell: exit 2
         remove_startup_files(run_dir, outputs)  # a run that never started leaves no folder
