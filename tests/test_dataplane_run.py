@@ -29,7 +29,7 @@ def test_two_cpu_ranks_choose_different_modes_in_one_run(tmp_path):
 def test_epoch_splits_make_finer_epochs_with_eval_and_data_metrics_in_process():
     """Pins epoch_splits in a run: one pass in 3 splits is 3 epochs, each evaluated and each
     carrying the rank's data metrics (solo: resident on CPU, all rows from the device tier,
-    which on a CPU is RAM: it said `"vram": 1.0`, issue 46)."""
+    which on a CPU is RAM: it said `"vram": 1.0`)."""
     from flodl_run.config.schema import DataConfig, ExperimentConfig
     from flodl_run.contracts.recipe import load_recipe
     from flodl_run.rank.solo import SoloTrainer

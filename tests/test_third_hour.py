@@ -1,4 +1,4 @@
-"""A newcomer's third hour (issue 46): a first screen in the project's own words, Ctrl-C through
+"""A newcomer's third hour: a first screen in the project's own words, Ctrl-C through
 a pipe that died, a sweep checked before its first job, a batch larger than the data, and the
 small things a first week turns up.
 """
