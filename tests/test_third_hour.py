@@ -249,3 +249,35 @@ def test_a_mistyped_enum_value_gets_a_did_you_mean_and_a_bool_only_takes_true_or
     assert found["elche.mode"].endswith("(did you mean nccl_sync or cpu_async?)")
     assert found["elche.relax_up"] == found["cluster.launch_ranks"] == "must be true or false"
     assert check(["elche.relax_up=true", "elche.relax_up=false"], conf_dir(), "config") == []
+
+
+# --- a batch larger than the data --------------------------------------------------------------
+
+
+def test_a_batch_larger_than_the_data_says_what_it_does():
+    """Pins `batch_size=5000` on 1,437 samples training one short step an epoch without a word,
+    and on two ranks leaving rank 1 with nothing to train (`share [1.00 0.00]`)."""
+    from flodl_run.config.validate import batch_size_warning
+    from tests.support import make
+
+    assert batch_size_warning(1437, make(batch_size=5000), 1) == (
+        "batch_size=5000 is more than an epoch's 1,437 samples: each epoch is one step of 1,437")
+    assert batch_size_warning(1437, make(batch_size=5000), 2) == (
+        "batch_size=5000 makes 1 batch of an epoch's 1,437 samples for 2 ranks: rank 1 trains "
+        "nothing (batch_size <= 718 gives every rank a batch)")
+    assert "ranks 2-3 train nothing" in batch_size_warning(1437, make(batch_size=800), 4)
+    assert batch_size_warning(1437, make(batch_size=718), 2) is None
+    assert batch_size_warning(1437, make(batch_size=300, data__epoch_splits=3), 2) is None
+    assert "2 batches of an epoch's 479 samples for 3 ranks" in batch_size_warning(
+        1437, make(batch_size=300, data__epoch_splits=3), 3)
+
+
+@pytest.mark.e2e
+def test_a_rank_left_without_a_batch_is_named_on_the_terminal(tmp_path):
+    """Pins the two-rank run whose one batch an epoch left rank 1 idle with no warning: rank 0
+    says so, naming the batch_size that gives every rank a batch."""
+    proc = run_cli("tracking=off", f"hydra.run.dir={tmp_path / 'run'}", *PAIR, *TINY,
+                   "batch_size=600", "num_epochs=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("[rank 0] warning: batch_size=600 makes 1 batch of an epoch's 409 samples for 2 ranks: "
+            "rank 1 trains nothing (batch_size <= 204 gives every rank a batch)") in proc.stdout

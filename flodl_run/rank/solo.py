@@ -19,6 +19,7 @@ import torch
 
 from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.validate import batch_size_warning
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.recipe import CallbackFailed, Recipe
 from flodl_run.contracts.scalars import drain, roll_up
@@ -84,6 +85,9 @@ class SoloTrainer:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
                                       recipe.transform)
+        warning = batch_size_warning(len(self.train_source), config, 1)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
         self.summary = Summary(mode="solo", outer="none", world_size=1,
                                devices=[device_name(self.device)])
