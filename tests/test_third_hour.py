@@ -42,6 +42,10 @@ def test_a_first_run_in_an_empty_directory_prints_only_the_projects_own_lines(tm
     foreign = [line for line in (proc.stdout + proc.stderr).splitlines()
                if line and not line.startswith(OURS)]
     assert foreign == []
+    # the events count epochs as the terminal does (`epoch 1/1`): the bundle resumes at epoch 2
+    events = (tmp_path / "outputs" / "latest" / "events.jsonl").read_text().splitlines()
+    saved = [json.loads(e)["message"] for e in events if json.loads(e)["kind"] == "checkpoint"]
+    assert saved and saved[-1].endswith("(resume at epoch 2)"), saved
 
 
 def _hidden_launchers_env(tmp_path: Path) -> dict:
@@ -281,3 +285,24 @@ def test_a_rank_left_without_a_batch_is_named_on_the_terminal(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("[rank 0] warning: batch_size=600 makes 1 batch of an epoch's 409 samples for 2 ranks: "
             "rank 1 trains nothing (batch_size <= 204 gives every rank a batch)") in proc.stdout
+
+
+def test_a_comparison_where_no_job_finished_an_epoch_names_no_epoch(tmp_path):
+    """Pins comparison.md's `loss @ epoch 0` column of a sweep whose jobs finished no epoch (the
+    terminal counts epochs from 1: there is no epoch 0); and an epoch's timeline label counts
+    from 1 too."""
+    from flodl_run.contracts.summary import EpochRecord
+    from flodl_run.observe.timeline import TimelineFile
+    from flodl_run.report.compare import JobOutcome, to_markdown
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "failed", "epochs": []}))
+    table = to_markdown([JobOutcome.read(0, ["elche=cpu_async"], tmp_path / "0")])
+    assert "epoch 0" not in table and "| loss @ epoch - |" in table
+    assert "`loss @ epoch -`: no job finished an epoch." in table
+    labels = []
+    timeline = TimelineFile.__new__(TimelineFile)
+    timeline.recorder = type("Recorder", (), {"instant": lambda self, kind, text: labels.append(text)})()
+    timeline.on_epoch(EpochRecord(epoch=0, avg_loss=1.5, eval=None, epoch_ms=10.0,
+                                  per_rank_throughput=[], per_rank_batch_share=[]))
+    assert labels == ["epoch 1: loss 1.5"]

@@ -81,7 +81,7 @@ class Saving:
             save_meta(stem, self._bundle_meta(reason, epoch, uncovered, generation, files))
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
-        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch + 1})")
         return stem
 
     def _write_generation(self, stem: str, hook: Optional[int]) -> Tuple[int, Dict[str, str]]:
@@ -149,7 +149,7 @@ class Saving:
             self.averager.outer.load_state_dict(state)
             if state.get("center") is not None:
                 self.averager.center = state["center"]
-        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch + 1} "
                                          f"({meta.elche_state.get('phase')}, step {meta.global_step})")
         return meta
 

@@ -317,7 +317,7 @@ class SoloTrainer:
         checkpoint.save_meta(stem, meta)  # the atomic step: this generation is now the bundle
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
-        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch + 1})")
         if reason == "checkpoint" and epoch > 0:  # the epoch the saved weights end with
             self.recipe.run_callback("checkpoint_fn", epoch - 1, self.replica.model)
 
@@ -328,7 +328,7 @@ class SoloTrainer:
         files = checkpoint.bundle_files(stem, meta)
         self.replica.module.load_state_dict(checkpoint.load_tensors(files["model"]))
         self.replica.optimizer.load_state_dict(checkpoint.load_tensors(files["optim"]))
-        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch}")
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch + 1}")
         self._resume_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         return meta.epoch
 
