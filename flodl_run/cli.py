@@ -16,7 +16,7 @@ from flodl_run.config.app import fail_config, run_hydra_app
 from flodl_run.config.compose import experiment_to_yaml
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.report.rundir import release_dirs, remove_startup_files
-from flodl_run.report.say import say_labelled
+from flodl_run.report.say import outlive_the_terminal, say_labelled
 
 EXIT_INTERRUPTED = 130
 
@@ -30,8 +30,6 @@ def run_job(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from flodl_run.launch.launcher import launch
-
     err = Console(stderr=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     outputs = Path.cwd() / "outputs"
@@ -40,6 +38,8 @@ def run_job(cfg: Any) -> None:
         for warning in materialized.warnings:
             say_labelled(err, "warning", warning, "yellow")
         (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
+        from flodl_run.launch.launcher import launch  # torch and the rest: only for a valid config
+
         status = launch(materialized.config, run_dir, Console())
     except ConfigError as exc:  # also what only the hardware or the hosts can tell: exit 2
         remove_startup_files(run_dir, outputs)  # a run that never started leaves no folder
@@ -54,10 +54,12 @@ def run_job(cfg: Any) -> None:
 
 def main() -> None:
     """Entry point; Hydra's flags (-m, --cfg, --info, --help) work as usual."""
+    from flodl_run.config.sweep import job_problems
     from flodl_run.report.sweep import end_active
 
+    outlive_the_terminal()  # before Hydra's log handlers take sys.stdout
     try:
-        run_hydra_app("config", run_job)
+        run_hydra_app("config", run_job, check_jobs=job_problems)
     except ConfigError as exc:  # pragma: no cover - raised inside jobs is handled there
         fail_config(str(exc), Console(stderr=True))
     except KeyboardInterrupt:  # a Ctrl-C after the run wrote its records: still our exit code

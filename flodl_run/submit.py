@@ -22,7 +22,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, SlurmConfig, Topology
 
@@ -95,15 +95,6 @@ def submit(script: Path) -> tuple[int, str]:
     return 0, done.stdout.strip().split(";")[0]
 
 
-def sweep_jobs(overrides: Sequence[str]) -> List[List[str]]:
-    """Each job's overrides, as Hydra's basic sweeper expands `a,b` and the other sweep forms."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
 def _launcher_node(overrides: Sequence[str]) -> Dict[str, Any]:
     """The sweep's `hydra.launcher` node, resolved (folder and job name as a sweep has them)."""
     from hydra import compose, initialize_config_dir
@@ -123,34 +114,45 @@ def _launcher_node(overrides: Sequence[str]) -> Dict[str, Any]:
 
 
 def array_script(launcher: Dict[str, Any], num_jobs: int) -> str:
-    """The job array's sbatch script as hydra-submitit-launcher has submitit write it."""
-    import submitit
+    """The job array's sbatch script as hydra-submitit-launcher has submitit write it. Needs no
+    Slurm on this machine: a dry run only writes text (submitit's executor refuses to exist
+    without `srun` on the PATH, so the script is made by one that does not ask)."""
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = {k: v for k, v in launcher.items() if k != "_target_"}
+    params = {k: v for k, v in launcher.items() if k != "_target_" and v is not None}  # None: unset
     folder = params.pop("submitit_folder")
     params.pop("max_num_timeout", None)
     base = {f.name for f in dataclasses.fields(BaseQueueConf)}
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
-    slurm = executor._executor
+    slurm = _script_only_executor()(folder)
+    # what submitit's AutoExecutor does: shared names (timeout_min, mem_gb, ...) renamed to
+    # Slurm's, the launcher's other keys (partition, signal_delay_s, ...) taken as they are
+    generic = slurm._convert_parameters({k: v for k, v in params.items() if k in base})
+    slurm.update_parameters(**generic, **{k: v for k, v in params.items() if k not in base})
     return _make_sbatch_string(command=" ".join(slurm._submitit_command_str.split()), folder=folder,
                                map_count=num_jobs, **slurm.parameters)
+
+
+def _script_only_executor() -> type:
+    """submitit's Slurm executor for writing scripts only: available whether or not this
+    machine has `srun` (it never submits)."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    class ScriptOnly(SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:
+            return 1
+
+    return ScriptOnly
 
 
 def sweep_dry_run(overrides: Sequence[str]) -> str:
     """What `python -m flodl_run -m <overrides>` would submit; ConfigError naming the job."""
     from flodl_run.config.materialize import ConfigError
-    from flodl_run.config.validate import Problem
+    from flodl_run.config.sweep import job_problems, sweep_jobs
 
     jobs = sweep_jobs(overrides)
-    problems = []
-    for num, job in enumerate(jobs):
-        try:
-            _config(job, need_slurm=False)
-        except ConfigError as exc:
-            problems += [Problem(f"job {num}: {p.key}", p.value, p.rule) for p in exc.problems]
+    problems = job_problems(jobs)
     if problems:
         raise ConfigError(problems)
     launcher = _launcher_node(jobs[0])

@@ -240,7 +240,7 @@ def test_a_mid_epoch_save_whose_first_window_took_the_whole_epoch_resumes_at_the
     assert summary.status == "completed" and summary.syncs == 3  # one reduce per epoch
     saves = [o.epoch for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)]
     assert saves == [1, 2]  # after epoch 1's only window, at the end
-    assert any(text.startswith("checkpoint:") and text.endswith("(resume at epoch 2)")
+    assert any(text.startswith("checkpoint:") and text.endswith("(resume at epoch 3)")
                for text in observer.events), observer.events
 
 

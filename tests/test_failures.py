@@ -103,6 +103,8 @@ def test_a_recipe_that_exits_fails_its_rank_as_a_recipe_error(tmp_path):
             if json.loads(line)["kind"] == "rank_lost"]
     assert any(m.startswith("rank 2 lost: failed: exited with code 0 before it was told to stop")
                for m in lost), lost
+    # once, by the progress: the coordinator's log line went to the terminal too
+    assert out.count("rank 2 lost: failed: exited with code 0") == 1, out
     printed = [line for line in out.splitlines() if line.startswith("[rank 1]")]
     assert sum("Traceback" in line for line in printed) == 1, out
     assert 'exiting_recipe.py", line 8, in train_step' in out, out

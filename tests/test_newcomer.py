@@ -133,7 +133,7 @@ def test_in_process_run_writes_a_bundle_that_resumes(first_run):
     proc = cli(home, f"resume_from={run_dir}/checkpoint", "num_epochs=2", "tracking=off",
                "timeline=true", f"hydra.run.dir={home / 'resumed'}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"resumed from {run_dir}/checkpoint at epoch 1: training epoch 2\n" in proc.stdout
+    assert f"resumed from {run_dir}/checkpoint at epoch 2: training epoch 2\n" in proc.stdout
     assert "note: timeline=true writes no trace for an in-process run" in proc.stdout
     resumed = json.loads((home / "resumed" / "summary.json").read_text())
     assert [e["epoch"] for e in resumed["epochs"]] == [1]

@@ -148,7 +148,7 @@ def _assert_the_first_generation_stands(proc, out: str, run_dir: Path, stem: Pat
     assert sorted({p.name.split(".")[1] for p in stem.parent.glob("bundle.g*")}) == ["g1"]
     unwritten = [line for line in out.splitlines() if line.startswith("not written:")]
     assert unwritten and "a checkpoint (" in unwritten[0], out[-3000:]
-    assert "the bundle stays intact at generation g1 (resume at epoch 1)" in unwritten[0], unwritten
+    assert "the bundle stays intact at generation g1 (resume at epoch 2)" in unwritten[0], unwritten
     assert "failed" not in summary["status"] and "Traceback" not in out, out[-3000:]
 
 

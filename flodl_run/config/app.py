@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -46,18 +46,23 @@ def typed_or_exit(cfg: Any, prog: str) -> Any:
 
 
 def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
-                  extra_schemas: Sequence[Any] = ()) -> int:
+                  extra_schemas: Sequence[Any] = (),
+                  check_jobs: Optional[Callable[[List[List[str]]], List[Any]]] = None) -> int:
     """Run `job` as the Hydra app over conf/<config_name>.yaml; returns the last job's status.
 
     Hydra exits 1 for overrides it cannot compose (unknown key, wrong type, missing option)
-    before any job starts: that is a config error, so it becomes exit 2 like ours. Shared by
-    the runner, the sim and the bench."""
+    before any job starts: that is a config error, so it becomes exit 2 like ours. A sweep
+    (`-m`) with `check_jobs` has each of its jobs' overrides checked before Hydra starts the
+    first (problems: exit 2, nothing run or written). Shared by the runner, the sim and the
+    bench."""
     import hydra
 
     if os.environ.get("FLODL_RUN_TRACEBACK"):
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     register_schemas(extra=list(extra_schemas))
     check_overrides(config_name)
+    if check_jobs is not None:
+        check_sweep(check_jobs)
     status: list = []
 
     def _app(cfg: Any) -> None:
@@ -75,6 +80,28 @@ def run_hydra_app(config_name: str, job: Callable[[Any], Optional[int]],
             sys.exit(EXIT_CONFIG)
         raise
     return status[-1] if status else 0
+
+
+def check_sweep(check_jobs: Callable[[List[List[str]]], List[Any]]) -> None:
+    """A sweep's jobs, each checked before any starts; exit 2 naming the jobs with problems.
+    Not a sweep, or flags Hydra's parser refuses: nothing to do here."""
+    from hydra._internal.utils import get_args_parser
+
+    from flodl_run.config.sweep import sweep_jobs
+
+    try:
+        args = get_args_parser().parse_args(sys.argv[1:])
+    except SystemExit:  # a malformed flag: Hydra's own parser says so when the app runs
+        return
+    if not args.multirun or args.config_dir or args.config_name:
+        return  # another config tree than conf/: its jobs are checked as each starts
+    try:
+        jobs = sweep_jobs(args.overrides)
+    except Exception:  # a sweep syntax Hydra's parser refuses: its message names it when it runs
+        return
+    problems = check_jobs(jobs)
+    if problems:
+        fail_config(str(ConfigError(problems)), Console(stderr=True))
 
 
 def check_overrides(config_name: str) -> None:

@@ -56,8 +56,8 @@ def materialize(cfg: DictConfig | ExperimentConfig, run_dir: Optional[str] = Non
         raise ConfigError(problems)
     report: Report = validate(typed, world_size)
     problems = list(report.problems)
-    if check_recipe:
-        problems += _recipe_problems(typed)
+    if check_recipe and not report.problems:  # importing the recipe (torch) takes seconds: a
+        problems += _recipe_problems(typed)      # value error is reported without waiting for it
     if not report.problems:
         problems += save_path_problems(typed)
     if typed.resume_from and not report.problems:

@@ -185,21 +185,31 @@ def _type_problem(key: str, value: Any, tree: DictConfig) -> Optional[Problem]:
         return None  # an interpolation is typed when it is resolved
     if any(part.isdigit() for part in key.split(".")):
         return None  # a list entry (cluster.workers.0.host): the template's own, typed at compose
+    from omegaconf import BooleanNode
+
+    node = _node(tree, key.split("."))
     try:
         OmegaConf.update(tree.copy(), key, value, merge=True)
     except ValidationError as exc:
         rule = "must not be null" if value is None else str(exc).splitlines()[0]
-        return Problem(key, value, _type_rule(_node(tree, key.split(".")), rule))
+        return Problem(key, value, _type_rule(node, rule, value))
+    if isinstance(node, BooleanNode) and value is not None and not isinstance(value, bool):
+        # OmegaConf takes yes/no/on/off/1/0 as a bool; a typo of them (`ye`) it refuses: only
+        # the words Hydra itself parses as a bool are taken, so nothing is a bool by accident
+        return Problem(key, value, "must be true or false")
     return None
 
 
-def _type_rule(node: Any, fallback: str) -> str:
+def _type_rule(node: Any, fallback: str, value: Any = None) -> str:
     from omegaconf import BooleanNode, EnumNode, FloatNode, IntegerNode
 
     if fallback == "must not be null":
         return fallback
     if isinstance(node, EnumNode):
-        return f"must be one of {', '.join(m.name for m in node.enum_type)}"
+        names = [m.name for m in node.enum_type]
+        near = difflib.get_close_matches(str(value), names, n=2, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        return f"must be one of {', '.join(names)}{hint}"
     rules = {IntegerNode: "must be an integer", FloatNode: "must be a number",
              BooleanNode: "must be true or false"}
     return next((rule for kind, rule in rules.items() if isinstance(node, kind)), fallback)

@@ -249,6 +249,26 @@ def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Pr
     return None
 
 
+def batch_size_warning(num_samples: int, cfg: ExperimentConfig, world_size: int) -> Optional[str]:
+    """What a batch larger than the data does, said once the train set's size is known (rank 0,
+    or the in-process run): ranks past the epoch's batches train nothing, and a batch past the
+    epoch's samples is one short step an epoch. None when every rank gets a batch of its size.
+    Said, not refused: the run is still right, only slower per sample than it could be."""
+    d = cfg.data
+    picks = num_samples * max(d.augment, 1) // max(d.epoch_splits, 1)  # an epoch's samples
+    batches = -(-picks // max(cfg.batch_size, 1))
+    if batches < world_size:
+        idle = (f"ranks {batches}-{world_size - 1} train" if world_size - batches > 1
+                else f"rank {batches} trains")
+        return (f"batch_size={cfg.batch_size} makes {batches} batch{'es' if batches != 1 else ''} "
+                f"of an epoch's {picks:,} samples for {world_size} ranks: {idle} nothing "
+                f"(batch_size <= {max(picks // world_size, 1)} gives every rank a batch)")
+    if cfg.batch_size > picks:
+        return (f"batch_size={cfg.batch_size} is more than an epoch's {picks:,} samples: each "
+                f"epoch is one step of {picks:,}")
+    return None
+
+
 @_check
 def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     yield from _at_least("checkpoint_every", cfg.checkpoint_every, 1)

@@ -249,7 +249,7 @@ def unwritten(stem: str | Path, generation: Optional[int], why: str) -> str:
     try:
         meta = read_meta(stem)
         kept = (f"the bundle stays intact at generation g{meta.generation} (resume at epoch "
-                f"{meta.epoch})")
+                f"{meta.epoch + 1})")
     except (BundleError, OSError):
         kept = "no earlier bundle there" if not paths(stem)["meta"].exists() else \
             "the bundle stays as it was"

@@ -34,7 +34,8 @@ class EpochRecord:
     per_rank_delivery: List[str] = field(default_factory=list)
     """Per rank: how its data reached its device at the epoch's end (resident or streaming)."""
     per_rank_cache_hit_rate: List[Dict[str, float]] = field(default_factory=list)
-    """Per rank: share of the epoch's rows served by each tier (vram, ram, disk)."""
+    """Per rank: share of the epoch's rows served by each tier (vram, ram, disk; a CPU rank's
+    device-held rows are ram)."""
     eval_ms: float = 0.0
     """Time of the epoch's eval (and, in a distributed run, epoch_fn) inside epoch_ms, in ms
     (about 0: none due); the bench subtracts it to compare training throughput."""

@@ -191,7 +191,7 @@ class Coordinator:
         """A rank was declared dead: record it, kill it, give its work back and re-plan."""
         self.summary.dead_ranks.append(rank)
         self.observer.on_event("rank_lost", f"rank {rank} lost: {reason}")
-        log.warning("rank %d lost: %s", rank, reason)
+        log.info("rank %d lost: %s", rank, reason)  # the terminal has it from the progress (rank_lost)
         if self.on_rank_dead is not None:
             self.on_rank_dead(rank)
         for epoch, slices in self.holdings.lose(rank):  # what it trained since its last fold

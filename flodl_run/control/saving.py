@@ -89,7 +89,7 @@ class Saving:
                 return self._unwritten(reason, stem, generation, f"{type(exc).__name__}: {exc}")
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
-        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch + 1})")
         return stem
 
     @staticmethod
@@ -99,7 +99,7 @@ class Saving:
         try:
             meta = read_meta(stem)
             stays = (f"{stem} still holds the bundle of generation {meta.generation} "
-                     f"({meta.save_reason}, resume at epoch {meta.epoch})")
+                     f"({meta.save_reason}, resume at epoch {meta.epoch + 1})")
         except BundleError:
             stays = f"no bundle at {stem}"
         raise RunAborted(aborted.status, f"{aborted.reason}; {stays}") from None
@@ -195,7 +195,7 @@ class Saving:
             self.averager.outer.load_state_dict(state)
             if state.get("center") is not None:
                 self.averager.center = state["center"]
-        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch} "
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch + 1} "
                                          f"({meta.elche_state.get('phase')}, step {meta.global_step})")
         return meta
 

@@ -72,6 +72,9 @@ class DataPlane:
                                config.seed)
         self.layout = Layout.of(dataset)
         self.probe = DeviceProbe(device, sim_device_bytes(env, rank), self.data.gpu_ram_share)
+        # the tier rows held on the device count as: VRAM on a GPU (or a simulated device); on a
+        # CPU rank the device memory is host RAM, so they count as `ram`
+        self.device_tier = "ram" if device.type == "cpu" and not self.probe.is_simulated else "vram"
         self.pool_on = self.data.vram_pool and env.get(POOL_ENV, "on").lower() != "off"
         self.local_world_size = max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
         self.stats = DataStats()
@@ -157,7 +160,7 @@ class DataPlane:
     def _from_resident(self, indices: torch.Tensor) -> Any:
         index = self._upload(indices)
         rows = tuple(field.index_select(0, index) for field in self._resident)
-        self.stats.add("vram", len(indices))
+        self.stats.add(self.device_tier, len(indices))
         return self.layout.pack(rows) if self.layout is not None else rows
 
     def _stream(self, work: Work, ahead: List[Work]) -> Any:
@@ -212,7 +215,7 @@ class DataPlane:
             if count:
                 pooled = self._pool.read(slots[hit])
                 rows = pooled if count == len(samples) else _merge(hit, pooled, moved, self.device)
-                self.stats.add("vram", count)
+                self.stats.add(self.device_tier, count)
         if self._pool is not None and len(moved):
             self._pool.admit(samples if hit is None else samples[~hit], moved)
         return rows

@@ -27,7 +27,7 @@ def say_what_differs(config: ExperimentConfig, plan: Any, console: Console) -> N
         part = " (part of it trained)" if meta.coverage.uncovered else ""
         first, last = meta.epoch + 1, config.num_epochs
         epochs = f"epoch {last}" if first == last else f"epochs {first}-{last}"
-        say(console, f"resumed from {config.resume_from} at epoch {meta.epoch}{part}: training {epochs}")
+        say(console, f"resumed from {config.resume_from} at epoch {first}{part}: training {epochs}")
     if config.timeline and plan.in_process:
         say_labelled(console, "note", "timeline=true writes no trace for an in-process run: the "
                      "timeline records the coordinator and the ranks (cluster=cpu_pair has both)", "cyan")

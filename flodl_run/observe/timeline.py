@@ -349,7 +349,7 @@ class TimelineFile(Timeline, Observer):
         self.recorder.counter("anchor", float(record.anchor))
 
     def on_epoch(self, record: EpochRecord) -> None:
-        self.recorder.instant("epoch_end", f"epoch {record.epoch}: loss {record.avg_loss:.4g}"
+        self.recorder.instant("epoch_end", f"epoch {record.epoch + 1}: loss {record.avg_loss:.4g}"
                                            + ("" if record.eval is None else f", eval {record.eval:.4g}"))
 
     # ---- the file -----------------------------------------------------------------------

@@ -24,6 +24,7 @@ from flodl_run.averaging.moments import FlatMoments
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.averaging.shm import PREFIX_ENV
 from flodl_run.config.schema import ExperimentConfig, Mode, TrackingKind, WindowEnd, lr_factor
+from flodl_run.config.validate import batch_size_warning
 from flodl_run.contracts import scalars
 from flodl_run.contracts.recipe import CallbackFailed, load_recipe
 from flodl_run.contracts.wire import (
@@ -93,6 +94,9 @@ class RankWorker:
         self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
                                 self.recipe.transform, rank=env.rank)
         self.cutter = BatchCutter(len(self.source), config.data.augment, config.seed, config.batch_size)
+        warning = batch_size_warning(len(self.source), config, env.world_size) if env.rank == 0 else None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
                                      config.cluster.emulate_jitter, env.rank, config.seed)

@@ -19,6 +19,7 @@ import torch
 
 from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import ExperimentConfig
+from flodl_run.config.validate import batch_size_warning
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.recipe import CallbackFailed, Recipe
 from flodl_run.contracts.scalars import drain, roll_up
@@ -85,6 +86,9 @@ class SoloTrainer:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.train_source = DataPlane(recipe.call("train_dataset"), self.device, config,
                                       recipe.transform)
+        warning = batch_size_warning(len(self.train_source), config, 1)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         self.eval_data = recipe.call("eval_dataset") if recipe.has_eval else None
         self.summary = Summary(mode="solo", outer="none", world_size=1,
                                devices=[device_name(self.device)])
@@ -330,7 +334,7 @@ class SoloTrainer:
             return False
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
-        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch})")
+        self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch + 1})")
         if reason == "checkpoint" and epoch > 0:  # the epoch the saved weights end with
             self.recipe.run_callback("checkpoint_fn", epoch - 1, self.replica.model)
         return True
@@ -363,7 +367,7 @@ class SoloTrainer:
         files = checkpoint.bundle_files(stem, meta)
         self.replica.module.load_state_dict(checkpoint.load_tensors(files["model"]))
         self.replica.optimizer.load_state_dict(checkpoint.load_tensors(files["optim"]))
-        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch}")
+        self.observer.on_event("resume", f"resuming {stem} at epoch {meta.epoch + 1}")
         self._resume_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
         return meta.epoch
 

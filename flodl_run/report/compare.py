@@ -175,17 +175,19 @@ def _cell(value: object) -> str:
 def to_markdown(jobs: Sequence[JobOutcome]) -> str:
     n = common_epochs(jobs)
     common = varying(jobs)[1]
+    at = f"loss @ epoch {n}" if n else "loss @ epoch -"  # epochs count from 1, as the terminal's
     header = ["job", "overrides", "status", "final loss", "final eval", "eval rank",
               "time to quality s", "x first job to quality", "wall s",
-              "samples/s", f"loss @ epoch {n}", "loss drop / s", "wall s / epoch", "MLflow run"]
+              "samples/s", at, "loss drop / s", "wall s / epoch", "MLflow run"]
     lines = [f"# Sweep comparison ({len(jobs)} jobs)", ""]
     if common:
         lines += [f"Shared overrides: `{' '.join(common)}`", ""]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows(jobs):
         lines.append("| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |")
-    lines += ["", f"`loss @ epoch {n}`: mean training loss of epoch {n}, the last epoch every job "
-              "finished. `loss drop / s`: (loss of the first epoch - final loss) / training "
+    finished = (f"`{at}`: mean training loss of epoch {n}, the last epoch every job finished."
+                if n else f"`{at}`: no job finished an epoch.")
+    lines += ["", f"{finished} `loss drop / s`: (loss of the first epoch - final loss) / training "
               "wall seconds (sum of epoch_ms); higher is better. " + _rank_note(jobs) + " "
               + _quality_note(jobs), ""]
     return "\n".join(lines)

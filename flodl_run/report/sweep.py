@@ -187,6 +187,13 @@ def end_active() -> None:
         log.warning("sweep %s: comparison not written (%s: %s)", sweep.dir, type(exc).__name__, exc)
 
 
+def is_sweep_job(config: Any) -> bool:
+    """Whether Hydra runs this job for a sweep (`-m`): only then has it a number. A single run
+    leaves `hydra.job.num` mandatory-missing, so it is read with a default (reading it plainly
+    raised, and Hydra printed that as a warning before every single run)."""
+    return config.hydra.job.get("num", None) is not None
+
+
 def job_entry(config: Any) -> Tuple[int, List[str], Path]:
     """A sweep's job as Hydra's on_job_start describes it: (number, overrides, run dir)."""
     return (int(config.hydra.job.num), [str(o) for o in config.hydra.overrides.task],
@@ -233,8 +240,12 @@ class SweepCallback(UnusedHooks):
             _active.open_parents(sweep_tracking(config.tracking))
 
     def on_job_start(self, config: Any, **_: Any) -> None:
-        """In the job's own process: leave its entry; join the sweep started elsewhere."""
+        """In the job's own process: leave its entry; join the sweep started elsewhere. A
+        single run (Hydra calls this hook for it too, with `hydra.job.num` unset) is no job of a
+        sweep: nothing to do."""
         global _joined
+        if not is_sweep_job(config):
+            return
         entry = job_entry(config)
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         if _active is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -166,6 +167,15 @@ class NullTracker(Observer):
         return None
 
 
+def quiet_mlflow_info() -> None:
+    """MLflow's own INFO lines (`Creating initial MLflow database tables...` on a new store, the
+    system-metrics monitor's start and stop) stay off the terminal: the run's last line says
+    where its MLflow run is. Its warnings and errors still show. MLFLOW_LOGGING_LEVEL, when the
+    user sets it, wins."""
+    if not os.environ.get("MLFLOW_LOGGING_LEVEL"):
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+
+
 class MlflowTracker(NullTracker):
     """One MLflow run per job, in the store `tracking.uri` names.
 
@@ -189,6 +199,7 @@ class MlflowTracker(NullTracker):
         first wait before a failed send is tried again (doubling from there)."""
         import mlflow  # lazy: only tracked runs pay for it
 
+        quiet_mlflow_info()
         self.tracking, self.artifacts, self.parent_of = tracking, tuple(artifacts), parent_of
         self.client = mlflow.MlflowClient(tracking_uri=tracking.uri)
         self.run_id: Optional[str] = None

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Sequence
 
-from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+try:
+    from hydra_plugins.hydra_joblib_launcher.joblib_launcher import JoblibLauncher
+except ImportError as missing:  # a minimal environment: this module still imports (see _absent)
+    from hydra_plugins.flodl_run_launchers._absent import absent_launcher
+
+    JoblibLauncher = absent_launcher("hydra-joblib-launcher", "gpu_groups", missing)
 
 GROUPS_DIR = ".groups"
 

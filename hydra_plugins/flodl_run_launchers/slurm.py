@@ -16,7 +16,13 @@ import signal
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+try:
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
+except ImportError as missing:  # a minimal environment: this module still imports (see _absent)
+    from hydra_plugins.flodl_run_launchers._absent import absent_launcher
+
+    SlurmLauncher = absent_launcher("hydra-submitit-launcher", "slurm", missing)
+    LocalLauncher = absent_launcher("hydra-submitit-launcher", "slurm_local", missing)
 
 from flodl_run.contracts.signals import STOP_SIGNAL_ENV
 
