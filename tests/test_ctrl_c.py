@@ -276,7 +276,7 @@ def test_a_second_signal_after_the_grace_ends_a_run_whose_final_save_hangs(tmp_p
         fake.kill()
     assert not thread.is_alive(), "the run did not end after the second signal"
     summary = box[0]
-    stays = (f"{stem} still holds the bundle of generation 1 (checkpoint, resume at epoch 1)"
+    stays = (f"{stem} still holds the bundle of generation 1 (checkpoint, resume at epoch 2)"
              if earlier else f"no bundle at {stem}")
     assert summary.status == "interrupted"
     assert summary.message == ("interrupted by SIGTERM; then SIGINT (stopped at once, cutting the "
