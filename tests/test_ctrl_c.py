@@ -3,7 +3,7 @@ coordinator reduces what they trained and saves it, and the bundle lists the sam
 untrained, so a resume trains exactly those. At the coordinator tier against scripted ranks
 (a stop requested from inside a window, counted on the consensus ledger), the grace rule on
 its own, and real runs (nccl_cadence, nccl_sync, cpu_async) stopped by SIGINT mid-window, one
-of them resumed. And that a stop always saves what can be saved and always ends (issue 45): a
+of them resumed. And that a stop always saves what can be saved and always ends: a
 rank stuck in an eval or a batch is let go and the others save, a second signal cuts a hung
 save or leaves a stuck coordinator behind, an epoch whose last reduce the stop followed is
 closed before the save, and a resumed run's progress starts where the bundle left it."""
@@ -93,7 +93,7 @@ class _StopAtEpochEnd(Observer):
 def test_a_stop_after_an_epochs_last_window_closes_it_and_resumes_at_the_next_epoch(tmp_path, mode, average):
     """Pins: a stop whose reduce was the epoch's last saved that epoch with nothing listed
     uncovered, which a resume reads as the whole epoch (trained twice). The bundle then named
-    the next epoch, but the epoch's close never ran (issue 45.10: no eval, no epoch_fn, no
+    the next epoch, but the epoch's close never ran (no eval, no epoch_fn, no
     summary record for samples the weights hold). Now the epoch closes first (its record and
     eval), then the bundle names the next epoch, whole; the consensus holds epoch 0 once."""
     stem = str(tmp_path / "ck")
@@ -132,7 +132,7 @@ def test_the_stop_grace_counts_from_the_last_batch_and_a_second_request_cuts_it(
 
 
 def test_a_second_request_cuts_a_save_under_way_a_grace_after_the_first():
-    """Pins issue 45.2's rule: a save under way is never cut by the first request, nor by a
+    """Pins the rule: a save under way is never cut by the first request, nor by a
     second within the grace of the first; a second request after that grace (or the grace
     running out after a second request) cuts it, naming the save."""
     patient = StopRequest(grace_s=60.0)
@@ -154,7 +154,7 @@ def test_a_second_request_cuts_a_save_under_way_a_grace_after_the_first():
 @pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "nccl_sync", "cpu_async"])
 def test_a_stop_while_a_ranks_eval_hangs_lets_it_go_and_saves_what_the_others_hold(tmp_path, mode):
-    """Pins issue 45.1: a stop while the callback rank's eval hung (a recipe's eval_step or
+    """Pins: a stop while the callback rank's eval hung (a recipe's eval_step or
     epoch_fn that never returns) waited for the eval's limit (300 s and more), ran out of its
     grace and ended `no save within 8s of the ranks' last batch: not saved`, losing every
     finished epoch. Now the rank is declared hung once the grace runs out, and the survivor
@@ -172,21 +172,26 @@ def test_a_stop_while_a_ranks_eval_hangs_lets_it_go_and_saves_what_the_others_ho
     summary, fakes = drive(coord, fakes)
     assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
     assert summary.dead_ranks == [1] and fakes[1].fate.startswith("hang at evaluate 2")
-    assert [(e.epoch, e.eval) for e in summary.epochs] == [(0, 0.5), (1, None)]
+    records = [(e.epoch, e.eval) for e in summary.epochs]
+    assert records[:2] == [(0, 0.5), (1, None)]
+    # cpu_async trains on while an epoch closes: under load its survivor may close epoch 2 (with
+    # its eval) before the grace runs out; the bundle then starts at the next one
+    assert len(records) == 2 or mode == "cpu_async" and all(v is not None for _, v in records[2:])
+    resume_at = len(records)
     meta = read_meta(stem)
-    assert (meta.save_reason, meta.coverage.epoch) == ("graceful_shutdown", 2)
-    # cpu_async trains on while an epoch closes: its bundle may hold some of epoch 2, listing the rest
+    assert (meta.save_reason, meta.coverage.epoch) == ("graceful_shutdown", resume_at)
+    # cpu_async's bundle may hold some of the next epoch, listing the rest
     lacks = {(p, i) for p, start, end in meta.coverage.uncovered for i in range(start, end)}
-    held = {(2, i) for i in range(NUM_SAMPLES)} - lacks if lacks else set()
+    held = {(resume_at, i) for i in range(NUM_SAMPLES)} - lacks if lacks else set()
     seen = group.consensus()
     assert set(seen.values()) == {1}
-    assert set(seen) == {(e, i) for e in (0, 1) for i in range(NUM_SAMPLES)} | held
+    assert set(seen) == {(e, i) for e in range(resume_at) for i in range(NUM_SAMPLES)} | held
 
 
 @pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_path, mode):
-    """Pins issue 45.1 for a rank stuck in its train_step: the stop waited for the progress
+    """Pins, for a rank stuck in its train_step: the stop waited for the progress
     rule (max(20 x its batch, 300 s)) before it could save. While the run stops, a batch may
     take 4 x the rank's batch time (at least the grace): past it the rank is declared hung, its
     work since the last reduce goes back, and the survivor saves its consensus with exactly
@@ -216,7 +221,7 @@ def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_p
 
 @pytest.mark.coordinator
 def test_a_stop_while_the_final_eval_hangs_saves_the_run_as_interrupted(tmp_path):
-    """Pins the final eval's case of issue 45.1: rank 1 hung in the run's final eval (the last
+    """Pins the final eval's case: rank 1 hung in the run's final eval (the last
     epoch scored none) and a stop came. The stop lets the rank go once its grace runs out, and
     the run ends interrupted with a graceful_shutdown bundle past the last epoch (not
     `completed`, as if the eval the user cut had been scored). The rank let go does not count
@@ -248,7 +253,7 @@ def _run_in_thread(coord):
 @pytest.mark.coordinator
 @pytest.mark.parametrize("earlier", [False, True], ids=["first-save", "after-a-checkpoint"])
 def test_a_second_signal_after_the_grace_ends_a_run_whose_final_save_hangs(tmp_path, earlier):
-    """Pins issue 45.2: with the writer hung in checkpoint_fn during the final save, SIGTERM,
+    """Pins: with the writer hung in checkpoint_fn during the final save, SIGTERM,
     then SIGINT after the grace, each said `at once (a save under way still finishes)` and
     the run went on waiting for the save's limit (20 x 300 s): only SIGKILL ended it, with no
     summary. Now the second signal cuts the save and the run ends interrupted, saying the
@@ -332,7 +337,7 @@ class _Progress(Observer):
 
 @pytest.mark.coordinator
 def test_a_resumed_partial_epochs_progress_counts_on_from_the_bundle(tmp_path):
-    """Pins issue 45.11: a resumed partial epoch's progress started at epoch 1, 0 batches,
+    """Pins: a resumed partial epoch's progress started at epoch 1, 0 batches,
     and ended short (74/128) while training epoch 2: the observers were told neither where the
     run resumed nor the batches the bundle held. Now they are told both (on_resume), and the
     resumed epoch's count goes on from there to the epoch's batches."""
@@ -412,7 +417,7 @@ def epoch_fn(epoch, model, marker):
 
 @pytest.mark.e2e
 def test_sigint_while_a_ranks_epoch_fn_hangs_saves_the_finished_epochs(tmp_path):
-    """Pins issue 45.1 on real ranks: Ctrl-C while the callback rank's epoch_fn hung at epoch
+    """Pins on real ranks: Ctrl-C while the callback rank's epoch_fn hung at epoch
     1's close ended `no save within 8s of the ranks' last batch: not saved`, exit 130, no
     bundle (nccl_cadence, cpu_cadence and nccl_sync alike). Now, once the grace runs out, the
     hung rank is declared hung and killed, and rank 0 saves the consensus: epochs 0 and 1 in
@@ -458,7 +463,7 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     trainer was and saved nothing. A stop request now ends it after the batch in hand, saves
     the replica with the rest of the epoch listed uncovered, and a resume trains exactly those
     positions of the pass's permutation, then the epochs after it; its progress counts on from
-    the batches the bundle holds (issue 45.11: it started again at 0)."""
+    the batches the bundle holds (it started again at 0)."""
     from flodl_run.contracts.recipe import load_recipe
     from flodl_run.data.passes import permutation
     from flodl_run.rank.solo import SoloTrainer
@@ -479,7 +484,7 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     summary = resumed.run().summary
     assert summary.status == "completed"
     assert [(e.epoch, e.samples) for e in summary.epochs] == [(0, train - 400), (1, train)]
-    # issue 45.11: its progress goes on from the 50 batches the bundle holds, to the epoch's end
+    # its progress goes on from the 50 batches the bundle holds, to the epoch's end
     assert progress.resumed == (0, 50)
     assert [n for e, n in progress.batches if e == 0][-1] == -(-train // 8)
     order = permutation(train, 0, 0) % train

@@ -71,7 +71,7 @@ def test_foreign_text_is_printed_verbatim_never_parsed_as_markup():
 
 
 def test_a_resumed_run_starts_the_bar_where_the_bundle_left_it():
-    """Pins issue 45.11: a run resumed 54 batches into epoch 2 (of 2, 64 batches each) showed
+    """Pins: a run resumed 54 batches into epoch 2 (of 2, 64 batches each) showed
     `epoch 1` and 0/128 until its first window and ended at 74/128. The bar now starts at
     epoch 2, 118 of 128, counts that as done rather than as this run's speed, and ends full."""
     out = io.StringIO()

@@ -153,7 +153,7 @@ class _Wrapper(nn.Module):
 
 def test_gpt2_steps_read_the_models_config():
     """Pins: the GPT-2 steps reading `model.config` as transformers users do (the nccl_sync
-    failure of issue 44 needs a step that does): given a wrapper, both fail on `config`."""
+    failure seen with wrapped models needs a step that does): given a wrapper, both fail on `config`."""
     recipe, model = _built("gpt2")
     (batch,) = _batches(recipe, 1)
     for step in (_step(recipe), recipe.eval_step):

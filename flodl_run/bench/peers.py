@@ -303,9 +303,9 @@ def _can_fork() -> bool:
 def _fork_rank(env: dict, run: Callable[[], int]) -> "ForkedChild":
     """Fork one rank: the child takes the rank's environment, torch's thread count and fresh
     random generators as a new interpreter would, runs it and leaves without the teardown."""
-    from flodl_run.launch.zygote import ForkedChild, fresh_random_state, intra_op_threads, run_forked
-
     import torch._dynamo  # noqa: F401  (an optimizer's step imports it: once here, not per rank)
+
+    from flodl_run.launch.zygote import ForkedChild, fresh_random_state, intra_op_threads, run_forked
 
     gc.freeze()  # the children's collections then leave our objects' pages unshared alone
     for stream in (sys.stdout, sys.stderr):

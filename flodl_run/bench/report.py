@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from rich.table import Table
 
 from flodl_run.report.quality import (
-    NOT_REACHED,
     eval_points,
     speedup,
     time_to_bar,

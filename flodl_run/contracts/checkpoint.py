@@ -12,7 +12,6 @@ before anything trains; who saves when, and which rank writes what, is the coord
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from flodl_run.contracts.savelock import SaveLock, SavePathTaken  # noqa: F401  (re-exported)
 
 SCHEMA_VERSION = 3
 """3: the meta carries its own checksum (`meta_sha256`); 2: generations and file checksums."""
@@ -124,57 +125,6 @@ def next_generation(stem: str | Path) -> int:
     """A generation no file beside `stem` uses yet (never the current one, nor a half-written
     one left by an interrupted save)."""
     return max(_generations(stem), default=0) + 1
-
-
-class SavePathTaken(Exception):
-    """Another live run writes this save_path; the message names it (pid, run dir)."""
-
-
-class SaveLock:
-    """The save_path's writer: `.S.lock` beside the bundle, held (fcntl, exclusive) from the
-    run's start to its end, naming the run that holds it. Two runs on one save_path used to
-    break each other's bundles: one's prune deleted the other's temp files, metas named files
-    that were gone, generations went backwards. The kernel drops the lock with its process, so
-    a run killed by SIGKILL leaves no stale lock; the file goes with the release."""
-
-    def __init__(self, path: Path, fd: int):
-        self.path, self.fd = path, fd
-
-    @classmethod
-    def take(cls, stem: str | Path, run_dir: str | Path) -> "SaveLock":
-        """Hold the lock for `stem` or raise SavePathTaken naming its holder."""
-        path = Path(stem).with_name(f".{Path(stem).name}.lock")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                os.close(fd)
-                raise SavePathTaken(f"is being written by another run "
-                                    f"({holder or 'unknown holder'})") from None
-            if _same_file(fd, path):  # not a file its holder unlinked as we opened it: ours now
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, run dir {run_dir}".encode(), 0)
-        return cls(path, fd)
-
-    def release(self) -> None:
-        """Remove the file while holding it, then let go (a run that opened it meanwhile sees
-        another file at the path, and starts over)."""
-        try:
-            self.path.unlink(missing_ok=True)
-        finally:
-            os.close(self.fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
 
 
 def fsync_dir(directory: Path) -> None:

@@ -11,8 +11,9 @@ whose other end the supervisor holds (`Zygote`). Each request is one message: th
 environment as JSON, with the write end of its output pipe attached (SCM_RIGHTS). The zygote
 forks; the child starts its own session, takes the pipe as stdout and stderr, takes the
 environment, and runs `flodl_run.rank.process.main` as `python -m flodl_run.rank` would; it leaves
-as the interpreter's exit does, less the teardown (`exit_forked`). The zygote answers each request with the child's pid and reports
-each child's exit status (as `Popen.returncode` states it: negative for a signal).
+as the interpreter's exit does, less the teardown (`exit_forked`). The zygote answers each
+request with the child's pid and reports each child's exit status (as `Popen.returncode`
+states it: negative for a signal).
 
 Lifetime: the zygote never touches CUDA (each rank picks its devices after the fork). It exits
 when the supervisor's end closes (a launcher killed by SIGKILL included) or when it has been

@@ -11,8 +11,7 @@ from typing import Callable, Optional, Tuple
 
 import zmq
 
-from flodl_run.contracts.wire import (AbortGroup, Channel, Heartbeat, Listening, NodeSample,
-                                      connect_dealer)
+from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, Listening, NodeSample, connect_dealer
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned
 
 HEARTBEAT_PERIOD_S = 1.0

@@ -55,8 +55,8 @@ from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
 from flodl_run.rank.busy import BusySampler
 from flodl_run.rank.channels import HeartbeatThread, ListenerThread
-from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
+from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
 from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s, fill_ms
 from flodl_run.rank.nodesample import node_sampler

@@ -142,9 +142,10 @@ def hold_dir(directory: Path, key: str) -> None:
     DirTaken naming the holder when another live process holds it: two runs in one directory
     used to overwrite each other's run.yaml, .hydra/, cli.log, job dirs and comparison.md, and
     the refused one deleted the live one's files on its way out."""
-    from flodl_run.contracts.checkpoint import SaveLock, SavePathTaken
+    from flodl_run.contracts.savelock import SaveLock, SavePathTaken
 
     directory = directory.resolve()
+    made = [] if directory.exists() else [directory]  # an empty one goes again on release
     try:
         lock = SaveLock.take(directory / HOLD_NAME, directory)
     except SavePathTaken as exc:
@@ -153,13 +154,19 @@ def hold_dir(directory: Path, key: str) -> None:
                        f"{holder}): give each run its own {key}") from None
     if not _held:
         atexit.register(release_dirs)
-    _held.append(lock)
+    _held.append((lock, made))
 
 
 def release_dirs() -> None:
     """Let go of every directory this process holds (its lock files go too)."""
     while _held:
-        _held.pop().release()
+        lock, made = _held.pop()
+        lock.release()
+        for directory in made:  # a run or sweep refused before it wrote there leaves no folder
+            try:
+                directory.rmdir()  # only succeeds when empty
+            except OSError:
+                pass
 
 
 class RunDirCallback:
