@@ -188,6 +188,7 @@ def test_a_stop_while_a_ranks_eval_hangs_lets_it_go_and_saves_what_the_others_ho
     assert set(seen) == {(e, i) for e in range(resume_at) for i in range(NUM_SAMPLES)} | held
 
 
+@pytest.mark.apart  # the hang is found at 4x the measured batch time: a loaded core moves it
 @pytest.mark.coordinator
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
 def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_path, mode):

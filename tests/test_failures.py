@@ -157,6 +157,7 @@ def test_what_a_recipe_starts_ends_with_the_run(tmp_path):
                 pass
 
 
+@pytest.mark.apart  # its bound is in seconds (the children end within 10 s)
 def test_what_a_recipe_starts_ends_with_a_killed_launcher(tmp_path):
     """Pins: with the launcher killed by SIGKILL, the ranks saw they were orphaned (or their
     output pipe broke) and exited, and what their recipe had started (a `sleep 3600`, an
