@@ -27,6 +27,9 @@ def build_optimizer(parameters, optimizer: str = "sgd", lr: float = 0.05, **_: o
     return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
 
 
-def train_step(model: nn.Module, batch) -> torch.Tensor:
+def train_step(model: nn.Module, batch, door: str = "call") -> torch.Tensor:
+    """`door`: call the model (`model(x)`, through its hooks) or its `forward` directly, as a
+    model's own method does (past them)."""
     x, y = batch
-    return nn.functional.cross_entropy(model(x), y)
+    logits = model.forward(x) if door == "forward" else model(x)
+    return nn.functional.cross_entropy(logits, y)

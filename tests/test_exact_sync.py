@@ -102,3 +102,13 @@ def test_averaging_parameters_after_each_step_is_not_exact(tmp_path):
     state = _trained(tmp_path, "+recipe.params.optimizer=adamw", "elche.sync_average=params",
                      "elche.max_batch_diff=0")
     assert not _matches(state, _reference("adamw"))
+
+
+def test_a_train_step_that_calls_forward_directly_is_still_averaged_exactly(tmp_path):
+    """Pins the other door to the model: train_step gets the model itself, and one that calls
+    `model.forward(x)` (as a model's own method does) passes DDP's hooks by, so the reducer never
+    runs; the rank then averages the step's gradient itself with the same weights. Unequal
+    shares with micro-batches, AdamW: still one process's parameters."""
+    state = _trained(tmp_path, "+recipe.params.optimizer=adamw", "+recipe.params.door=forward",
+                     "elche.partition_ratios=[3,1]", "elche.micro_batch_size=16")
+    assert _matches(state, _reference("adamw"))
