@@ -210,10 +210,12 @@ def test_unused_parameters_without_the_flag_name_it(tmp_path):
     """Pins nccl_sync on a model whose parameters are unused on some steps, without
     recipe.find_unused_parameters: torch DDP would wait for their gradients, then fail at the
     next forward with torch's words; the rank stops at the first such step, naming the
-    key and the parameters (the rank is lost, as for any failure of its own)."""
+    key and the parameters (the rank is lost, as for any failure of its own). Two micro-batches
+    a step: the one that leaves the decoder out comes after one that gave it a gradient, which
+    must not hide it (a gradient held from earlier in the step is not one of this backward)."""
     proc, summary = _run(tmp_path, "recipe=zoo_unused", *PAIR, "elche=nccl_sync",
                          "recipe.find_unused_parameters=false", "num_epochs=1", f"batch_size={BATCH}",
-                         timeout=300)
+                         f"elche.micro_batch_size={BATCH // 2}", timeout=300)
     said = proc.stdout + proc.stderr
     assert "failed: RecipeError: recipe.find_unused_parameters: must be true for a model whose " \
            "parameters do not all get a gradient in every step (none this step: decoder.weight" in said

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,11 @@ def _weighted_all_reduce(state, bucket):  # unannotated: DDP checks real annotat
     tensor.mul_(state.weight)
     work = dist.all_reduce(tensor, group=dist.group.WORLD, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _grad_versions(model: torch.nn.Module) -> Dict[str, int]:
+    """The version of every gradient a parameter holds (one a backward accumulates into moves)."""
+    return {name: p.grad._version for name, p in model.named_parameters() if p.grad is not None}
 
 
 @contextlib.contextmanager
@@ -188,8 +193,11 @@ class ExactSync:
                 precision.backward(scaled)
                 return scaled.detach()  # a step's micro-batches sum to its share's mean loss
             try:
+                # earlier micro-batches left gradients: which ones this backward reaches is
+                # told by their versions (an accumulation is in place), for the error below
+                held = _grad_versions(self.replica.model) if micro.count > 1 and self.ddp is not None else {}
                 precision.backward(scaled)
-                self._check_reduced()
+                self._check_reduced(held)
                 self._finish_step()
             except RuntimeError as exc:
                 if self.ddp is None or not self._collective_broke(exc):
@@ -197,7 +205,7 @@ class ExactSync:
                 return self._fail(scaled, exc)
         return scaled.detach()
 
-    def _check_reduced(self) -> None:
+    def _check_reduced(self, held: Dict[str, int]) -> None:
         """After the step's backward: DDP's reducer averaged the gradient, or this does. A
         train_step that reached the model's forward by another door (`model.forward(x)`, a
         method calling it) left the reducer out: the gradient is averaged here, exactly, in
@@ -207,7 +215,7 @@ class ExactSync:
             return
         if self._hook.forwarded:
             idle = [name for name, p in self.replica.model.named_parameters()
-                    if p.requires_grad and p.grad is None]
+                    if p.requires_grad and (p.grad is None or held.get(name) == p.grad._version)]
             raise RecipeError("recipe.find_unused_parameters", self.find_unused_parameters,
                               "must be true for a model whose parameters do not all get a gradient "
                               f"in every step (none this step: {', '.join(idle[:4]) or 'unknown'}"
