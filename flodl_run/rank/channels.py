@@ -12,7 +12,7 @@ from typing import Callable, Optional, Tuple
 import zmq
 
 from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, Listening, NodeSample, connect_dealer
-from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned
+from flodl_run.rank.env import RankEnv
 
 HEARTBEAT_PERIOD_S = 1.0
 LISTEN_POLL_MS = 200
@@ -46,8 +46,6 @@ class HeartbeatThread(threading.Thread):
         channel = Channel(sock, self.env.secret)
         self.on_beat(channel)
         while not self.stopped.wait(HEARTBEAT_PERIOD_S):
-            if is_orphaned(self.env):
-                leave_orphaned(self.env)
             if self.silenced.is_set():
                 continue
             channel.send(Heartbeat(self.env.rank, *self.progress(), self.busy(),

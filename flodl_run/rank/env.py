@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,22 @@ def leave_orphaned(env: RankEnv) -> None:
     except OSError:
         pass
     os._exit(1)
+
+
+ORPHAN_CHECK_S = 0.5
+
+
+def watch_orphaned(env: RankEnv) -> None:
+    """From the rank's first moment to its last: a thread that leaves as soon as the launcher is
+    gone, whatever the main thread is doing (importing the recipe, building the model, joining
+    the process group, a collective with a peer that will never come)."""
+    def watch() -> None:
+        while True:
+            time.sleep(ORPHAN_CHECK_S)
+            if is_orphaned(env):
+                leave_orphaned(env)
+
+    threading.Thread(target=watch, daemon=True, name="orphan-watch").start()
 
 
 ORPHAN_GRACE_S = 1.0  # SIGTERM, then SIGKILL after this long: a launcher killed leaves no wait

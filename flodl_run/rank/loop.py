@@ -55,7 +55,7 @@ from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
 from flodl_run.rank.busy import BusySampler
 from flodl_run.rank.channels import HeartbeatThread, ListenerThread
-from flodl_run.rank.env import RankEnv, is_orphaned, leave_orphaned, pick_device
+from flodl_run.rank.env import RankEnv, pick_device
 from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
 from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s, fill_ms
@@ -254,8 +254,6 @@ class RankWorker:
             if received is None:
                 if self._can_train():
                     yield from self._train_one()
-                elif is_orphaned(self.env):
-                    leave_orphaned(self.env)
                 continue
             if isinstance(received.message, Stop):
                 self.waits.report(self.env.rank)

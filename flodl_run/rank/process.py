@@ -21,7 +21,7 @@ from flodl_run.config.compose import experiment_from_yaml
 from flodl_run.contracts.recipe import raised_by_recipe, user_traceback
 from flodl_run.contracts.signals import ignore_stop_signal
 from flodl_run.contracts.wire import Channel, RankFailed, connect_dealer
-from flodl_run.rank.env import RankEnv, end_own_group, is_orphaned
+from flodl_run.rank.env import RankEnv, end_own_group, is_orphaned, watch_orphaned
 from flodl_run.rank.loop import RankWorker
 
 __all__ = ["RankEnv", "RankWorker", "main"]
@@ -33,6 +33,7 @@ def main() -> int:
     it, then the one error line), and the rank exits 1."""
     ignore_stop_signal(os.environ)  # the launcher's to act on (a scheduler signals us all)
     env = RankEnv.from_environ(dict(os.environ))
+    watch_orphaned(env)
     os.environ.pop("FLODL_RUN_SECRET", None)  # read: what the recipe starts must not inherit it
     config = experiment_from_yaml(env.run_file.read_text())
     worker: Optional[RankWorker] = None
