@@ -84,3 +84,44 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     assert scaler.get_scale() == scale / 2
     replica.step(torch.randn(8, 4))
     assert not torch.equal(before, replica.model.weight)
+
+
+def test_the_step_and_the_eval_leave_a_submodule_kept_in_eval_mode_alone():
+    """Pins the modes around the built-in step and the eval: a submodule the recipe keeps in eval
+    mode (a frozen backbone's BatchNorm, set in build_model as fine-tuning recipes do) stays
+    so through steps and evals, its running statistics unmoved, and the eval runs every module
+    in eval mode. The step walked every module with model.train() each time, which undid it
+    (and cost 0.1-0.6 ms a step on ResNet-18 and GPT-2)."""
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(self.backbone(x))
+
+    modes: list = []
+
+    def build_model(device, **_):
+        model = Frozen().to(device)
+        model.backbone.eval()
+        return model
+
+    def train_step(model, batch):
+        modes.append(("step", model.training, model.head.training, model.backbone[1].training))
+        return model(batch).pow(2).mean()
+
+    def eval_step(model, batch):
+        modes.append(("eval", model.training, model.head.training, model.backbone[1].training))
+        return model(batch[0]).sum(), len(batch[0])
+
+    recipe = Recipe(build_model=build_model, train_dataset=lambda **_: None,
+                    build_optimizer=lambda params, **_: torch.optim.SGD(params, lr=0.1),
+                    train_step=train_step, eval_step=eval_step)
+    replica = Replica(recipe, torch.device("cpu"), seed=0)
+    replica.step(torch.randn(8, 4))
+    replica.evaluate(torch.utils.data.TensorDataset(torch.randn(8, 4)))
+    replica.step(torch.randn(8, 4))
+    assert modes == [("step", True, True, False), ("eval", False, False, False), ("step", True, True, False)]
+    assert torch.equal(replica.model.backbone[1].running_mean, torch.zeros(4))

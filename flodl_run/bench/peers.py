@@ -120,7 +120,8 @@ class PeerRank:
     def _step(self, index: torch.Tensor) -> torch.Tensor:
         began = time.perf_counter()
         optimizer = self.replica.optimizer
-        self.model.train()
+        if not self.model.training:  # as a careful loop: once, not a walk of every module a step
+            self.model.train()
         optimizer.zero_grad(set_to_none=True)
         precision = self.replica.precision  # recipe.amp, as our ranks train it
         with precision.autocast():

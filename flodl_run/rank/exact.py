@@ -161,9 +161,10 @@ class ExactSync:
         broadcast_state_(self.replica, self.flat, source, self.device)
 
     def reset_window(self) -> None:
-        """A window begins: counters to zero, the model in training mode (an eval between two
-        windows leaves it in eval mode; once per window, not per step: it walks every module)."""
-        self.replica.model.train()
+        """A window begins: counters to zero, the model in training mode (once per window, not per
+        step: it walks every module)."""
+        if not self.replica.model.training:  # evaluate() restores the modes it found
+            self.replica.model.train()
         self.compute_ms, self.steps, self.skipped, self.failed = 0.0, 0, 0, None
         self._events, self._skipped_on_device = [], None
 
