@@ -152,7 +152,9 @@ def estimate_line(before: Shape, after: Shape, rig: Rig) -> Optional[str]:
     ra, rb = simulate(sim_a, elche_a), simulate(sim_b, elche_b)
     source = f" ({rig.source})" if rig.source else " (cluster.emulate_slowdown x " \
         f"{EMULATED_BASE_MS:g} ms)"
-    return (f"sim estimate{source}: {_estimate(ra)} -> {_estimate(rb)}; "
+    exact = any(shape.elche.averages_gradients for shape in (before, after))
+    caveat = " (the sim models nccl_sync as parameter averaging after each step)" if exact else ""
+    return (f"sim estimate{source}: {_estimate(ra)} -> {_estimate(rb)}{caveat}; "
             f"before: {sim_command(sim_a, elche_a)}; after: {sim_command(sim_b, elche_b)}")
 
 
