@@ -71,7 +71,7 @@ def check(args: argparse.Namespace, console: Console) -> int:
     names = ", ".join(d.name for d in drifts)
     if drifts:
         said = (f"experiments that differ from their snapshots in {directory} ({len(drifts)}): "
-                f"{names}; `python -m flodl_run.review --update {directory}` rewrites them")
+                f"{names}; `flodl_run.review --update {directory}` rewrites them")
     else:
         said = f"every named experiment matches its snapshot in {directory}"
     console.print(f"\n{said}" if args.format == "markdown" else said, markup=False,
@@ -81,7 +81,7 @@ def check(args: argparse.Namespace, console: Console) -> int:
 
 def print_drifts(drifts: List[snapshots.Drift], fmt: str, console: Console) -> None:
     for drift in drifts:
-        title = f"experiment {drift.name}: {drift.problem}"
+        title = f"experiment {drift.name} {drift.problem}"
         if drift.rows:
             render([(title, ("key", "snapshot", "now"), drift.rows, False)], [], fmt, console)
         else:

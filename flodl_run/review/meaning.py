@@ -152,10 +152,14 @@ def estimate_line(before: Shape, after: Shape, rig: Rig) -> Optional[str]:
     ra, rb = simulate(sim_a, elche_a), simulate(sim_b, elche_b)
     source = f" ({rig.source})" if rig.source else " (cluster.emulate_slowdown x " \
         f"{EMULATED_BASE_MS:g} ms)"
-    exact = any(shape.elche.averages_gradients for shape in (before, after))
-    caveat = " (the sim models nccl_sync as parameter averaging after each step)" if exact else ""
+    caveats = []
+    if any(shape.elche.averages_gradients for shape in (before, after)):
+        caveats.append("the sim models nccl_sync as parameter averaging after each step")
+    if before.batch_size != after.batch_size:  # the rig's speeds are per batch, of either size
+        caveats.append("the same ms per batch at both batch sizes")
+    caveat = f" ({'; '.join(caveats)})" if caveats else ""
     return (f"sim estimate{source}: {_estimate(ra)} -> {_estimate(rb)}{caveat}; "
-            f"before: {sim_command(sim_a, elche_a)}; after: {sim_command(sim_b, elche_b)}")
+            f"before: `{sim_command(sim_a, elche_a)}`; after: `{sim_command(sim_b, elche_b)}`")
 
 
 def _estimate(result: SimResult) -> str:
@@ -209,7 +213,7 @@ def render_meaning(lines: Sequence[str], fmt: str, console: Console) -> None:
     if not lines:
         return
     if fmt == "markdown":
-        text = "\n**What it changes**\n\n" + "".join(f"- {line}\n" for line in lines)
+        text = "\n**What it changes**\n\n" + "".join(f"- {line}\n" for line in lines) + "\n"
         console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
         return
     for line in lines:

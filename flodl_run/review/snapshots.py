@@ -49,7 +49,7 @@ class Drift:
     """key, the snapshot's value, the value now: only the fields that differ."""
     lines: List[str] = field(default_factory=list)
     """What the change does to the run (review.meaning)."""
-    problem: str = "its resolved config differs from its snapshot"
+    problem: str = "differs from its snapshot"
     current: Optional[Current] = None
     """None when the experiment is gone."""
 

@@ -59,7 +59,8 @@ jobs:
           PR: ${{ github.event.pull_request.number }}
         run: |
           marker="<!-- flodl_run config review -->"
-          { echo "$marker"; cat "$RUNNER_TEMP/review.md"; } > "$RUNNER_TEMP/comment.md"
+          { echo "$marker"; echo "### Config review against the base branch"; echo;
+            cat "$RUNNER_TEMP/review.md"; } > "$RUNNER_TEMP/comment.md"
           id=$(gh api "repos/$GITHUB_REPOSITORY/issues/$PR/comments" --paginate \\
             --jq ".[] | select(.body | startswith(\\"$marker\\")) | .id" | head -n 1)
           if [ -n "$id" ]; then
