@@ -89,7 +89,7 @@ def test_check_names_every_experiment_a_preset_change_touches(project, capsys):
 
     _edit(project / "conf" / "elche" / "cpu_async.yaml", "easgd_alpha: 0.5", "easgd_alpha: 0.6")
     status, out = _review(capsys, "--check", str(snaps))
-    assert status == 0 and "every named experiment matches" in out, out
+    assert status == 0 and "no experiment differs from its snapshot" in out, out
 
 
 def test_check_fails_for_an_experiment_without_snapshot_and_a_snapshot_without_experiment(
@@ -104,7 +104,19 @@ def test_check_fails_for_an_experiment_without_snapshot_and_a_snapshot_without_e
     assert status == 1
     assert "experiment pair_renamed has no snapshot" in out
     assert "experiment pair_exact has a snapshot but is no longer an experiment" in out
+    assert _review(capsys, "--check", str(snaps), "experiment=pair_cadence")[0] == 0
     assert _review(capsys, "--check", str(project / "nowhere"))[0] == 2
+
+
+def test_review_names_a_recipe_module_that_cannot_be_found(project, capsys):
+    """Pins review's recipe check now that it does not import the recipe (torch): a module
+    that does not exist still fails the review (exit 1) naming recipe.module, and in the
+    snapshot commands (exit 2) naming the experiment too."""
+    assert main(["recipe=custom", "recipe.module=no_such_pkg.recipe"]) == 1
+    assert "recipe.module: must be an importable module" in capsys.readouterr().err
+    status = main(["--snapshot", str(project / "snaps"), "recipe.module=no_such_pkg.recipe"])
+    assert status == 2
+    assert "experiment pair_cadence: invalid config" in capsys.readouterr().err
 
 
 def test_a_snapshot_holds_no_secret_and_no_path_of_the_machine(project):

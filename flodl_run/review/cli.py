@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 from rich.console import Console
 
-from flodl_run.config.compose import ComposeError
+from flodl_run.config.compose import ComposeError, compose
 from flodl_run.config.experiments import ExperimentError
 from flodl_run.config.materialize import ConfigError
 from flodl_run.report.say import labelled
@@ -27,11 +27,12 @@ from flodl_run.review.table import (
     ReviewError,
     by_section,
     diff_of,
-    materialized,
     mode_note,
     paired_rows,
     preset,
     render,
+    resolved_from,
+    shown_items,
 )
 from flodl_run.review.workflow import WORKFLOW
 
@@ -48,11 +49,13 @@ def review(args: argparse.Namespace, console: Console) -> None:
                args.format, console)
         render_meaning(meaning_lines(diff.other, diff.this, rig_of(args)), args.format, console)
         return
-    this, warnings = materialized(args.overrides)
-    sections = by_section(paired_rows(this, preset(args.overrides)))
+    composed = compose(args.overrides)
+    this = resolved_from(composed)
+    shown = shown_items(this.config)
+    sections = by_section(paired_rows(shown, preset(args.overrides, full=composed)))
     tables = [(name, ("key", "value", "preset"), rows, True) for name, rows in sections.items()]
-    render(tables, warnings, args.format, console)
-    note = mode_note(args.overrides)
+    render(tables, this.warnings, args.format, console)
+    note = mode_note(this.config)
     if note and args.format == "markdown":
         console.print(f"\n**Mode:** {note}\n", markup=False, highlight=False, soft_wrap=True)
     elif note:
@@ -73,7 +76,7 @@ def check(args: argparse.Namespace, console: Console) -> int:
         said = (f"experiments that differ from their snapshots in {directory} ({len(drifts)}): "
                 f"{names}; `flodl_run.review --update {directory}` rewrites them")
     else:
-        said = f"every named experiment matches its snapshot in {directory}"
+        said = f"no experiment differs from its snapshot in {directory}"
     console.print(f"\n{said}" if args.format == "markdown" else said, markup=False,
                   highlight=False, soft_wrap=True)
     return EXIT_DRIFT if drifts else 0

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from flodl_run.config.compose import compose, conf_dir, to_experiment
 from flodl_run.config.experiments import (
+    GROUP,
     config_of,
     experiment_files,
     experiment_overrides,
@@ -22,11 +23,10 @@ from flodl_run.config.experiments import (
     snapshot_items,
     snapshot_text,
 )
-from flodl_run.config.materialize import ConfigError, Materialized, materialize
-from flodl_run.config.validate import Problem, validate
-from flodl_run.contracts.recipe import RecipeError, locate
+from flodl_run.config.materialize import ConfigError, Materialized
+from flodl_run.config.validate import validate
 from flodl_run.review.meaning import Rig, meaning_lines
-from flodl_run.review.table import ReviewError, Row, paired_rows, show
+from flodl_run.review.table import ReviewError, Row, paired_rows, show, validated
 
 SUFFIX = ".yaml"
 
@@ -56,27 +56,43 @@ class Drift:
 
 def current(name: str, overrides: Sequence[str]) -> Current:
     """Compose, validate and resolve experiment `name`; an invalid one raises ReviewError
-    naming it (the runner's messages). The recipe module must be found, but is not imported:
-    a snapshot holds values, and importing a recipe (torch) costs seconds per check."""
+    naming it (the runner's messages; the recipe module is found, not imported)."""
     args = experiment_overrides(name, overrides)
     try:
         composed = compose(args)
         unresolved, _ = to_experiment(composed)
-        config = materialize(composed, check_recipe=False).config
-        locate(config.recipe.module)
+        config = validated(composed).config
     except ConfigError as exc:
         raise ReviewError(f"experiment {name}: {exc}") from None
-    except RecipeError as exc:
-        raise ReviewError(f"experiment {name}: {ConfigError([Problem(exc.key, exc.value, exc.rule)])}"
-                          ) from None
     return Current(name, normalized(snapshot_items(config, unresolved)))
 
 
-def experiments(overrides: Sequence[str]) -> List[Current]:
-    names = experiment_files(conf_dir(), overrides)
-    if not names:
-        raise ReviewError(f"no named experiments: {conf_dir() / 'experiment'} has no YAML")
-    return [current(name, overrides) for name in names]
+@dataclass(frozen=True)
+class Selection:
+    """Which experiments a snapshot command covers: all of them, or those an `experiment=a,b`
+    among the overrides names (the other snapshots are then left alone)."""
+
+    names: List[str]
+    overrides: List[str]
+    """The other overrides, applied to each experiment."""
+    is_all: bool
+
+
+def selection(overrides: Sequence[str]) -> Selection:
+    picked = [o.partition("=")[2] for o in overrides if o.startswith(f"{GROUP}=")]
+    rest = [o for o in overrides if not o.startswith(f"{GROUP}=")]
+    known = list(experiment_files(conf_dir(), rest))
+    if not known:
+        raise ReviewError(f"no named experiments: {conf_dir() / GROUP} has no YAML")
+    names = [n for value in picked for n in value.split(",")] or known
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ReviewError(f"{GROUP}: must be one of {', '.join(known)}, got {', '.join(unknown)}")
+    return Selection(names, rest, not picked)
+
+
+def experiments(chosen: Selection) -> List[Current]:
+    return [current(name, chosen.overrides) for name in chosen.names]
 
 
 def write(directory: Path, now: Current) -> None:
@@ -86,7 +102,7 @@ def write(directory: Path, now: Current) -> None:
 
 def snapshot(directory: Path, overrides: Sequence[str]) -> List[str]:
     """Write every experiment's snapshot into `directory`; returns their names."""
-    written = experiments(overrides)
+    written = experiments(selection(overrides))
     for now in written:
         write(directory, now)
     return [now.name for now in written]
@@ -97,7 +113,8 @@ def check(directory: Path, overrides: Sequence[str], rig: Rig = Rig()) -> List[D
     if not directory.is_dir():
         raise ReviewError(f"--check: {directory} is not a directory (write it with --snapshot)")
     drifts: List[Drift] = []
-    nows = experiments(overrides)
+    chosen = selection(overrides)
+    nows = experiments(chosen)
     for now in nows:
         path = directory / f"{now.name}{SUFFIX}"
         if not path.is_file():
@@ -106,9 +123,10 @@ def check(directory: Path, overrides: Sequence[str], rig: Rig = Rig()) -> List[D
         drift = compared(now, _read(path), rig)
         if drift is not None:
             drifts.append(drift)
-    names = {now.name for now in nows}
-    drifts += [Drift(path.stem, problem="has a snapshot but is no longer an experiment")
-               for path in sorted(directory.glob(f"*{SUFFIX}")) if path.stem not in names]
+    if chosen.is_all:
+        names = {now.name for now in nows}
+        drifts += [Drift(path.stem, problem="has a snapshot but is no longer an experiment")
+                   for path in sorted(directory.glob(f"*{SUFFIX}")) if path.stem not in names]
     return drifts
 
 
@@ -116,7 +134,8 @@ def update(directory: Path, overrides: Sequence[str], rig: Rig = Rig()) -> List[
     """Rewrite the snapshots that differ, write missing ones, remove those of experiments that
     are gone; returns what changed."""
     drifts = check(directory, overrides, rig) if directory.is_dir() else [
-        Drift(now.name, problem="has no snapshot", current=now) for now in experiments(overrides)]
+        Drift(now.name, problem="has no snapshot", current=now)
+        for now in experiments(selection(overrides))]
     for drift in drifts:
         if drift.current is None:
             (directory / f"{drift.name}{SUFFIX}").unlink()

@@ -28,7 +28,8 @@ from flodl_run.config.compose import (
 )
 from flodl_run.config.materialize import ConfigError, Materialized, materialize
 from flodl_run.config.schema import Mode
-from flodl_run.config.validate import planned_world_size
+from flodl_run.config.validate import Problem, planned_world_size
+from flodl_run.contracts.recipe import RecipeError, locate
 from flodl_run.report.say import labelled
 
 EXIT_INVALID = 1
@@ -69,11 +70,23 @@ def resolved(overrides: Sequence[str], config_dir: Optional[Path] = None) -> Mat
     return resolved_from(compose(overrides, config_dir=config_dir))
 
 
+def validated(composed: DictConfig) -> Materialized:
+    """A composed config materialized: every value and rule checked, the recipe module found
+    but not imported. Importing a recipe (torch) costs seconds, more than composing and
+    validating; its contract (train_step, datasets) is checked when the run starts."""
+    result = materialize(composed, check_recipe=False)
+    try:
+        locate(result.config.recipe.module)
+    except RecipeError as exc:
+        raise ConfigError([Problem(exc.key, exc.value, exc.rule)], result.warnings) from None
+    return result
+
+
 def resolved_from(composed: DictConfig) -> Materialized:
-    """A composed config materialized, with the launcher's one-device notice among its warnings."""
+    """A composed config validated, with the launcher's one-device notice among its warnings."""
     from flodl_run.launch.launcher import one_device_warning
 
-    result = materialize(composed)
+    result = validated(composed)
     notice = one_device_warning(result.config)
     return dataclasses.replace(result, warnings=result.warnings + ([notice] if notice else []))
 
@@ -90,10 +103,9 @@ def shown_items(config: Any) -> Dict[str, str]:
     return {k: show(v) for k, v in dotted_items(config).items()}
 
 
-def mode_note(overrides: Sequence[str]) -> Optional[str]:
-    """What nccl_sync means for this config (exact gradient averaging and its global batch, or
-    floDl's parameter averaging); None for the other modes."""
-    config = materialize(compose(overrides)).config
+def mode_note(config: Any) -> Optional[str]:
+    """What nccl_sync means for this materialized config (exact gradient averaging and its
+    global batch, or floDl's parameter averaging); None for the other modes."""
     elche, batch = config.elche, config.batch_size
     if elche.mode is not Mode.nccl_sync:
         return None
@@ -109,13 +121,15 @@ def mode_note(overrides: Sequence[str]) -> Optional[str]:
             f"step; a share above {elche.micro_batch_size or batch} samples is cut into micro-batches")
 
 
-def preset(overrides: Sequence[str], config_dir: Optional[Path] = None) -> Dict[str, str]:
+def preset(overrides: Sequence[str], config_dir: Optional[Path] = None,
+           full: Optional[DictConfig] = None) -> Dict[str, str]:
     """The config of only the group selections among `overrides`, without the recipe check.
 
     A mandatory key that the preset leaves open (recipe=custom's `recipe.module`) shows as
     `???`; it is borrowed from the full config only so that the rest can materialize.
     """
-    full = compose(overrides, config_dir=config_dir)
+    if full is None:  # the config of all the overrides, when the caller has not composed it
+        full = compose(overrides, config_dir=config_dir)
     base = compose(choices(overrides), config_dir=config_dir)
     open_keys = sorted(OmegaConf.missing_keys(base))
     for key in open_keys:
