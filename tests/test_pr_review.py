@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -25,7 +26,7 @@ from flodl_run.config.compose import compose
 from flodl_run.config.materialize import materialize
 from flodl_run.review import snapshots
 from flodl_run.review.cli import main
-from flodl_run.review.meaning import meaning_lines
+from flodl_run.review.meaning import meaning_lines, rig_from
 from flodl_run.review.workflow import WORKFLOW
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,6 +187,34 @@ def test_a_cluster_change_gives_the_sims_own_estimate(tmp_path):
     ratio = re.search(r"ratio to ideal\s+\S\s+([\d.]+)", proc.stdout)
     assert printed and ratio, proc.stdout
     assert (printed[1], ratio[1]) == (said[1], said[2])
+
+
+def test_an_against_diff_says_what_the_change_means(capsys):
+    """Pins the meaning lines under `--against` (this side is the change, the other the base):
+    a doubled batch on the two-rank rig reads as a global batch of 64 -> 128."""
+    status, out = _review(capsys, "cluster=cpu_pair", "batch_size=64", "--against",
+                          "cluster=cpu_pair", "--format", "markdown")
+    assert status == 0
+    assert "**What it changes**" in out
+    assert "- global batch 2 x 32 = 64 -> 2 x 64 = 128 samples a step;" in out
+
+
+def test_a_rig_measured_by_a_run_drives_the_estimate(tmp_path):
+    """Pins `--rig-from RUN_DIR`: each rank's ms per batch comes from the run's last epoch
+    (batch size x 1000 / samples per s) and the reduce's wall from its avg_sync_ms, and the
+    estimate line names where the speeds came from."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"epochs": [{"per_rank_throughput": [1.0, 1.0]}, {"per_rank_throughput": [3200.0, 1600.0]}],
+         "avg_sync_ms": 2.5}))
+    (run_dir / "run.yaml").write_text("batch_size: 32\n")
+    rig = rig_from(None, None, run_dir)
+    assert rig.rank_ms == (10.0, 20.0) and rig.sync_ms == 2.5
+    lines = meaning_lines(_materialized("cluster=cpu_pair"),
+                          _materialized("cluster=cpu_pair", "elche=cpu_cadence"), rig)
+    assert lines[-1].startswith(f"sim estimate (measured in {run_dir}): "), lines
+    assert "sim.rank_ms=[10.0,20.0] sim.batch_size=32 sim.sync_ms=2.5`" in lines[-1]
 
 
 def test_the_printed_workflow_is_the_documented_one_and_well_formed(capsys):
