@@ -109,6 +109,12 @@ def test_check_fails_for_an_experiment_without_snapshot_and_a_snapshot_without_e
     assert "experiment pair_exact has a snapshot but is no longer an experiment" in out
     assert _review(capsys, "--check", str(snaps), "experiment=pair_cadence")[0] == 0
     assert _review(capsys, "--check", str(project / "nowhere"))[0] == 2
+    own = project / "mine" / "experiment"  # a user's own experiments, on Hydra's search path
+    own.mkdir(parents=True)
+    (own / "big_batch.yaml").write_text("# @package _global_\n# Choose to test.\nbatch_size: 64\n")
+    status, out = _review(capsys, "--check", str(snaps), "experiment=big_batch",
+                          f"hydra.searchpath=[file://{project / 'mine'}]")
+    assert status == 1 and "experiment big_batch has no snapshot" in out, out
 
 
 @pytest.mark.e2e
