@@ -29,6 +29,9 @@ LAYER = {
 SIDEWAYS = {("hardware", "contracts"), ("config", "contracts")}
 # Entry points: nothing outside their own subpackage imports them.
 ENTRY = {name for name, layer in LAYER.items() if layer == 5}
+# Library modules of an entry point another entry point may import (the importer first): the
+# review's estimate is the sim's own pure rig on a run's measured speeds, not the sim's CLI.
+ENTRY_LIBRARY = {("review", "flodl_run.sim.rig"), ("review", "flodl_run.sim.measured")}
 # The pure ElChe core, and the simulated rig built on it.
 CORE = {"elche"}
 CORE_MODULES = {"flodl_run.sim.rig"}
@@ -59,6 +62,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 found.append(f"{importer} -> {target}: {theirs or mine!r} has no layer")
             elif LAYER[theirs] > LAYER[mine]:
                 found.append(f"{importer} -> {target}: layer {LAYER[mine]} imports layer {LAYER[theirs]}")
+            elif (mine, target) in ENTRY_LIBRARY:
+                continue
             elif theirs in ENTRY and theirs != "":
                 found.append(f"{importer} -> {target}: entry points are imported by nobody")
             elif LAYER[theirs] == LAYER[mine] and (mine, theirs) not in SIDEWAYS and theirs != "":

@@ -49,6 +49,8 @@ WHOLE_CONFIG = {
     "flodl_run.bench.peers.run_solo": "the bench's peer rank trains one replica of the run",
     "flodl_run.bench.peers.run_rank": "the bench's peer rank trains one replica of the run",
     "flodl_run.bench.peers.spawn": "plans the rig as launcher.run would, then starts its ranks",
+    "flodl_run.review.meaning.shape_of": "what a config change means reads the world size, batch, "
+                                         "LR scaling, recipe LR, elche, outer and emulated rig",
 }
 """Functions and methods (module.qualname) that may take the whole ExperimentConfig, each with
 why it needs the whole run rather than part of it. config/ (materialize, validate, compose)

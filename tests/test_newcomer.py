@@ -195,7 +195,8 @@ def test_built_in_recipes_install_with_the_package():
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("module,groups,absent", [
-    ("flodl_run", ["elche", "outer", "cluster", "data", "recipe", "tracking"], ["bench"]),
+    ("flodl_run", ["elche", "outer", "cluster", "data", "recipe", "tracking", "experiment"],
+     ["bench"]),
     ("flodl_run.sim", ["elche"], ["cluster", "recipe"]),
     ("flodl_run.bench", ["bench", "cluster", "tracking"], ["elche"]),
 ])

@@ -29,13 +29,15 @@ INTRO = {
 
 
 def choose_when(path: Path) -> str:
-    """The first sentence of an option's leading comment, without the `#`s, over as many lines
-    as it takes (empty when it has none); a leading `Default.` stays in front of it."""
+    """The first sentence of an option's leading comment, without the `#`s and Hydra's
+    `@package` header, over as many lines as it takes (empty when it has none); a leading
+    `Default.` stays in front of it."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        lines.append(line.lstrip("#").strip())
+        if not line.lstrip("#").strip().startswith("@"):  # Hydra's `# @package _global_` header
+            lines.append(line.lstrip("#").strip())
     text = " ".join(lines)
     prefix = "Default. " if text.startswith("Default. ") else ""
     end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text[len(prefix):])  # not at `e.g.`
@@ -48,7 +50,7 @@ def group_lines(config_dir: Path, group: str, chosen: str) -> List[str]:
     for path in sorted((config_dir / group).glob("*.yaml")):
         mark = "*" if path.stem == chosen else " "
         text = choose_when(path).removeprefix("Default. ")
-        head = f"  {group if not lines else '':<9} {mark}{path.stem:<14} "
+        head = f"  {group if not lines else '':<10} {mark}{path.stem:<14} "
         body = textwrap.wrap(text, WIDTH - len(head), break_on_hyphens=False) or [""]
         lines.append(head + body[0])
         lines += [" " * len(head) + more for more in body[1:]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -176,6 +177,23 @@ def _import(module: str, key: str) -> Any:
         raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # a user module can raise anything at import
         raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
+
+
+def locate(module: str, key: str = "recipe.module") -> None:
+    """Check that `module` can be imported (current directory first) without running it: only
+    its parent packages are imported. RecipeError on `key` when it cannot be found. For checks
+    that must not pay a recipe's imports (torch): the full contract is `load_recipe`'s."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        spec = importlib.util.find_spec(module)
+    except ModuleNotFoundError as exc:
+        raise RecipeError(key, module, _not_found(exc.name or module, cwd)) from None
+    except Exception as exc:  # a parent package can raise anything at import
+        raise RecipeError(key, module, f"failed to import: {type(exc).__name__}: {exc}") from None
+    if spec is None:
+        raise RecipeError(key, module, _not_found(module, cwd))
 
 
 def _named_loop(mod: Any, name: str) -> Callable[..., Any]:

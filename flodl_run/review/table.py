@@ -1,36 +1,35 @@
-"""`python -m flodl_run.review`: the materialized run config as a table or a diff to review.
+"""The materialized run config as a table or a diff to review.
 
 Owns turning overrides into rows grouped by section (key, value, the preset's value), the
 field-level diff against other overrides (`--against`) or the conf/ tree at a git ref
 (`--against-ref`), and their rich or GitHub-markdown rendering. Composition and validation
-belong to `flodl_run.config`. Exit 0 when valid, 1 when invalid (the runner's messages).
+belong to `flodl_run.config`; what a change means, to `review.meaning`.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from flodl_run.config.compose import (
     GROUPS,
-    ComposeError,
     choices,
     compose,
     conf_dir,
     dotted_items,
 )
-from flodl_run.config.materialize import ConfigError, materialize
+from flodl_run.config.materialize import ConfigError, Materialized, materialize
 from flodl_run.config.schema import Mode
-from flodl_run.config.validate import planned_world_size
+from flodl_run.config.validate import Problem, planned_world_size
+from flodl_run.contracts.recipe import RecipeError, locate
 from flodl_run.report.say import labelled
 
 EXIT_INVALID = 1
@@ -65,21 +64,48 @@ def section_of(key: str) -> str:
     return head if dot and head in GROUPS else "run"
 
 
+def resolved(overrides: Sequence[str], config_dir: Optional[Path] = None) -> Materialized:
+    """The materialized run config with every warning the launcher would print; raises on
+    invalid input."""
+    return resolved_from(compose(overrides, config_dir=config_dir))
+
+
+def validated(composed: DictConfig) -> Materialized:
+    """A composed config materialized: every value and rule checked, the recipe module found
+    but not imported. Importing a recipe (torch) costs seconds, more than composing and
+    validating; its contract (train_step, datasets) is checked when the run starts."""
+    result = materialize(composed, check_recipe=False)
+    try:
+        locate(result.config.recipe.module)
+    except RecipeError as exc:
+        raise ConfigError([Problem(exc.key, exc.value, exc.rule)], result.warnings) from None
+    return result
+
+
+def resolved_from(composed: DictConfig) -> Materialized:
+    """A composed config validated, with the launcher's one-device notice among its warnings."""
+    from flodl_run.launch.launcher import one_device_warning
+
+    result = validated(composed)
+    notice = one_device_warning(result.config)
+    return dataclasses.replace(result, warnings=result.warnings + ([notice] if notice else []))
+
+
 def materialized(overrides: Sequence[str], config_dir: Optional[Path] = None
                  ) -> Tuple[Dict[str, str], List[str]]:
     """{dotted key: shown value} of the run config, plus its warnings; raises on invalid input."""
-    from flodl_run.launch.launcher import one_device_warning
-
-    result = materialize(compose(overrides, config_dir=config_dir))
-    notice = one_device_warning(result.config)
-    warnings = result.warnings + ([notice] if notice else [])
-    return {k: show(v) for k, v in dotted_items(result.config).items()}, warnings
+    result = resolved(overrides, config_dir)
+    return shown_items(result.config), result.warnings
 
 
-def mode_note(overrides: Sequence[str]) -> Optional[str]:
-    """What nccl_sync means for this config (exact gradient averaging and its global batch, or
-    floDl's parameter averaging); None for the other modes."""
-    config = materialize(compose(overrides)).config
+def shown_items(config: Any) -> Dict[str, str]:
+    """{dotted key: value as typed in YAML} of a typed config, in schema order."""
+    return {k: show(v) for k, v in dotted_items(config).items()}
+
+
+def mode_note(config: Any) -> Optional[str]:
+    """What nccl_sync means for this materialized config (exact gradient averaging and its
+    global batch, or floDl's parameter averaging); None for the other modes."""
     elche, batch = config.elche, config.batch_size
     if elche.mode is not Mode.nccl_sync:
         return None
@@ -95,13 +121,15 @@ def mode_note(overrides: Sequence[str]) -> Optional[str]:
             f"step; a share above {elche.micro_batch_size or batch} samples is cut into micro-batches")
 
 
-def preset(overrides: Sequence[str], config_dir: Optional[Path] = None) -> Dict[str, str]:
+def preset(overrides: Sequence[str], config_dir: Optional[Path] = None,
+           full: Optional[DictConfig] = None) -> Dict[str, str]:
     """The config of only the group selections among `overrides`, without the recipe check.
 
     A mandatory key that the preset leaves open (recipe=custom's `recipe.module`) shows as
     `???`; it is borrowed from the full config only so that the rest can materialize.
     """
-    full = compose(overrides, config_dir=config_dir)
+    if full is None:  # the config of all the overrides, when the caller has not composed it
+        full = compose(overrides, config_dir=config_dir)
     base = compose(choices(overrides), config_dir=config_dir)
     open_keys = sorted(OmegaConf.missing_keys(base))
     for key in open_keys:
@@ -140,18 +168,29 @@ def conf_at_ref(ref: str, workdir: Path) -> Path:
     return workdir / "conf"
 
 
-def diff_rows(overrides: Sequence[str], against: Optional[str],
-              against_ref: Optional[str]) -> Tuple[List[Row], List[str], str]:
-    """Rows that differ between this config and the other one, this side's warnings, a title."""
-    this, warnings = materialized(overrides)
+@dataclasses.dataclass(frozen=True)
+class Diff:
+    """Two materialized configs side by side: `this` (the overrides on the working tree) and
+    `other` (the other overrides, or conf/ at a git ref), under a title."""
+
+    this: Materialized
+    other: Materialized
+    title: str
+
+    def rows(self) -> List[Row]:
+        """The fields whose values differ, this side's first."""
+        pairs = paired_rows(shown_items(self.this.config), shown_items(self.other.config))
+        return [r for r in pairs if r[1] != r[2]]
+
+
+def diff_of(overrides: Sequence[str], against: Optional[str], against_ref: Optional[str]) -> Diff:
+    """This config and the other one (`--against` overrides, or conf/ at `--against-ref`)."""
+    this = resolved(overrides)
     if against is not None:
-        other, _ = materialized(shlex.split(against))
-        title = f"diff: this vs {against!r}"
-    else:
-        with tempfile.TemporaryDirectory(prefix="flodl_review_") as tmp:
-            other, _ = materialized(overrides, config_dir=conf_at_ref(against_ref, Path(tmp)))
-        title = f"diff: working tree vs conf/ at {against_ref}"
-    return [r for r in paired_rows(this, other) if r[1] != r[2]], warnings, title
+        return Diff(this, resolved(shlex.split(against)), f"diff: this vs {against!r}")
+    with tempfile.TemporaryDirectory(prefix="flodl_review_") as tmp:
+        other = resolved(overrides, config_dir=conf_at_ref(against_ref, Path(tmp)))
+    return Diff(this, other, f"diff: working tree vs conf/ at {against_ref}")
 
 
 def rich_table(title: str, headers: Sequence[str], rows: Sequence[Row], mark: bool) -> Table:
@@ -195,53 +234,3 @@ def render(tables: List[Tuple[str, Sequence[str], List[Row], bool]], warnings: L
         console.print(rich_table(*spec))
     for warning in warnings:
         console.print(labelled("warning", warning, "yellow"), highlight=False, soft_wrap=True)
-
-
-def review(args: argparse.Namespace, console: Console) -> None:
-    """Build the review (or the diff) for parsed arguments and print it."""
-    if args.against is not None or args.against_ref is not None:
-        rows, warnings, title = diff_rows(args.overrides, args.against, args.against_ref)
-        if not rows:
-            rows = [("(no differences)", "", "")]
-        render([(title, ("key", "this", "other"), rows, False)], warnings, args.format, console)
-        return
-    this, warnings = materialized(args.overrides)
-    sections = by_section(paired_rows(this, preset(args.overrides)))
-    tables = [(name, ("key", "value", "preset"), rows, True) for name, rows in sections.items()]
-    render(tables, warnings, args.format, console)
-    note = mode_note(args.overrides)
-    if note and args.format == "markdown":
-        console.print(f"\n**Mode:** {note}\n", markup=False, highlight=False, soft_wrap=True)
-    elif note:
-        console.print(labelled("mode", note, "cyan"), highlight=False, soft_wrap=True)
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m flodl_run.review",
-        description="Print the materialized run config (marking values that differ from their "
-                    "preset), or a field-level diff of two configs.")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m flodl_run")
-    other = parser.add_mutually_exclusive_group()
-    other.add_argument("--against", metavar="OVERRIDES",
-                       help='diff against these overrides (one shell-quoted string)')
-    other.add_argument("--against-ref", metavar="GITREF",
-                       help="diff against the same overrides on the conf/ tree at a git ref")
-    parser.add_argument("--format", choices=("table", "markdown"), default="table")
-    return parser.parse_intermixed_args(argv)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; returns the exit status (0 valid, 1 invalid)."""
-    args = parse_args(argv)
-    try:
-        review(args, Console())
-    except (ComposeError, ConfigError, ReviewError) as exc:
-        Console(stderr=True).print(labelled("flodl_run", str(exc), "bold red"), highlight=False,
-                                     soft_wrap=True)
-        return EXIT_INVALID
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

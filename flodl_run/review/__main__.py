@@ -1,0 +1,5 @@
+import sys
+
+from flodl_run.review.cli import main
+
+sys.exit(main())
