@@ -269,3 +269,13 @@ def test_the_hook_fails_a_commit_that_changes_a_preset_without_its_snapshots(pro
     assert proc.returncode == 1, out
     assert "flodl_run config review" in out and "Failed" in out
     assert "(2): pair_cadence, pair_exact" in out
+
+
+def test_the_projects_own_snapshots_are_current(capsys, monkeypatch):
+    """Pins the review on this repository itself: conf_snapshots/ holds what each of conf/'s
+    experiments resolves to, so a change to a preset or a default that moves one fails here
+    until `.venv/bin/python -m flodl_run.review --update conf_snapshots` is run and the
+    snapshot diff is committed with it (the diff the PR then shows)."""
+    monkeypatch.chdir(REPO)
+    status, out = _review(capsys, "--check", "conf_snapshots")
+    assert status == 0, out
