@@ -68,6 +68,26 @@ def test_nccl_sync_on_equal_ranks_splits_every_step_evenly_in_few_windows(lockst
     assert '"kind": "end"' in (run_dir / "events.jsonl").read_text()
 
 
+@pytest.mark.alone
+def test_nccl_sync_on_a_skewed_pair_splits_steps_by_the_fitted_step_times(tmp_path):
+    """Pins the time model in a real run: the ranks' window timings reach the planner, each
+    rank's step is fitted as a fixed cost plus a cost per sample (said once an epoch in a
+    step_costs event), and the split that ran in the last epoch is the one planned from those
+    costs. digits_mlp's step on a CPU core is mostly fixed cost (launches, the hook), which
+    the 2.5x emulation stretches too: the slow rank ends with less than the speed split's
+    0.29 (docs/elche.md, "Shares from a time model")."""
+    proc, summary = _run(tmp_path, "cluster=cpu_pair", "elche=nccl_sync", "num_epochs=3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    said = [e["message"] for e in events if e["kind"] == "step_costs"]
+    assert said and said[-1].startswith("epoch 3: rank 0 ") and ", rank 1 " in said[-1], said
+    fixed = [float(part.split(" ms + ")[0].rsplit(" ", 1)[1]) for part in said[-1].split(", ")]
+    assert max(fixed) > 0, said[-1]  # a small MLP's step: launches more than arithmetic
+    planned = [int(x) for x in said[-1].rsplit(" split ", 1)[1].split(" / ")]
+    ran = summary["epochs"][-1]["per_rank_batch_share"]
+    assert sum(planned) == 64 and ran[1] == pytest.approx(planned[1] / 64, abs=0.1), (said, ran)
+
+
 @pytest.mark.parametrize("mode,outer", [("nccl_sync", "slowmo"), ("nccl_cadence", "diloco")])
 def test_outer_optimizers_complete_in_collective_modes(tmp_path, mode, outer):
     """Pins that the collective modes run to completion with the outer optimizers (each mode

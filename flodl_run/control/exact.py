@@ -55,6 +55,22 @@ class ExactWindows:
             window = self._train_window(epoch, steps, epoch_tally)
             self._close_window(epoch, len(steps), window, epoch_tally)
             windows.stop_if_asked(epoch)
+        self._say_costs(epoch)
+
+    def _say_costs(self, epoch: int) -> None:
+        """Once an epoch, what the shares come from: each rank's fitted step (fixed cost plus a
+        cost per sample) and the split of a full step planned from them (events.jsonl, the
+        record log, MLflow). A small share for a slow rank reads as its fixed cost here."""
+        members = sorted(self.members.alive)
+        costs = self.shares.costs(members)
+        if costs is None:
+            return
+        split = self.shares.last_split()
+        steps = ", ".join(f"rank {r} {c.fixed_ms:.3f} ms + {c.per_sample_ms:.4f} ms a sample"
+                          for r, c in zip(members, costs))
+        shares = " / ".join(f"{split.get(r, 0.0) * self.global_batch:.0f}" for r in members)
+        self.reduces.observer.on_event(
+            "step_costs", f"epoch {epoch + 1}: {steps}; a step of {self.global_batch} split {shares}")
 
     def _cut_window(self, pool: EpochPool) -> List[Step]:
         """ElChe's anchor of global steps, at most WINDOW_CAP_MS of compute (fewer at the epoch's

@@ -154,6 +154,16 @@ class SharePlanner:
     def forget(self, rank: int) -> None:
         self.fit.forget(rank)
 
+    def costs(self, members: Sequence[int]) -> Optional[List[StepCost]]:
+        """The members' fitted step costs when the time model plans (every member has one and
+        no ratios are stated); else None."""
+        costs = [self.fit.cost(r) for r in members]
+        return None if self.ratios or not costs or any(c is None for c in costs) else costs
+
+    def last_split(self) -> Dict[int, float]:
+        """Each rank's fraction of the last full step planned (empty before the first)."""
+        return dict(self._last or {})
+
     def plan(self, totals: Sequence[int], members: Sequence[int],
              ms_per_batch: Sequence[Optional[float]]) -> List[List[int]]:
         """Each step's shares (indexed by rank, 0 for a non-member) of a window whose steps
