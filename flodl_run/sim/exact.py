@@ -6,8 +6,9 @@ Owns the per-step cost of a simulated rank and the window loop of this path (val
 records out). A rank's `ms_per_batch` is what a batch of `batch_size` samples costs it; the
 fixed part is `sim.step_fixed_ms` on the fastest rank and the same fraction of every rank's
 batch (an emulated slower device, like a slower GPU, is slower at both). A step lasts as long
-as its slowest rank's compute: the all-reduce overlaps backward, and the window boundary's
-round trip (`sim.sync_ms`) is the reduce ElChe sees.
+as its slowest rank's compute, or as its all-reduce (`sim.sync_ms` and its per-rank part) when
+that is longer: the all-reduce overlaps backward, and no step ends before it. The window
+boundary's round trip costs one more reduce's wall, the overhead ElChe sees.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def simulate_exact(sim: SimConfig, elche_config: ElCheConfig,
         per_batch = compute * sim.batch_size / (steps * shares)
         after = elche.on_reduce(ReduceReport(wall_ms=per_batch * steps, batches=[steps] * len(ranks),
                                              sync_ms=sync_ms, lr=rig.lr(window)))
-        totals.add(compute, elche.alive, sync_ms, steps * global_batch // sim.batch_size)
+        step_wall = max(float(compute.max()) / steps, sync_ms)
+        totals.wall_ms += steps * step_wall + sync_ms
+        totals.samples += steps * global_batch // sim.batch_size
+        totals.idle_ms += steps * step_wall - compute
         totals.anchors.append(after.anchor)
         record = WindowRecord(
             window=window, phase=plan.phase.label, anchor=plan.anchor, anchor_rank=plan.anchor_rank,
