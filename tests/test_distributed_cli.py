@@ -73,16 +73,15 @@ def test_nccl_sync_on_a_skewed_pair_splits_steps_by_the_fitted_step_times(tmp_pa
     """Pins the time model in a real run: the ranks' window timings reach the planner, each
     rank's step is fitted as a fixed cost plus a cost per sample (said once an epoch in a
     step_costs event), and the split that ran in the last epoch is the one planned from those
-    costs. digits_mlp's step on a CPU core is mostly fixed cost (launches, the hook), which
-    the 2.5x emulation stretches too: the slow rank ends with less than the speed split's
-    0.29 (docs/elche.md, "Shares from a time model")."""
+    costs. (How small the slow rank's share gets depends on the load: a line through windows
+    that scatter over 10% is not trusted, docs/elche.md, "Shares from a time model".)"""
     proc, summary = _run(tmp_path, "cluster=cpu_pair", "elche=nccl_sync", "num_epochs=3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     said = [e["message"] for e in events if e["kind"] == "step_costs"]
     assert said and said[-1].startswith("epoch 3: rank 0 ") and ", rank 1 " in said[-1], said
-    fixed = [float(part.split(" ms + ")[0].rsplit(" ", 1)[1]) for part in said[-1].split(", ")]
-    assert max(fixed) > 0, said[-1]  # a small MLP's step: launches more than arithmetic
+    per_sample = [float(part.split(" ms + ")[1].split(" ")[0]) for part in said[-1].split("; ")[0].split(", ")]
+    assert len(per_sample) == 2 and min(per_sample) > 0, said[-1]
     planned = [int(x) for x in said[-1].rsplit(" split ", 1)[1].split(" / ")]
     ran = summary["epochs"][-1]["per_rank_batch_share"]
     assert sum(planned) == 64 and ran[1] == pytest.approx(planned[1] / 64, abs=0.1), (said, ran)

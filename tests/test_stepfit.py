@@ -20,10 +20,14 @@ def test_a_line_through_windows_at_several_shares_gives_both_costs():
     assert line.fixed_ms == pytest.approx(2.0) and line.per_sample_ms == pytest.approx(0.1)
 
 
-def test_points_at_one_share_give_no_line():
-    """Pins the fallback's trigger: samples a step within 10% of each other say nothing of
-    the slope (the shares have settled), so no line is read from them."""
+def test_points_that_cannot_show_a_slope_give_no_line():
+    """Pins the fallback's triggers: samples a step within 10% of each other (the shares have
+    settled), two windows (a line through any two), or windows scattered more than 10% of the
+    step around the line (a loaded machine: the slope would be noise) read no line."""
     assert fit_line([(30, 5.0), (30, 5.2), (31, 5.1)]) is None
+    assert fit_line([(20, 4.0), (40, 6.0)]) is None
+    assert fit_line([(20, 4.0), (30, 7.0), (40, 4.5)]) is None
+    assert fit_line([(20, 4.0), (30, 5.2), (40, 6.0)]) is not None  # 3% off the line
     assert fit_line([]) is None
 
 
@@ -31,12 +35,12 @@ def test_a_noisy_slope_is_clamped_to_costs_a_device_can_have():
     """Pins the clamps: time falling with samples (noise) keeps a per-sample cost of 5% of the
     mean ms per sample; a line crossing zero time above zero samples becomes a per-sample cost
     through the origin (no negative fixed cost)."""
-    falling = fit_line([(20, 6.0), (40, 5.0)])
+    falling = fit_line([(20, 6.0), (30, 5.5), (40, 5.0)])
     assert falling.per_sample_ms == pytest.approx(0.05 * 5.5 / 30)
     assert falling.fixed_ms == pytest.approx(5.5 - falling.per_sample_ms * 30)
-    steep = fit_line([(20, 1.0), (40, 5.0)])
+    steep = fit_line([(20, 1.0), (30, 3.0), (40, 5.0)])
     assert steep.fixed_ms == 0.0
-    assert steep.per_sample_ms == pytest.approx((20 * 1.0 + 40 * 5.0) / (20 * 20 + 40 * 40))
+    assert steep.per_sample_ms == pytest.approx((20 * 1.0 + 30 * 3.0 + 40 * 5.0) / (400 + 900 + 1600))
 
 
 def test_settled_shares_keep_the_last_lines_shape_at_the_measured_level():
@@ -109,8 +113,8 @@ def _rig_step_ms(rank: int, samples: float) -> float:
 
 def test_the_planner_starts_equal_then_by_speed_then_ends_steps_together():
     """Pins the planner's phases on a rig with a fixed cost: the first window splits equally,
-    the next by speed (every rank has one point), then by the fitted times, moving at most 2x
-    a window, until both ranks' steps take the same time (to a sample's rounding). With
+    the next two by speed (no line through fewer than three windows), then by the fitted times,
+    moving at most 2x a window, where both ranks' steps take the same time. With
     partition_ratios the ratios hold throughout."""
     planner = SharePlanner()
     ms = [None, None]
@@ -127,7 +131,8 @@ def test_the_planner_starts_equal_then_by_speed_then_ends_steps_together():
     for before, after in zip(plans[1:], plans[2:]):
         assert after[1] >= before[1] / 2 - 1
     # T = (64 + 0.2 / 0.02 + 0.5 / 0.05) / (1 / 0.02 + 1 / 0.05) = 1.2 ms: 50 and 14 samples
-    assert plans[-1] == [50, 14] and plans[2] == [50, 14]
+    assert plans[2] == [47, 17]  # speed at the shares of the two windows measured
+    assert plans[-1] == [50, 14] and plans[3] == [50, 14]
     fixed = SharePlanner(ratios=[3, 1])
     fixed.observe(0, 2, 64, 4.0)
     fixed.observe(1, 2, 64, 9.0)
@@ -139,7 +144,7 @@ def test_a_tail_step_is_solved_on_its_own_and_a_new_membership_unbounded():
     full step's fractions), and after a death the survivor takes the whole step at once."""
     planner = SharePlanner()
     for rank, cost in ((0, StepCost(1.0, 0.1)), (1, StepCost(2.5, 0.25))):
-        for samples in (20, 40):
+        for samples in (20, 30, 40):
             planner.observe(rank, 1, samples, cost.ms(samples))
     full, tail = planner.plan([64, 10], [0, 1], [None, None])
     assert full == [50, 14] and tail == [9, 1]

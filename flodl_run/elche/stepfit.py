@@ -21,6 +21,14 @@ MIN_SPREAD = 0.10
 closer together (the shares have settled) the slope is noise, and the last line's fixed cost
 in samples (a / b) is kept, its level set by the points."""
 
+MIN_POINTS = 3
+"""A line needs three windows at least: two points always lie on one, noise included."""
+
+MAX_SCATTER = 0.10
+"""A line is trusted when its points scatter around it by at most this share of their mean
+step time (root mean square). A loaded machine's windows vary by 30% or more: a line through
+them says nothing of a fixed cost, and the last trusted shape (or the speed rule) plans."""
+
 MIN_PER_SAMPLE = 0.05
 """The per-sample cost is at least this share of the rank's mean ms per sample: a step whose
 time does not grow with its samples would take the whole batch (a slope at or below zero is a
@@ -42,12 +50,13 @@ class StepCost:
 
 def fit_line(points: Sequence[Point]) -> Optional[StepCost]:
     """Least squares `t = a + b s` through the points, clamped: b at least MIN_PER_SAMPLE of
-    the mean ms per sample, a at least 0 (each clamp refits the other term). None when the
-    points' samples per step spread less than MIN_SPREAD of their mean (no slope to read)."""
+    the mean ms per sample, a at least 0 (each clamp refits the other term). None when there
+    is no slope to read: fewer than MIN_POINTS points, samples per step spread less than
+    MIN_SPREAD of their mean, or points scattered more than MAX_SCATTER around the line."""
     usable = [(s, t) for s, t in points if s > 0 and t > 0]
-    if not usable:
-        return None
     n = len(usable)
+    if n < MIN_POINTS:
+        return None
     mean_s = sum(s for s, _ in usable) / n
     mean_t = sum(t for _, t in usable) / n
     spread = max(s for s, _ in usable) - min(s for s, _ in usable)
@@ -55,6 +64,9 @@ def fit_line(points: Sequence[Point]) -> Optional[StepCost]:
         return None
     var = sum((s - mean_s) ** 2 for s, _ in usable)
     slope = sum((s - mean_s) * (t - mean_t) for s, t in usable) / var
+    scatter = (sum((t - mean_t - slope * (s - mean_s)) ** 2 for s, t in usable) / n) ** 0.5
+    if scatter > MAX_SCATTER * mean_t:
+        return None
     floor = MIN_PER_SAMPLE * mean_t / mean_s
     slope = max(slope, floor)
     fixed = mean_t - slope * mean_s
