@@ -1,5 +1,5 @@
 """nccl_sync's exact windows: a window is a run of global steps of world_size x batch_size
-samples, each split between the ranks by measured speed; the ranks step on their own (the
+samples, each split between the ranks by their measured step times; the ranks step on their own (the
 all-reduce inside backward synchronises them) and report once per window.
 
 Owns the cut of a window into steps and shares, the collection of a window's answers, and what
