@@ -4,6 +4,7 @@ read from dynamo's own counters (flodl_run/rank/compiled.py)."""
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 
 from flodl_run.rank.compiled import graph_counts
 
@@ -12,8 +13,6 @@ def test_graphs_and_frames_past_the_recompile_limit_are_counted():
     """Pins the reading: a function compiled for 4 sizes with shapes kept static and a limit of
     2 builds 2 graphs, then dynamo gives the frame up (it runs eagerly): the eager fallback a
     run reports, which a count of graphs alone would hide."""
-    import torch._dynamo
-
     before = graph_counts()
 
     def double_sum(x):
