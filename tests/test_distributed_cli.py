@@ -88,7 +88,7 @@ def test_nccl_sync_on_a_skewed_pair_plans_from_fitted_step_times_and_compiles_fe
     assert len(per_sample) == 2 and min(per_sample) > 0, said[-1]
     planned = [int(x) for x in said[-1].rsplit(" split ", 1)[1].split(" / ")]
     ran = summary["epochs"][-1]["per_rank_batch_share"]
-    assert sum(planned) == 64 and ran[1] == pytest.approx(planned[1] / 64, abs=0.1), (said, ran)
+    assert sum(planned) == 64 and ran[1] == pytest.approx(planned[1] / 64, abs=0.15), (said, ran)
     graphs = summary["compiled_graphs"]
     assert len(graphs) == 2 and 1 <= min(graphs) and max(graphs) <= 4, graphs
     assert summary["eager_frames"] == [0, 0]
