@@ -151,9 +151,6 @@ class SharePlanner:
         """One rank's window: its steps, samples and compute (the all-reduce's waits left out)."""
         self.fit.record(rank, steps, samples, compute_ms)
 
-    def forget(self, rank: int) -> None:
-        self.fit.forget(rank)
-
     def costs(self, members: Sequence[int]) -> Optional[List[StepCost]]:
         """The members' fitted step costs when the time model plans (every member has one and
         no ratios are stated); else None."""
@@ -171,8 +168,8 @@ class SharePlanner:
         a smaller tail step is solved on its own."""
         size = max([len(ms_per_batch), max(members) + 1 if members else 0,
                     len(self.ratios) if self.ratios else 0])
-        costs = [self.fit.cost(r) for r in members]
-        if self.ratios or not members or any(c is None for c in costs):
+        costs = self.costs(members)
+        if costs is None:
             plans = {t: step_shares(t, ms_per_batch, members, self.ratios) for t in set(totals)}
             full = max(totals, default=0)
             if full > 0 and not self.ratios:
