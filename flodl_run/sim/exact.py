@@ -65,10 +65,7 @@ def simulate_exact(sim: SimConfig, elche_config: ElCheConfig,
         per_batch = compute * sim.batch_size / (steps * shares)
         after = elche.on_reduce(ReduceReport(wall_ms=per_batch * steps, batches=[steps] * len(ranks),
                                              sync_ms=sync_ms, lr=rig.lr(window)))
-        step_wall = max(float(compute.max()) / steps, sync_ms)
-        totals.wall_ms += steps * step_wall + sync_ms
-        totals.samples += steps * global_batch // sim.batch_size
-        totals.idle_ms += steps * step_wall - compute
+        _account(totals, compute, steps, sync_ms, steps * global_batch // sim.batch_size)
         totals.anchors.append(after.anchor)
         record = WindowRecord(
             window=window, phase=plan.phase.label, anchor=plan.anchor, anchor_rank=plan.anchor_rank,
@@ -82,6 +79,15 @@ def simulate_exact(sim: SimConfig, elche_config: ElCheConfig,
     summary = totals.summary(rig.rank_ms.tolist(), sim.batch_size)
     summary = replace(summary, shares=[s / global_batch for s in last] if last else None)
     return SimResult(records, summary, rig.rank_ms.tolist())
+
+
+def _account(totals: _Totals, compute: np.ndarray, steps: int, sync_ms: float, batches: int) -> None:
+    """A window's wall (each step as long as its slowest compute or its all-reduce, then the
+    boundary's round trip), its batches, and each rank's wait inside its steps."""
+    step_wall = max(float(compute.max()) / steps, sync_ms)
+    totals.wall_ms += steps * step_wall + sync_ms
+    totals.samples += batches
+    totals.idle_ms += steps * step_wall - compute
 
 
 def simulate_mode(sim: SimConfig, elche_config: ElCheConfig,
