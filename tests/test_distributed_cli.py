@@ -68,6 +68,33 @@ def test_nccl_sync_on_equal_ranks_splits_every_step_evenly_in_few_windows(lockst
     assert '"kind": "end"' in (run_dir / "events.jsonl").read_text()
 
 
+@pytest.mark.alone
+def test_nccl_sync_on_a_skewed_pair_plans_from_fitted_step_times_and_compiles_few_graphs(tmp_path):
+    """Pins, in one real run of a compiled model (recipe.compile=aot_eager, 5 epochs), the time
+    model: the ranks' window timings reach the planner, each rank's step is fitted as a fixed
+    cost plus a cost per sample (said once an epoch in a step_costs event), and the split that
+    ran in the last epoch is the one planned from those costs (how small the slow rank's share
+    gets depends on the load, docs/elche.md, "Shares from a time model"); and what the shares
+    moving window to window cost a compiled model: at most 4 graphs per rank, no frame past
+    dynamo's recompile limit, both in summary.json and on the end line."""
+    proc, summary = _run(tmp_path, "cluster=cpu_pair", "elche=nccl_sync", "num_epochs=5",
+                         "recipe.compile=aot_eager")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    said = [e["message"] for e in events if e["kind"] == "step_costs"]
+    assert said and said[-1].startswith("epoch 5: rank 0 ") and ", rank 1 " in said[-1], said
+    costs = said[-1].split("; ")[0].split(", ")
+    per_sample = [float(part.split(" ms + ")[1].split(" ")[0]) for part in costs]
+    assert len(per_sample) == 2 and min(per_sample) > 0, said[-1]
+    planned = [int(x) for x in said[-1].rsplit(" split ", 1)[1].split(" / ")]
+    ran = summary["epochs"][-1]["per_rank_batch_share"]
+    assert sum(planned) == 64 and ran[1] == pytest.approx(planned[1] / 64, abs=0.15), (said, ran)
+    graphs = summary["compiled_graphs"]
+    assert len(graphs) == 2 and 1 <= min(graphs) and max(graphs) <= 4, graphs
+    assert summary["eager_frames"] == [0, 0]
+    assert f"graphs compiled {graphs[0]} {graphs[1]}" in proc.stdout
+
+
 @pytest.mark.parametrize("mode,outer", [("nccl_sync", "slowmo"), ("nccl_cadence", "diloco")])
 def test_outer_optimizers_complete_in_collective_modes(tmp_path, mode, outer):
     """Pins that the collective modes run to completion with the outer optimizers (each mode

@@ -19,9 +19,9 @@ from tests.support import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_KEYS = {"window", "phase", "anchor", "anchor_rank", "batch_counts", "overhead",
-               "divergence", "verdict", "nudge_factor", "deadline_ms", "batches"}
+               "divergence", "verdict", "nudge_factor", "deadline_ms", "batches", "shares"}
 SUMMARY_KEYS = {"samples_per_s", "ideal_samples_per_s", "ratio_to_ideal", "idle_fraction",
-                "reduces_to_settle"}
+                "reduces_to_settle", "shares"}
 
 
 def run_sim(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

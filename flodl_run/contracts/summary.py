@@ -103,6 +103,12 @@ class Summary:
     param_transport: List[str] = field(default_factory=list)
     """cpu_* modes, per rank: how its parameters last reached the coordinator and back, `shm`
     (shared memory, ranks on the launcher's host) or `frames` (over the socket)."""
+    compiled_graphs: List[int] = field(default_factory=list)
+    """Per rank, a compiled model (recipe.compile): graphs torch.compile built in the run; empty
+    when none was built."""
+    eager_frames: List[int] = field(default_factory=list)
+    """Per rank, with compiled_graphs: frames dynamo gave up on after its recompile limit (they
+    ran eagerly from then on)."""
     nodes: List[Dict[str, Any]] = field(default_factory=list)
     """Per node the ranks ran on: host, cpu_count, ram_bytes, gpus (static facts)."""
     nonfinite: List[Dict[str, Any]] = field(default_factory=list)

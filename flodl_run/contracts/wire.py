@@ -116,6 +116,10 @@ class WindowDone(Message):
     """Bytes the rank's GPU caching allocator held at the window's end (0 on CPU)."""
     skipped: int = 0
     """nccl_sync (gradients): steps every rank skipped for a non-finite averaged gradient."""
+    graphs: int = 0
+    """Graphs torch.compile has built in this rank's process so far (0: no compiled model)."""
+    eager_frames: int = 0
+    """Frames dynamo gave up on after its recompile limit (they run eagerly from then on)."""
     window_wall_ms: float = 0.0
     """nccl_sync (gradients): the window's wall, the waits at each step's all-reduce included
     (`wall_ms` is compute only, up to each step's gradient being ready: the rank's speed)."""

@@ -445,6 +445,7 @@ class Coordinator:
                 self.observer.on_window(message.rank, message.samples, message.wall_ms,
                                         message.device_bytes)
                 self.reduces.note_window(message)
+                self._note_graphs(message)
             if isinstance(message, RankJoined):
                 self.identities[message.rank] = received.identity
                 self.joined[message.rank] = message
@@ -523,6 +524,17 @@ class Coordinator:
         if self._train_started is not None:
             train_ms = (time.perf_counter() - self._train_started) * 1000.0
             self.summary.idle_fraction = [max(0.0, 1.0 - ms / train_ms) for ms in self.epochs.compute_ms]
+
+    def _note_graphs(self, done: WindowDone) -> None:
+        """What torch.compile built on the rank so far (its counts only grow)."""
+        if not done.graphs and not done.eager_frames:
+            return
+        summary = self.summary
+        if not summary.compiled_graphs:
+            summary.compiled_graphs = [0] * self.world_size
+            summary.eager_frames = [0] * self.world_size
+        summary.compiled_graphs[done.rank] = max(summary.compiled_graphs[done.rank], done.graphs)
+        summary.eager_frames[done.rank] = max(summary.eager_frames[done.rank], done.eager_frames)
 
     def _close_socket(self) -> None:
         """Close the control plane now (the Stop orders still go out, within LINGER), not when

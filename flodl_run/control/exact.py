@@ -1,5 +1,5 @@
 """nccl_sync's exact windows: a window is a run of global steps of world_size x batch_size
-samples, each split between the ranks by measured speed; the ranks step on their own (the
+samples, each split between the ranks by their measured step times; the ranks step on their own (the
 all-reduce inside backward synchronises them) and report once per window.
 
 Owns the cut of a window into steps and shares, the collection of a window's answers, and what
@@ -20,12 +20,9 @@ from flodl_run.control.dispatch import EpochPool, SliceT, cut_step
 from flodl_run.control.reduces import Reduces
 from flodl_run.control.tallies import EpochTally, WindowTally
 from flodl_run.control.windows import Windows
-from flodl_run.elche.shares import step_shares
+from flodl_run.elche.shares import SharePlanner, window_steps
 
 Step = List[SliceT]  # the samples of one global step
-WINDOW_CAP_MS = 2000.0
-"""A window holds at most about this much compute: the control plane still hears from the ranks
-every few seconds (progress, a stop at the window's end, a death's redo stays short)."""
 
 
 class ExactWindows:
@@ -42,6 +39,8 @@ class ExactWindows:
         self.global_batch = ctx.world_size * ctx.config.batch_size
         self._boundary = time.perf_counter()
         self._walls: Dict[int, float] = {}  # each rank's window wall (steps, all-reduces included)
+        self.shares = SharePlanner(self.windows.config.elche.partition_ratios)
+        self._timed: Set[int] = set()  # ranks whose first window (one-time costs) is behind them
 
     @property
     def members(self):
@@ -56,14 +55,28 @@ class ExactWindows:
             window = self._train_window(epoch, steps, epoch_tally)
             self._close_window(epoch, len(steps), window, epoch_tally)
             windows.stop_if_asked(epoch)
+        self._say_costs(epoch)
+
+    def _say_costs(self, epoch: int) -> None:
+        """Once an epoch, what the shares come from: each rank's fitted step (fixed cost plus a
+        cost per sample) and the split of a full step planned from them (events.jsonl, the
+        record log, MLflow). A small share for a slow rank reads as its fixed cost here."""
+        members = sorted(self.members.alive)
+        costs = self.shares.costs(members)
+        if costs is None:
+            return
+        split = self.shares.last_split()
+        steps = ", ".join(f"rank {r} {c.fixed_ms:.3f} ms + {c.per_sample_ms:.4f} ms a sample"
+                          for r, c in zip(members, costs))
+        shares = " / ".join(f"{split.get(r, 0.0) * self.global_batch:.0f}" for r in members)
+        self.reduces.observer.on_event(
+            "step_costs", f"epoch {epoch + 1}: {steps}; a step of {self.global_batch} split {shares}")
 
     def _cut_window(self, pool: EpochPool) -> List[Step]:
         """ElChe's anchor of global steps, at most WINDOW_CAP_MS of compute (fewer at the epoch's
         end); a last step too small to give every member a sample joins the one before it."""
-        known = [ms for r, ms in enumerate(self.reduces.balance.smoothed_ms())
-                 if ms and r in self.members.alive]
-        cap = max(1, int(WINDOW_CAP_MS / max(known))) if known else 1
-        count = max(1, min(self.reduces.balance.plan.anchor, cap))
+        balance = self.reduces.balance
+        count = window_steps(balance.plan.anchor, balance.smoothed_ms(), self.members.alive)
         steps = [pool.take(self.global_batch) for _ in range(count) if pool.remaining]
         if len(steps) > 1 and sum(s[2] for s in steps[-1]) < len(self.members.alive):
             steps[-2] = steps[-2] + steps.pop()
@@ -95,20 +108,17 @@ class ExactWindows:
         return window
 
     def _orders(self, epoch: int, steps: List[Step], members: List[int]) -> Dict[int, Train]:
-        """Each member's share of every step, by the speeds ElChe has smoothed (or by
-        partition_ratios), cut from the step's samples in rank order."""
-        ms = self.reduces.balance.smoothed_ms()
-        ratios = self.windows.config.elche.partition_ratios
+        """Each member's share of every step, planned from the ranks' fitted step times (by
+        the speeds ElChe has smoothed until each has one; by partition_ratios when stated),
+        cut from the step's samples in rank order."""
+        totals = [sum(s[2] for s in step) for step in steps]
+        splits = self.shares.plan(totals, members, self.reduces.balance.smoothed_ms())
         slices: Dict[int, List[SliceT]] = {r: [] for r in members}
         shares: Dict[int, List[int]] = {r: [] for r in members}
-        totals: List[int] = []
-        for step in steps:
-            total = sum(s[2] for s in step)
-            split = step_shares(total, ms, members, ratios)
+        for step, split in zip(steps, splits):
             for rank, piece in zip(members, cut_step(step, [split[r] for r in members])):
                 slices[rank] += piece
                 shares[rank].append(split[rank])
-            totals.append(total)
         window = self.windows.window
         return {rank: Train(window, epoch, slices[rank], len(steps), shares=shares[rank], totals=totals)
                 for rank in members}
@@ -129,10 +139,18 @@ class ExactWindows:
                 continue
             completed[answer.rank] = steps
             window.add(answer)
+            self._observe(answer)
             self._walls[answer.rank] = answer.window_wall_ms
             self.reduces.note_skipped(answer.rank, answer.skipped)
             self.windows.progress(epoch, epoch_tally, window, answer)
         return {r: n for r, n in completed.items() if r in self.members.alive}
+
+    def _observe(self, answer: WindowDone) -> None:
+        """The window's point of the rank's step time (its first window carries the process's
+        one-time costs: left out)."""
+        if answer.rank in self._timed:
+            self.shares.observe(answer.rank, answer.batches, answer.samples, answer.wall_ms)
+        self._timed.add(answer.rank)
 
     def _close_window(self, epoch: int, steps: int, window: WindowTally, epoch_tally: EpochTally) -> None:
         """The window's steps are in every survivor's state: the reduce bookkeeping, with each

@@ -478,6 +478,10 @@ def _report(summary: Summary, console: Console, artifacts: List[str],
             lost = f" | rank{'s' if len(summary.dead_ranks) > 1 else ''} {ranks} lost (events.jsonl says why)"
         if summary.message:  # ranks that failed (a recipe error) while the survivors carried on
             lost += f" | {summary.message}"
+        if summary.compiled_graphs:
+            lost += f" | graphs compiled {' '.join(str(n) for n in summary.compiled_graphs)}"
+            if any(summary.eager_frames):
+                lost += f" ({sum(summary.eager_frames)} frame(s) past the recompile limit ran eagerly)"
         train_s = sum(e.epoch_ms for e in summary.epochs) / 1000.0  # what samples/s divides by
         say(console, f"done: final eval {final} | {summary.wall_s:.1f}s wall, {train_s:.1f}s "
                      f"training | {summary.samples_per_s:,.0f} samples/s in training{syncs}{lost}")

@@ -55,6 +55,7 @@ from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
 from flodl_run.rank.busy import BusySampler
 from flodl_run.rank.channels import HeartbeatThread, ListenerThread
+from flodl_run.rank.compiled import graph_counts
 from flodl_run.rank.env import RankEnv, pick_device
 from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
@@ -379,12 +380,14 @@ class RankWorker:
         self.recorder.instant("window_end", order.window)
         self.waits.sent("WindowDone")
         exact = self.exact if job.micro else None
+        graphs, eager_frames = graph_counts()
         self.channel.send(WindowDone(
             self.env.rank, order.window, order.epoch, exact.steps if exact else job.done, job.samples,
             _compute_ms(exact, job.step_ms),
             0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
             skipped=exact.window_skipped() if exact else 0, window_wall_ms=sum(job.step_ms),
+            graphs=graphs, eager_frames=eager_frames,
             left=job.left,
             began_ns=job.began_ns(self.timeline.clock.estimate()), **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:

@@ -380,6 +380,9 @@ class MlflowTracker(NullTracker):
 
         tags = {"devices": ", ".join(summary.devices), "world_size": str(summary.world_size),
                 "status": summary.status}
+        if summary.compiled_graphs:  # recipe.compile: how many graphs, and any eager fallback
+            tags["compiled_graphs"] = " ".join(str(n) for n in summary.compiled_graphs)
+            tags["eager_frames"] = " ".join(str(n) for n in summary.eager_frames)
         lost = self.queue.lost()
         if lost:  # dropped for room during a long outage: the run says it is not whole
             tags["tracking_incomplete"] = ", ".join(f"{what} x{count}" for what, count in lost.items())

@@ -114,7 +114,8 @@ def mode_note(config: Any) -> Optional[str]:
                 "rank takes its own optimizer step, then the replicas are averaged")
     world = planned_world_size(config)
     step = f"{world} x {batch} = {world * batch}" if world else f"world_size x {batch}"
-    split = "by elche.partition_ratios" if elche.partition_ratios else "by measured speed"
+    split = ("by elche.partition_ratios" if elche.partition_ratios
+             else "so their steps end together (a fixed cost plus a cost per sample, fitted)")
     return (f"nccl_sync averages gradients (exact, torch DDP's trajectory): each global step has "
             f"{step} samples, split between the ranks {split}; each rank's gradient weighs its "
             f"share / the step's samples inside backward and every rank takes the same optimizer "

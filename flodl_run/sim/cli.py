@@ -8,7 +8,7 @@ run dir. The rig model and the window loop are pure and live in `flodl_run.sim.r
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, List, Optional, Sequence
 
@@ -17,9 +17,10 @@ from rich.console import Console
 from rich.table import Table
 
 from flodl_run.config.app import fail_config, run_hydra_app, typed_or_exit
-from flodl_run.config.schema import ElCheConfig, ExperimentConfig, SyncAverage
+from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.config.validate import Problem, validate
 from flodl_run.report.say import labelled
+from flodl_run.sim.exact import simulate_mode
 from flodl_run.sim.rig import (
     SimConfig,
     SimResult,
@@ -28,7 +29,6 @@ from flodl_run.sim.rig import (
     WindowRecord,
     expand_rank_ms,
     headroom_of,
-    simulate,
 )
 from flodl_run.sim.sweep import SweepConfig, run_sweep, sweep_table
 
@@ -65,11 +65,9 @@ def check(cfg: SimRunConfig) -> tuple[List[Problem], List[str]]:
                                    or WindowEnd.deadline in cfg.sweep.window_end):
         warnings.append(f"sim.window_end=deadline has no effect in mode {cfg.elche.mode.value} "
                         "(a reduce after every step): windows end on counts")
-    if cfg.elche.averages_gradients:
-        warnings.append("the simulator models nccl_sync as a reduce after every step (floDl's "
-                        "variant, elche.sync_average=params); its exact path overlaps each step's "
-                        "all-reduce with backward and splits the step by speed, so it runs near the "
-                        "ideal less what backward does not hide of the all-reduce")
+    if cfg.sim.step_fixed_ms and not cfg.elche.averages_gradients:
+        warnings.append(f"sim.step_fixed_ms={cfg.sim.step_fixed_ms:g} has no effect in mode "
+                        f"{cfg.elche.mode.value} (it models nccl_sync's split of a step)")
     if cfg.sim.groups and cfg.sim.drift:
         warnings.append("sim.drift has no effect with sim.groups (set drift per group)")
     return problems, warnings
@@ -91,6 +89,10 @@ def _sim_problems(s: SimConfig) -> Iterator[Problem]:
             yield Problem("sim.drift", list(s.drift),
                           f"must have one value per rank ({len(s.rank_ms)})")
     yield from _skew_problems(s)
+    fastest = min(expand_rank_ms(s), default=0.0)
+    if not 0 <= s.step_fixed_ms < max(fastest, 1e-9):
+        yield Problem("sim.step_fixed_ms", s.step_fixed_ms,
+                      f"must be >= 0 and below the fastest rank's ms per batch ({fastest:g})")
     for key in ("noise", "fill_ms", "sync_ms", "sync_ms_per_rank", "divergence_per_step",
                 "deadline_headroom"):
         value = getattr(s, key)
@@ -153,14 +155,16 @@ def _counts(counts: Sequence[int], compact: bool) -> str:
 def window_table(records: Sequence[WindowRecord], compact: bool) -> Table:
     """One row per window: the plan it ran with, and its reduce's overhead, D and verdict."""
     table = Table(title="ElChe per window", title_justify="left", show_edge=False)
+    exact = bool(records) and records[0].shares is not None
+    counted = "step shares" if exact else "batch counts"
     for name in ("window", "phase", "anchor", "anchor rank",
-                 "counts min/median/max" if compact else "batch counts",
+                 f"{'shares' if exact else 'counts'} min/median/max" if compact else counted,
                  "overhead", "D", "verdict", "nudge"):
         table.add_column(name, justify="left" if name in ("phase", "verdict") else "right",
                          no_wrap=name != "anchor rank")
     for r in records:
         table.add_row(str(r.window), r.phase, str(r.anchor), _fmt(r.anchor_rank, "d"),
-                      _counts(r.batch_counts, compact), _fmt(r.overhead, ".4f"),
+                      _counts(r.shares if exact else r.batch_counts, compact), _fmt(r.overhead, ".4f"),
                       _fmt(r.divergence, ".4f"), r.verdict, _fmt(r.nudge_factor, ".3f"))
     return table
 
@@ -175,6 +179,8 @@ def summary_table(result: SimResult) -> Table:
     table.add_row("ratio to ideal", f"{s.ratio_to_ideal:.3f}")
     table.add_row("reduces until the anchor is within 10% of its final value",
                   str(s.reduces_to_settle))
+    if s.shares is not None and len(s.shares) <= FULL_TABLE_MAX_RANKS:
+        table.add_row("shares of a step (last window)", "  ".join(f"{x:.3f}" for x in s.shares))
     idle = s.idle_fraction
     if len(idle) <= FULL_TABLE_MAX_RANKS:
         table.add_row("idle fraction per rank", "  ".join(f"{x:.3f}" for x in idle))
@@ -210,7 +216,6 @@ def run_job(cfg: Any) -> None:
     err = Console(stderr=True)
     typed = typed_or_exit(cfg, PROG)
     problems, warnings = check(typed)
-    typed.elche = replace(typed.elche, sync_average=SyncAverage.params)  # what the model covers
     if problems:
         count = len(problems)
         lines = [f"invalid config ({count} problem{'s' if count != 1 else ''}):"]
@@ -225,7 +230,7 @@ def run_job(cfg: Any) -> None:
     if typed.sweep.is_set:
         path, doc = run_dir / "sweep.json", _sweep(typed, out)
     else:
-        result = simulate(typed.sim, typed.elche)
+        result = simulate_mode(typed.sim, typed.elche)
         report(typed, result, out)
         path, doc = run_dir / "sim.json", sim_json(result)
     path.write_bytes(msgspec.json.encode(doc))  # 4 MB for 1024 ranks x 1000 windows: 20x json's speed

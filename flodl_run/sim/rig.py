@@ -66,6 +66,10 @@ class SimConfig:
     """Per-rank relative change of ms per batch per window (with sim.rank_ms); null = none."""
     fill_ms: float = 0.0
     """Extra ms on the first batch of every window (fill cost); >= 0."""
+    step_fixed_ms: float = 0.0
+    """nccl_sync (exact path): the part of the fastest rank's ms per batch that does not depend
+    on the batch's samples (launches, hooks), in ms; every rank's is the same fraction of its
+    own; >= 0 and below the fastest rank's ms per batch."""
     sync_ms: float = 5.0
     """Fixed wall of one reduce in ms; >= 0."""
     sync_ms_per_rank: float = 0.0
@@ -137,6 +141,8 @@ class WindowRecord:
     """The window's deadline (window_end=deadline, after Probe); None = it ended on counts."""
     batches: int = 0
     """Batches trained in the window over all ranks (with a deadline, what fit)."""
+    shares: Optional[List[int]] = None
+    """nccl_sync (exact path): each rank's samples of every step of the window; else None."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,8 @@ class SimSummary:
     idle_fraction: List[float]
     reduces_to_settle: int
     """Reduces until the anchor stays within 10% of its final value."""
+    shares: Optional[List[float]] = None
+    """nccl_sync (exact path): each rank's fraction of a step in the last window; else None."""
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,8 @@ def _async_extra(plan: Plan, counts: np.ndarray, ms: np.ndarray, sync_ms: float)
 
 def simulate(sim: SimConfig, elche_config: ElCheConfig,
              on_window: Optional[Callable[[WindowRecord], None]] = None) -> SimResult:
-    """Run `sim.windows` windows of the rig under ElChe; `on_window` sees each record."""
+    """Run `sim.windows` windows of the rig under ElChe; `on_window` sees each record. A sync
+    mode is a reduce after every step (nccl_sync's exact path has its own model, `sim.exact`)."""
     rig = SimRig(sim)
     prior = [1.0 / ms for ms in rig.rank_ms] if sim.spec_prior else None
     probed = sim.reduce_probe and elche_config.mode.is_collective

@@ -17,7 +17,8 @@ from typing import Dict, List, Tuple
 from rich.table import Table
 
 from flodl_run.config.schema import ElCheConfig
-from flodl_run.sim.rig import RankGroup, SimConfig, WindowEnd, headroom_of, simulate
+from flodl_run.sim.exact import simulate_mode
+from flodl_run.sim.rig import RankGroup, SimConfig, WindowEnd, headroom_of
 
 
 @dataclass
@@ -112,7 +113,7 @@ def run_sweep(sweep: SweepConfig, sim: SimConfig, elche: ElCheConfig) -> List[Ce
 
 
 def _cell(rig: SimConfig, elche: ElCheConfig, variant: Variant, seeds: int, ranks: int) -> Cell:
-    runs = [simulate(dataclasses.replace(rig, seed=rig.seed + i, window_end=variant.window_end,
+    runs = [simulate_mode(dataclasses.replace(rig, seed=rig.seed + i, window_end=variant.window_end,
                                          deadline_headroom=variant.deadline_headroom),
                      elche).summary for i in range(seeds)]
     return Cell(ranks, rig.noise, variant.label,
