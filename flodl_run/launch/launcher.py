@@ -178,12 +178,28 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
         finally:
             if progress is not None:
                 progress.close()
+        _drop_uncommitted(config.save_path, observers)
         summary.mlflow_run_id = tracker.run_id
         latest = _close_records(summary, run_dir, outputs, tracker, observers.errors, console)
         _report(summary, console, written(run_dir, summary, latest, config.tracking.uri), error)
         say_unwritten(console, observers.errors)
         return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
                          tracker.run_id, model), error
+
+
+def _drop_uncommitted(save_path: Optional[str], observer: Observer) -> None:
+    """The ranks are gone: remove the generations of saves that never committed (a writer
+    lost mid-save starts another generation; a run that lost every rank in a save left up to
+    three behind), saying so. The bundle the meta names stays."""
+    if not save_path:
+        return
+    from flodl_run.contracts.checkpoint import drop_uncommitted
+
+    dropped = drop_uncommitted(save_path)
+    if dropped:
+        names = ", ".join(f"g{g}" for g in dropped)
+        observer.on_event("checkpoint_discarded", f"removed generation(s) {names} of {save_path}: "
+                                                  "saves that never completed")
 
 
 def _open_files_up_to_the_hard_limit() -> None:
