@@ -253,8 +253,8 @@ def test_the_end_of_a_run_drops_the_generations_no_meta_names(tmp_path):
     for generation in (committed + 1, committed + 2):
         save_tensors(paths(generation_stem(stem, generation))["model"], {"w": torch.zeros(3)})
     assert checkpoint.drop_uncommitted(stem) == [committed + 1, committed + 2]
-    assert {p.name for p in tmp_path.iterdir()} == {f"checkpoint.g{committed}.pt",
-                                                    f"checkpoint.g{committed}.optim.pt", "checkpoint.meta.json"}
+    kept = {f"checkpoint.g{committed}.pt", f"checkpoint.g{committed}.optim.pt", "checkpoint.meta.json"}
+    assert {p.name for p in tmp_path.iterdir()} == kept
     assert checkpoint.verify(stem, read_meta(stem)) == []
     meta = tmp_path / "checkpoint.meta.json"
     meta.write_text("{not json")
