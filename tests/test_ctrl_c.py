@@ -490,3 +490,90 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     assert [n for e, n in progress.batches if e == 0][-1] == -(-train // 8)
     order = permutation(train, 0, 0) % train
     assert resumed._epoch_indices(0).tolist() == order[400:].tolist()
+
+
+def test_an_in_process_stop_at_once_in_an_eval_saves_the_epochs_trained(tmp_path):
+    """Pins the in-process run's stop at once while its eval hangs: a second signal (or the
+    grace running out) in epoch 2's eval raised KeyboardInterrupt and saved nothing, with one
+    epoch finished and a second trained. The replica holds both whole there: they are saved
+    (resume at epoch 3, nothing uncovered) and epoch 2 is recorded without its eval; in a
+    batch, nothing is (a step cannot be saved halfway)."""
+    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.rank.solo import SoloTrainer
+
+    recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 200, "hidden": 16, "depth": 1})
+
+    def eval_step(model, batch):  # as the launcher's handler does, in the eval of epoch 2
+        if trainer.closing == "the eval of epoch 2":
+            trainer.request_stop("interrupted by SIGINT")
+            trainer.stop_reason += "; then SIGINT"
+            trainer.stop_at_once()
+            raise KeyboardInterrupt
+        return recipe.eval_step(model, batch)
+
+    stem = str(tmp_path / "ck")
+    config = ExperimentConfig(num_epochs=3, device="cpu", batch_size=8, save_path=stem)
+    trainer = SoloTrainer(config, replace(recipe, eval_step=eval_step))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    summary = trainer.summary
+    assert (summary.status, summary.message) == (
+        "interrupted", f"interrupted by SIGINT; then SIGINT (stopped at once in the eval of epoch 2: "
+                       f"saved {stem})")
+    assert [(e.epoch, e.eval is None) for e in summary.epochs] == [(0, False), (1, True)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])
+    in_batch = SoloTrainer(config, recipe)
+    in_batch.stop_at_once()  # nothing trained, no close: nothing to save
+    assert in_batch.at_once is None and in_batch.summary.checkpoint is None
+
+
+HANGING_SOLO_EVAL = """
+import time
+from pathlib import Path
+from recipes.synthetic_mlp import build_model, build_optimizer, eval_dataset, train_dataset, train_step
+from recipes.synthetic_mlp import eval_step as _eval_step
+
+_closed = []
+
+def epoch_fn(epoch, model):  # after the epoch's eval
+    _closed.append(epoch)
+
+def eval_step(model, batch, marker):
+    if _closed:  # the eval of epoch 2 never returns
+        Path(marker).write_text("hung")
+        while True:
+            time.sleep(1)
+    return _eval_step(model, batch)
+"""
+
+
+@pytest.mark.e2e
+def test_sigint_while_an_in_process_eval_hangs_saves_the_epochs_trained(tmp_path):
+    """Pins the in-process run (`cluster=solo`) whose eval hangs: a Ctrl-C waited for the eval
+    forever, and a second one stopped it unsaved. Now the stop's grace lets the eval go as it
+    lets a rank's go: the replica, which holds epochs 1 and 2 whole, is saved (resume at
+    epoch 3), epoch 2 recorded without its eval, exit 130."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "hanging_solo_eval.py").write_text(HANGING_SOLO_EVAL)
+    run_dir, marker = tmp_path / "run", tmp_path / "hung"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), str(REPO)]))
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=solo", "num_epochs=3",
+                     "recipe=custom", "recipe.module=hanging_solo_eval", "+recipe.params.num_samples=2000",
+                     "+recipe.params.hidden=16", "+recipe.params.depth=1",
+                     f"+recipe.params.marker={marker}", env=env)
+    deadline = time.monotonic() + 120
+    while not marker.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)  # polling the recipe's own note that it hangs, bounded
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stem = str(run_dir / "checkpoint")
+    assert (summary["status"], summary["message"]) == (
+        "interrupted", f"interrupted by SIGINT; the eval of epoch 2 outlasted the stop's "
+                       f"{STOP_GRACE_S:g}s grace (stopped at once in the eval of epoch 2: saved {stem})")
+    assert [(e["epoch"], e["eval"] is None) for e in summary["epochs"]] == [(0, False), (1, True)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])
