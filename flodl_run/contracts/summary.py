@@ -85,7 +85,7 @@ class ReportRecord:
 class Summary:
     status: str = "failed"
     """completed | failed | interrupted | shutdown_with_save (failed until a run says otherwise;
-    shutdown_with_save only when that stop's bundle was written)."""
+    with a save_path, shutdown_with_save only when that stop's bundle was written)."""
     mode: str = "solo"
     outer: str = "none"
     world_size: int = 1

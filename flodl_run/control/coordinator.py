@@ -486,10 +486,10 @@ class Coordinator:
             self._send(rank, CutWindow(self.stop.reason))
 
     def _shutdown_with_save(self, reason: str, detail: str) -> None:
-        """Save from a survivor (when any), then stop with status shutdown_with_save; with
-        nothing saved (nobody left, or the save failed) the run failed, and the message says
-        what the save path still holds (it said shutdown_with_save and "no bundle", even with
-        an earlier bundle there)."""
+        """Save from a survivor (when any), then stop with status shutdown_with_save; with a
+        save_path and nothing saved (nobody left, or the save failed) the run failed, and the
+        message says what the save path still holds (it said shutdown_with_save and "no
+        bundle", even with an earlier bundle there)."""
         stem, failed = None, ""
         if self.alive:
             try:
@@ -499,13 +499,11 @@ class Coordinator:
                 stem = self.save_bundle(reason, epoch, uncovered)
             except (RunAborted, zmq.ZMQError) as exc:
                 failed = f"the save failed: {exc}"
-        if stem is not None:
+        if stem is not None or not self.config.save_path:  # saved, or no bundle was asked for
             self.summary.status = "shutdown_with_save"
-            self.summary.message = f"{reason}: {detail}; bundle {stem}"
+            self.summary.message = f"{reason}: {detail}; " + (f"bundle {stem}" if stem else "no save_path")
         else:
-            held = failed or ("no rank left to save" if not self.alive else "no save_path")
-            if self.config.save_path and not failed:
-                held += f"; {checkpoint.still_held(self.config.save_path)}"
+            held = failed or f"no rank left to save; {checkpoint.still_held(self.config.save_path)}"
             self.summary.status, self.summary.message = "failed", f"{reason}: {detail}; not saved: {held}"
         self.observer.on_event("shutdown", self.summary.message)
 
