@@ -220,6 +220,45 @@ def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_p
                          | {(epoch, i) for i in range(NUM_SAMPLES)} - lacks)
 
 
+
+class _Noted(Observer):
+    """Keeps each event's message in a list."""
+
+    def __init__(self, into: list) -> None:
+        self.into = into
+
+    def on_event(self, kind: str, message: str) -> None:
+        self.into.append(message)
+
+
+@pytest.mark.apart  # the hang is found at 4x the batch time seen: a loaded core moves it
+@pytest.mark.coordinator
+def test_a_stop_in_the_first_window_lets_a_rank_hung_in_its_batch_go(tmp_path):
+    """Pins the stop before ElChe knows any batch time (the first window, where a slow run's
+    Ctrl-C lands): a rank stuck in its train_step held the stop for the progress rule's
+    300 s, so the user's second Ctrl-C stopped it unsaved. The batch time its heartbeats show
+    (batches finished between two beats) stands in: past 4 x it (at least the grace) the rank
+    is let go and the survivor saves."""
+    stem = str(tmp_path / "ck")
+    elche = replace(ElCheConfig.preset("nccl_cadence"), sync_average=SyncAverage.params, anchor=100,
+                    min_anchor=100, max_anchor=100)
+    run = ExperimentConfig(elche=elche, num_epochs=2, batch_size=8, save_path=stem)
+    events = []
+    hang = Fault(rank=1, kind="hang", at=10, point="batch")  # the 10th of a 100-batch window
+    coord, fakes, group = cohort(run, [20.0, 20.0], faults=[hang], beat_s=0.1, observer=_Noted(events))
+    coord.stop.grace_s = 1.0
+    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
+    for fake in fakes:
+        fake.start()
+    thread, box = _run_in_thread(coord)
+    thread.join(timeout=15.0)
+    assert not thread.is_alive(), "the stop waited for the progress rule's 300 s"
+    summary = box[0]
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert summary.dead_ranks == [1] and "during a stop; last at batch 10" in str(events)
+    coverage = read_meta(stem).coverage
+    assert coverage.epoch == 0 and coverage.uncovered  # rank 1's 10 batches go back, with the rest
+
 @pytest.mark.coordinator
 def test_a_stop_while_the_final_eval_hangs_saves_the_run_as_interrupted(tmp_path):
     """Pins the final eval's case: rank 1 hung in the run's final eval (the last
