@@ -15,6 +15,7 @@ from rich.console import Console
 from flodl_run.config.app import fail_config, run_hydra_app
 from flodl_run.config.compose import experiment_to_yaml
 from flodl_run.config.materialize import ConfigError, materialize
+from flodl_run.report.rerun import RUN_FILE, Step, next_step, read_earlier
 from flodl_run.report.rundir import release_dirs, remove_startup_files
 from flodl_run.report.say import outlive_the_terminal, say_labelled
 
@@ -33,23 +34,50 @@ def run_job(cfg: Any) -> None:
     err = Console(stderr=True)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     outputs = Path.cwd() / "outputs"
+    sweep_job = HydraConfig.get().mode == RunMode.MULTIRUN
+    step = _rerun_step(cfg, run_dir) if sweep_job else Step("fresh")
+    if step.action == "skip":
+        return
     try:
         materialized = materialize(cfg, run_dir=str(run_dir), outputs_dir=str(outputs))
         for warning in materialized.warnings:
             say_labelled(err, "warning", warning, "yellow")
-        (run_dir / "run.yaml").write_text(experiment_to_yaml(materialized.config))
+        (run_dir / RUN_FILE).write_text(experiment_to_yaml(materialized.config))
         from flodl_run.launch.launcher import launch  # torch and the rest: only for a valid config
 
         status = launch(materialized.config, run_dir, Console())
     except ConfigError as exc:  # also what only the hardware or the hosts can tell: exit 2
-        remove_startup_files(run_dir, outputs)  # a run that never started leaves no folder
+        if step.action == "fresh":  # an earlier attempt's files stay
+            remove_startup_files(run_dir, outputs)  # a run that never started leaves no folder
         fail_config(str(exc), err)
     if status == "interrupted":
         sys.exit(EXIT_INTERRUPTED)
     if status not in ("completed",):
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if sweep_job:
             raise JobFailed(f"job ended {status}: {run_dir}")
         sys.exit(1)
+
+
+def _rerun_step(cfg: Any, run_dir: Path) -> Step:
+    """A sweep job in a directory an earlier attempt left (a sweep rerun into its
+    hydra.sweep.dir): say what it does; a resume sets `cfg.resume_from`, a refusal exits 2."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from flodl_run.report.sweep import earlier_overrides
+
+    job = HydraConfig.get().job
+    overrides = [str(o) for o in HydraConfig.get().overrides.task]
+    earlier = read_earlier(run_dir, cfg.get("save_path"), earlier_overrides(run_dir))
+    step = next_step(earlier, overrides, run_dir)
+    if step.action == "fresh":
+        return step
+    where = f"job {job.num} ({' '.join(overrides) or 'no overrides'}): {run_dir}"
+    if step.action == "refuse":
+        fail_config(f"hydra.sweep.dir: {where} {step.why}", Console(stderr=True))
+    say_labelled(Console(), "sweep", f"{where} {step.why}", "cyan")
+    if step.action == "resume":
+        cfg.resume_from = step.bundle
+    return step
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ BEAT_S = 1.0  # heartbeat period, as in real ranks (a shorter one: `beat_s`)
 WAIT_S = 30.0  # the longest a fake waits for anything: past it, the run is stuck (a failure)
 
 KINDS = {"die": ("train", "reduce", "reduced", "evaluate"), "raise": ("train",),
-         "hang": ("train", "evaluate", "save"),
+         "hang": ("train", "batch", "evaluate", "save"),
          "freeze": ("train", "reduce"), "reduce_fail": ("reduce",)}
 
 
@@ -81,7 +81,8 @@ class Fault:
     leaving its at-th collective reduce, completed, before its answer leaves (a SIGKILL right
     after the all-reduce: the coordinator never hears that the round completed); "evaluate":
     on receiving its at-th Evaluate order, before answering (a death at an epoch's close);
-    "save": on receiving its at-th SaveCheckpoint order, before answering.
+    "save": on receiving its at-th SaveCheckpoint order, before answering; "batch": right after
+    its at-th batch of the run (inside a window: the batches before it timed).
     Kinds: "die": the process vanishes (no more messages; its peers' collective breaks; the
     launcher reports the exit). "raise": the recipe's train_step raises: the rank reports
     RankFailed with the error, then its process exits (reported). "hang": stuck in
@@ -440,7 +441,7 @@ class FakeRank(threading.Thread):
     def _stuck(self, fault: Fault) -> None:
         """hang: heartbeats on, training, the count standing still; freeze: silent. Until the
         launcher kills the process. Only a rank stuck in train_step says it is training."""
-        self.training = fault.point == "train"
+        self.training = fault.point in ("train", "batch")
         if fault.kind == "freeze":
             self.quiet.set()
         if self.on_stuck is not None:
@@ -512,6 +513,9 @@ class FakeRank(threading.Thread):
             time.sleep(ms / 1000.0)
             self.batches += 1
             done += 1
+            fault = self.faults.get(("batch", self.batches))
+            if fault is not None:
+                self._stuck(fault)
             if self.on_batch is not None:
                 self.on_batch(self)
             if not order.shares and self._cut_seen():

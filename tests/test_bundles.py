@@ -241,3 +241,23 @@ def test_resuming_at_or_past_num_epochs_says_how_to_extend_the_run(tmp_path):
     assert problems[0] == ("the bundle has trained 4 epochs and this run ends at num_epochs=3: "
                            "to train on, resume with num_epochs=<larger than 4>")
     assert problems[1] == "elche_state.world_size is missing"
+
+
+def test_the_end_of_a_run_drops_the_generations_no_meta_names(tmp_path):
+    """Pins the tidy-up after the ranks are gone: the generations newer than the meta's (saves
+    whose writers were all lost left g2 and g3 beside the bundle) go; the committed one, its
+    meta and its checksums stay. With no meta every generation goes (none was committed); a
+    meta that cannot be read leaves everything."""
+    stem = str(tmp_path / "checkpoint")
+    committed = _save(stem, 1.0)
+    for generation in (committed + 1, committed + 2):
+        save_tensors(paths(generation_stem(stem, generation))["model"], {"w": torch.zeros(3)})
+    assert checkpoint.drop_uncommitted(stem) == [committed + 1, committed + 2]
+    kept = {f"checkpoint.g{committed}.pt", f"checkpoint.g{committed}.optim.pt", "checkpoint.meta.json"}
+    assert {p.name for p in tmp_path.iterdir()} == kept
+    assert checkpoint.verify(stem, read_meta(stem)) == []
+    meta = tmp_path / "checkpoint.meta.json"
+    meta.write_text("{not json")
+    assert checkpoint.drop_uncommitted(stem) == [] and len(list(tmp_path.glob("checkpoint.g*"))) == 2
+    meta.unlink()
+    assert checkpoint.drop_uncommitted(stem) == [committed] and not list(tmp_path.glob("checkpoint.g*"))

@@ -236,3 +236,21 @@ def test_review_preset_of_custom_recipe_leaves_module_open():
     assert review.preset(overrides)["recipe.module"] == "???"
     assert review.section_of("max_failure.percent") == "run"
     assert review.section_of("cluster.controller.port") == "cluster"
+
+
+@pytest.mark.e2e
+def test_an_empty_train_set_stops_both_ranks_with_one_line_naming_the_recipe(tmp_path):
+    """Pins what a pair of ranks says of an empty train set (synthetic_mlp keeps 80% of one
+    sample: none): each rank's one line and the run's failed line name recipe.module and its
+    train_dataset, with no traceback of our frames; it used to be a traceback ending in
+    `data.epoch_splits: must be <= the batches of one pass, 0`."""
+    proc = train(tmp_path / "run", "recipe=synthetic_mlp", "recipe.params.num_samples=1",
+                 "cluster=cpu_pair", "num_epochs=1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    said = ("RecipeError: recipe.module: must give a train_dataset with at least one sample (its "
+            "train_dataset(**recipe.params) returned an empty one), got 'recipes.synthetic_mlp'")
+    for rank in (0, 1):
+        assert f"rank {rank}: failed to start: {said}" in out, out
+    assert f"failed: rank 0 failed: {said}" in out or f"failed: rank 1 failed: {said}" in out, out
+    assert "Traceback" not in out and "epoch_splits" not in out

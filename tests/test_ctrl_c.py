@@ -220,6 +220,45 @@ def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_p
                          | {(epoch, i) for i in range(NUM_SAMPLES)} - lacks)
 
 
+
+class _Noted(Observer):
+    """Keeps each event's message in a list."""
+
+    def __init__(self, into: list) -> None:
+        self.into = into
+
+    def on_event(self, kind: str, message: str) -> None:
+        self.into.append(message)
+
+
+@pytest.mark.apart  # the hang is found at 4x the batch time seen: a loaded core moves it
+@pytest.mark.coordinator
+def test_a_stop_in_the_first_window_lets_a_rank_hung_in_its_batch_go(tmp_path):
+    """Pins the stop before ElChe knows any batch time (the first window, where a slow run's
+    Ctrl-C lands): a rank stuck in its train_step held the stop for the progress rule's
+    300 s, so the user's second Ctrl-C stopped it unsaved. The batch time its heartbeats show
+    (batches finished between two beats) stands in: past 4 x it (at least the grace) the rank
+    is let go and the survivor saves."""
+    stem = str(tmp_path / "ck")
+    elche = replace(ElCheConfig.preset("nccl_cadence"), sync_average=SyncAverage.params, anchor=100,
+                    min_anchor=100, max_anchor=100)
+    run = ExperimentConfig(elche=elche, num_epochs=2, batch_size=8, save_path=stem)
+    events = []
+    hang = Fault(rank=1, kind="hang", at=10, point="batch")  # the 10th of a 100-batch window
+    coord, fakes, group = cohort(run, [20.0, 20.0], faults=[hang], beat_s=0.1, observer=_Noted(events))
+    coord.stop.grace_s = 1.0
+    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
+    for fake in fakes:
+        fake.start()
+    thread, box = _run_in_thread(coord)
+    thread.join(timeout=15.0)
+    assert not thread.is_alive(), "the stop waited for the progress rule's 300 s"
+    summary = box[0]
+    assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
+    assert summary.dead_ranks == [1] and "during a stop; last at batch 10" in str(events)
+    coverage = read_meta(stem).coverage
+    assert coverage.epoch == 0 and coverage.uncovered  # rank 1's 10 batches go back, with the rest
+
 @pytest.mark.coordinator
 def test_a_stop_while_the_final_eval_hangs_saves_the_run_as_interrupted(tmp_path):
     """Pins the final eval's case: rank 1 hung in the run's final eval (the last
@@ -490,3 +529,90 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     assert [n for e, n in progress.batches if e == 0][-1] == -(-train // 8)
     order = permutation(train, 0, 0) % train
     assert resumed._epoch_indices(0).tolist() == order[400:].tolist()
+
+
+def test_an_in_process_stop_at_once_in_an_eval_saves_the_epochs_trained(tmp_path):
+    """Pins the in-process run's stop at once while its eval hangs: a second signal (or the
+    grace running out) in epoch 2's eval raised KeyboardInterrupt and saved nothing, with one
+    epoch finished and a second trained. The replica holds both whole there: they are saved
+    (resume at epoch 3, nothing uncovered) and epoch 2 is recorded without its eval; in a
+    batch, nothing is (a step cannot be saved halfway)."""
+    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.rank.solo import SoloTrainer
+
+    recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 200, "hidden": 16, "depth": 1})
+
+    def eval_step(model, batch):  # as the launcher's handler does, in the eval of epoch 2
+        if trainer.closing == "the eval of epoch 2":
+            trainer.request_stop("interrupted by SIGINT")
+            trainer.stop_reason += "; then SIGINT"
+            trainer.stop_at_once()
+            raise KeyboardInterrupt
+        return recipe.eval_step(model, batch)
+
+    stem = str(tmp_path / "ck")
+    config = ExperimentConfig(num_epochs=3, device="cpu", batch_size=8, save_path=stem)
+    trainer = SoloTrainer(config, replace(recipe, eval_step=eval_step))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    summary = trainer.summary
+    assert (summary.status, summary.message) == (
+        "interrupted", f"interrupted by SIGINT; then SIGINT (stopped at once in the eval of epoch 2: "
+                       f"saved {stem})")
+    assert [(e.epoch, e.eval is None) for e in summary.epochs] == [(0, False), (1, True)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])
+    in_batch = SoloTrainer(config, recipe)
+    in_batch.stop_at_once()  # nothing trained, no close: nothing to save
+    assert in_batch.at_once is None and in_batch.summary.checkpoint is None
+
+
+HANGING_SOLO_EVAL = """
+import time
+from pathlib import Path
+from recipes.synthetic_mlp import build_model, build_optimizer, eval_dataset, train_dataset, train_step
+from recipes.synthetic_mlp import eval_step as _eval_step
+
+_closed = []
+
+def epoch_fn(epoch, model):  # after the epoch's eval
+    _closed.append(epoch)
+
+def eval_step(model, batch, marker):
+    if _closed:  # the eval of epoch 2 never returns
+        Path(marker).write_text("hung")
+        while True:
+            time.sleep(1)
+    return _eval_step(model, batch)
+"""
+
+
+@pytest.mark.e2e
+def test_sigint_while_an_in_process_eval_hangs_saves_the_epochs_trained(tmp_path):
+    """Pins the in-process run (`cluster=solo`) whose eval hangs: a Ctrl-C waited for the eval
+    forever, and a second one stopped it unsaved. Now the stop's grace lets the eval go as it
+    lets a rank's go: the replica, which holds epochs 1 and 2 whole, is saved (resume at
+    epoch 3), epoch 2 recorded without its eval, exit 130."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "hanging_solo_eval.py").write_text(HANGING_SOLO_EVAL)
+    run_dir, marker = tmp_path / "run", tmp_path / "hung"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), str(REPO)]))
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=solo", "num_epochs=3",
+                     "recipe=custom", "recipe.module=hanging_solo_eval", "+recipe.params.num_samples=2000",
+                     "+recipe.params.hidden=16", "+recipe.params.depth=1",
+                     f"+recipe.params.marker={marker}", env=env)
+    deadline = time.monotonic() + 120
+    while not marker.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)  # polling the recipe's own note that it hangs, bounded
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stem = str(run_dir / "checkpoint")
+    assert (summary["status"], summary["message"]) == (
+        "interrupted", f"interrupted by SIGINT; the eval of epoch 2 outlasted the stop's "
+                       f"{STOP_GRACE_S:g}s grace (stopped at once in the eval of epoch 2: saved {stem})")
+    assert [(e["epoch"], e["eval"] is None) for e in summary["epochs"]] == [(0, False), (1, True)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])

@@ -112,3 +112,22 @@ def test_a_train_step_that_calls_forward_directly_is_still_averaged_exactly(tmp_
     state = _trained(tmp_path, "+recipe.params.optimizer=adamw", "+recipe.params.door=forward",
                      "elche.partition_ratios=[3,1]", "elche.micro_batch_size=16")
     assert _matches(state, _reference("adamw"))
+
+
+def test_fewer_samples_than_ranks_trains_and_logs_the_loss_of_the_rank_with_the_sample(tmp_path):
+    """Pins nccl_sync on a train set of one sample and two ranks: rank 1's share of every step
+    is empty, so its train_step's mean was NaN and every epoch logged loss nan. A batch of no
+    sample now gives no loss: each epoch's loss is that of the sample, as one process sees it
+    before its step (the model learns: the second epoch's is lower)."""
+    proc, summary = _run(tmp_path, *PAIR, "elche=nccl_sync", "recipe=synthetic_mlp",
+                         "recipe.params.num_samples=2", "num_epochs=2", f"seed={SEED}")
+    assert proc.returncode == 0 and summary["status"] == "completed", proc.stderr[-3000:]
+    assert summary["epochs"][0]["per_rank_batch_share"] == [1.0, 0.0]
+    recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2}, None, None)
+    replica = Replica(recipe, torch.device("cpu"), SEED, lr_scale=lr_factor(2, 1.0))
+    with torch.no_grad():
+        first = recipe.call("train_step", replica.model, recipe.call("train_dataset")[0:1]).item()
+    losses = [epoch["avg_loss"] for epoch in summary["epochs"]]
+    assert losses[0] == pytest.approx(first, rel=1e-5), (losses, first)
+    assert losses[1] < losses[0]
+    assert "loss nan" not in proc.stdout

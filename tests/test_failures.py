@@ -216,3 +216,39 @@ def test_what_a_recipe_starts_does_not_inherit_the_run_secret(tmp_path):
     seen = names.read_text().split()
     assert seen.count("FLODL_RUN_COORD") == 2, seen  # both ranks' children wrote theirs
     assert "FLODL_RUN_SECRET" not in seen
+
+
+HANGS_IN_CHECKPOINT_FN = (
+    "import time\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def checkpoint_fn(epoch, model):\n"
+    "    if epoch >= 1:\n"
+    "        time.sleep(3600)\n"
+)
+
+
+@pytest.mark.apart  # its hang limits are in seconds (2 s): a loaded core must not stall a healthy rank
+def test_every_rank_hung_in_a_save_fails_the_run_and_leaves_no_uncommitted_generation(tmp_path):
+    """Pins a run whose every rank hangs in a save (checkpoint_fn from epoch 1 on; the writer
+    lost, another survivor writes another generation, and hangs too): it was labelled
+    shutdown_with_save while it said "no bundle", with the half-written generations g2 and g3
+    left beside the bundle of g1. Now it ends failed, saying it did not save and what the save
+    path still holds, and only the committed generation's files remain."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "hanging_save.py").write_text(HANGS_IN_CHECKPOINT_FN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=hanging_save", "cluster=cpu_pair",
+                         "num_epochs=4", "checkpoint_every=1", "progress_timeout_secs=2", env=env)
+    out = proc.stdout + proc.stderr
+    stem = tmp_path / "run" / "checkpoint"
+    assert proc.returncode == 1, out
+    assert summary["status"] == "failed", summary
+    assert summary["message"].startswith("all_ranks_lost: hung: its save ran for "), summary
+    assert summary["message"].endswith(f"; not saved: no rank left to save; {stem} still holds the "
+                                       "bundle of generation 1 (checkpoint, resume at epoch 2)")
+    assert summary["checkpoint"] == str(stem) and read_meta(stem).generation == 1
+    assert sorted(p.name for p in stem.parent.glob("checkpoint.g*")) == [
+        "checkpoint.g1.optim.pt", "checkpoint.g1.optim.rank0.pt", "checkpoint.g1.optim.rank1.pt",
+        "checkpoint.g1.pt"]
+    assert "removed generation(s) g2, g3 of" in text_of(tmp_path / "run" / "events.jsonl")

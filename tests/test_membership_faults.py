@@ -312,13 +312,14 @@ def test_max_failure_counts_the_dead_against_absolute_n_or_ceil_p_of_the_world(l
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_sync"])
 def test_losing_every_rank_stops_with_all_ranks_lost_and_no_bundle(tmp_path, mode):
     """Rule: with no max_failure set, the run carries on through deaths until no rank is left;
-    then it stops with shutdown_with_save, reason all_ranks_lost, and no bundle (nobody holds
-    the weights)."""
+    then it stops, reason all_ranks_lost, with no bundle (nobody holds the weights): failed,
+    saying it did not save (it was labelled shutdown_with_save, as if it had)."""
     summary, _, _, _ = _run(mode, [Fault(0, "die", 2), Fault(1, "die", 3)], ranks=2,
                             save_path=str(tmp_path / "ck"))
-    assert summary.status == "shutdown_with_save"
+    assert summary.status == "failed"
     assert sorted(summary.dead_ranks) == [0, 1]
-    assert summary.message.startswith("all_ranks_lost: ") and summary.message.endswith("; no bundle")
+    assert summary.message.startswith("all_ranks_lost: ")
+    assert summary.message.endswith(f"; not saved: no rank left to save; no bundle at {tmp_path / 'ck'}")
     assert summary.checkpoint is None
 
 
@@ -333,7 +334,8 @@ def test_a_recipe_error_on_every_rank_fails_the_run_with_that_error(tmp_path, mo
     assert summary.status == "failed"
     assert summary.message.startswith("rank 0 failed: ValueError: scripted failure at train 2 "
                                       "(also rank 1); all_ranks_lost: ")
-    assert summary.message.endswith("; no bundle") and summary.checkpoint is None
+    assert summary.message.endswith(f"; not saved: no rank left to save; no bundle at {tmp_path / 'ck'}")
+    assert summary.checkpoint is None
     assert sorted(summary.dead_ranks) == [0, 1]  # in the order their failures landed
 
 

@@ -111,18 +111,21 @@ def test_epoch_splits_refused_beyond_the_batches_of_a_pass():
 def test_an_empty_train_set_is_named_as_such():
     """Pins: an empty train set failed the ranks with `data.epoch_splits: must be <= the
     batches of one pass, 0`, naming a knob the user never set. The data plane now says the
-    recipe's train_dataset is empty, naming recipe.module."""
+    recipe's train_dataset is empty, naming recipe.module and the function, as the recipe's
+    contract error it is: the rank prints it as one line, without our frames."""
     from torch.utils.data import TensorDataset
 
+    from flodl_run.contracts.recipe import RecipeError, user_traceback
     from flodl_run.data.dataplane import DataPlane
 
     empty = TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))
     config = ExperimentConfig(recipe=RecipeConfig(module="my_recipe"))
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(RecipeError) as raised:
         DataPlane(empty, torch.device("cpu"), config)
-    assert str(raised.value).startswith("recipe.module: must give a train_dataset with at least "
-                                        "one sample"), raised.value
-    assert "epoch_splits" not in str(raised.value)
+    assert str(raised.value) == ("recipe.module: must give a train_dataset with at least one sample "
+                                 "(its train_dataset(**recipe.params) returned an empty one), got "
+                                 "'my_recipe'"), raised.value
+    assert user_traceback(raised.value) == ""
 
 
 def test_materialize_refuses_too_many_splits_for_the_recipe():

@@ -77,3 +77,20 @@ def test_non_finite_reduces_in_a_row_stop_the_run_at_max_nonfinite():
     assert reduce_with(float("nan")) is True
     assert reduces.summary.nonfinite == [{"round": r, "rank": 1, "what": "loss"} for r in (1, 3, 4)]
     assert observer.events.count("rank_nonfinite") == 3
+
+
+def test_a_window_of_no_sample_adds_no_loss_to_the_epochs_mean():
+    """Pins the tallies of nccl_sync with fewer samples than ranks: a rank whose steps had no
+    sample reports its batches with `loss_batches=0`, and the window's and epoch's mean loss
+    (and the summary's avg_loss) are those of the batches that gave one, not halved by its
+    empty steps; a report without the count (cadence modes) counts every batch."""
+    from flodl_run.control.tallies import EpochTally, WindowTally
+
+    window, epoch = WindowTally.empty(2), EpochTally.empty(2)
+    window.add(WindowDone(1, 0, 0, 3, 0, 1.0, 0.0, 0.0, 0.1, loss_batches=0))
+    assert window.mean_loss() is None
+    window.add(WindowDone(0, 0, 0, 3, 3, 1.0, 0.0, 6.0, 0.1))
+    epoch.add(window)
+    assert window.mean_loss() == epoch.mean_loss() == 2.0
+    epoch.add_done(WindowDone(1, 1, 0, 2, 2, 1.0, 0.0, 2.0, 0.1, loss_batches=1))
+    assert epoch.mean_loss() == 2.0 and epoch.loss_batches == [3, 1]

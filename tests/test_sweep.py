@@ -246,3 +246,98 @@ def test_a_group_job_runs_on_its_slots_cores_and_gpus_and_frees_the_slot(tmp_pat
     assert (first, second) == (0, 1)
     held.close()
     other.close()
+
+
+def _attempt(run_dir: Path, status=None, bundle: bool = False) -> None:
+    """What an earlier attempt of a job leaves: run.yaml, maybe a summary and a bundle's meta."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.yaml").write_text("seed: 1\n")
+    stem = run_dir / "checkpoint"
+    if bundle:
+        Path(f"{stem}.meta.json").write_text("{}")
+    if status is not None:
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"status": status, "checkpoint": str(stem) if bundle else None}))
+
+
+def test_a_rerun_sweep_job_skips_resumes_or_refuses_what_its_earlier_attempt_left(tmp_path):
+    """Pins the sweep rerun rule: a job whose dir holds no started run trains; a completed run
+    is skipped; a stopped or failed run (or a launcher killed before its summary) with a bundle
+    resumes from it; one with no bundle, or a dir holding another sweep point's run, is refused
+    naming the dir (a rerun used to retrain every job and overwrite the stopped one's bundle)."""
+    from flodl_run.report.rerun import next_step, read_earlier
+
+    def step(run_dir, overrides=("seed=1",), earlier=("seed=1",)):
+        found = read_earlier(run_dir, None, None if earlier is None else list(earlier))
+        return next_step(found, list(overrides), run_dir)
+
+    (tmp_path / "hydra_only" / ".hydra").mkdir(parents=True)  # Hydra's files come before any check
+    assert step(tmp_path / "hydra_only").action == "fresh"
+    _attempt(tmp_path / "done", "completed", bundle=True)
+    assert step(tmp_path / "done").action == "skip"
+    for status in ("interrupted", "failed", "shutdown_with_save", None):
+        _attempt(tmp_path / str(status), status, bundle=True)
+        resumed = step(tmp_path / str(status))
+        assert (resumed.action, resumed.bundle) == ("resume", str(tmp_path / str(status) / "checkpoint"))
+    _attempt(tmp_path / "nothing", "interrupted")
+    refused = step(tmp_path / "nothing")
+    assert refused.action == "refuse" and f"remove {tmp_path / 'nothing'}" in refused.why
+    other = step(tmp_path / "done", overrides=["seed=2"])
+    assert other.action == "refuse" and "other overrides (seed=1; this job: seed=2)" in other.why
+    own_bundle = f"resume_from={tmp_path / 'done' / 'checkpoint'}"
+    requeued = step(tmp_path / "done", overrides=["seed=1", own_bundle])
+    assert requeued.action == "skip" and step(tmp_path / "done", earlier=None).action == "skip"
+
+
+def test_a_rerun_job_keeps_the_entry_of_another_sweep_points_run(tmp_path, monkeypatch):
+    """Pins the comparison of a refused rerun job: the entry an earlier attempt left stays when
+    this job's overrides differ (its row still describes the run in the dir), and is remembered
+    for the job either way."""
+    from omegaconf import OmegaConf
+
+    from flodl_run.report import sweep
+    from flodl_run.report.sweep import SweepCallback, earlier_overrides
+
+    monkeypatch.setattr(sweep, "_joined", None)  # the hook joins the sweep: not for later tests
+    monkeypatch.setattr(sweep, "_earlier", {})
+    run_dir = tmp_path / "0"
+    write_job(tmp_path, (0, ["seed=1"], run_dir))
+
+    def start(overrides):
+        SweepCallback().on_job_start(OmegaConf.create({"hydra": {
+            "job": {"num": 0}, "overrides": {"task": overrides}, "sweep": {"dir": str(tmp_path)},
+            "runtime": {"output_dir": str(run_dir)}}}))
+
+    start(["seed=2"])
+    assert read_jobs(tmp_path) == [(0, ["seed=1"], run_dir)] and earlier_overrides(run_dir) == ["seed=1"]
+    start(["seed=1", f"resume_from={run_dir / 'checkpoint'}"])  # a requeue: the same job
+    assert read_jobs(tmp_path) == [(0, ["seed=1"], run_dir)] and earlier_overrides(run_dir) == ["seed=1"]
+
+
+@pytest.mark.e2e
+def test_a_sweep_rerun_after_a_sigterm_skips_the_done_job_and_resumes_the_stopped_one(tmp_path):
+    """Pins a sweep rerun into its hydra.sweep.dir: the job that completed is skipped with a
+    line saying so (its files untouched), the job a SIGTERM stopped resumes from its own
+    bundle, and the comparison lists both completed. A rerun used to retrain every job and
+    overwrite the stopped job's bundle without a word."""
+    sweep_dir, stop_file = tmp_path / "multirun", tmp_path / "stop"
+    stop_file.touch()  # job 1's epoch_fn(1) SIGTERMs its own run once (tests/stopping_recipe.py)
+    args = ("-m", "num_epochs=1,3", "recipe=custom", "recipe.module=tests.stopping_recipe",
+            f"+recipe.params.stop_file={stop_file}", "cluster=solo", "tracking=off",
+            f"hydra.sweep.dir={sweep_dir}")
+    first = run_cli(*args, timeout=240)
+    assert first.returncode == 130, first.stdout[-3000:] + first.stderr[-3000:]
+    stopped = json.loads((sweep_dir / "1" / "summary.json").read_text())
+    assert (stopped["status"], stopped["checkpoint"]) == ("interrupted", str(sweep_dir / "1" / "checkpoint"))
+    done = {p.name: p.stat().st_mtime_ns for p in (sweep_dir / "0").iterdir()
+            if p.is_file() and p.name != "cli.log"}
+    second = run_cli(*args, timeout=240)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"{sweep_dir / '0'} holds this job's completed run: skipped" in second.stdout, second.stdout
+    assert f"resuming it from {sweep_dir / '1' / 'checkpoint'}" in second.stdout
+    assert f"resumed from {sweep_dir / '1' / 'checkpoint'} at epoch" in text_of(sweep_dir / "1" / "cli.log")
+    assert {p.name: p.stat().st_mtime_ns for p in (sweep_dir / "0").iterdir()
+            if p.is_file() and p.name != "cli.log"} == done
+    assert "holds this job's completed run: skipped" in text_of(sweep_dir / "0" / "cli.log")
+    table = list(csv.DictReader(io.StringIO((sweep_dir / "comparison.csv").read_text())))
+    assert [r["status"] for r in table] == ["completed", "completed"]

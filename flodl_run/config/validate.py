@@ -240,7 +240,7 @@ def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Pr
     d = cfg.data
     if num_samples == 0:  # it was named as data.epoch_splits exceeding 0 batches
         return Problem("recipe.module", cfg.recipe.module, "must give a train_dataset with at "
-                       "least one sample (its train_dataset is empty)")
+                       "least one sample (its train_dataset(**recipe.params) returned an empty one)")
     batches = -(-num_samples * max(d.augment, 1) // max(cfg.batch_size, 1))
     if d.epoch_splits > batches:
         return Problem("data.epoch_splits", d.epoch_splits,

@@ -193,6 +193,35 @@ def discard(stem: str | Path, generation: Optional[int]) -> None:
         pass
 
 
+def drop_uncommitted(stem: str | Path) -> List[int]:
+    """Remove the generations newer than the one the meta names (every generation when there is
+    no meta): what saves that never committed left, a writer lost mid-save (each loss starts
+    another generation) or every rank lost. Call when nothing writes there any more (the run's
+    ranks are gone). A meta that cannot be read leaves everything as it is. Returns the
+    generations removed."""
+    try:
+        current = read_meta(stem).generation if paths(stem)["meta"].exists() else 0
+    except (BundleError, OSError):
+        return []
+    try:
+        dropped = sorted(g for g in _generations(stem) if g > current)
+    except OSError:
+        return []
+    for generation in dropped:
+        discard(stem, generation)
+    return dropped
+
+
+def still_held(stem: str | Path) -> str:
+    """What `stem` holds now, for a save that did not happen or was cut short."""
+    try:
+        meta = read_meta(stem)
+    except (BundleError, OSError):
+        return f"no bundle at {stem}"
+    return (f"{stem} still holds the bundle of generation {meta.generation} ({meta.save_reason}, "
+            f"resume at epoch {meta.epoch + 1})")
+
+
 def unwritten(stem: str | Path, generation: Optional[int], why: str) -> str:
     """What a failed save says: which generation (None: the next, not yet numbered), why, and
     what the bundle still holds."""

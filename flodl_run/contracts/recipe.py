@@ -76,12 +76,13 @@ def raised_by_recipe(exc: BaseException) -> bool:
 def user_traceback(exc: BaseException, error: Optional[str] = None) -> str:
     """The traceback's frames outside flodl_run (the recipe's), or all of them when the error
     is ours (none outside) or FLODL_RUN_TRACEBACK is set; it ends with `error` when given (the
-    error line as reported), else with the exception as Python prints it. None for a
-    train_step that returned no loss (the message says where)."""
+    error line as reported), else with the exception as Python prints it. Empty for a
+    train_step that returned no loss and for a recipe that breaks its contract (RecipeError:
+    an empty train set, found by the rank's data plane): the message says where."""
     frames = traceback.extract_tb(exc.__traceback__)
     theirs = [f for f in frames if not _is_ours(f)]
-    if isinstance(exc, NotALoss) and not os.environ.get("FLODL_RUN_TRACEBACK"):
-        return ""  # its message names the function and the line; every frame would be ours
+    if isinstance(exc, (NotALoss, RecipeError)) and not os.environ.get("FLODL_RUN_TRACEBACK"):
+        return ""  # its message names the function (or the key to fix); every frame would be ours
     if os.environ.get("FLODL_RUN_TRACEBACK") or not theirs:
         theirs = frames
     return "".join(["Traceback (most recent call last):\n", *traceback.format_list(theirs),

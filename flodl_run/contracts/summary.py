@@ -84,7 +84,8 @@ class ReportRecord:
 @dataclass
 class Summary:
     status: str = "failed"
-    """completed | failed | interrupted | shutdown_with_save (failed until a run says otherwise)."""
+    """completed | failed | interrupted | shutdown_with_save (failed until a run says otherwise;
+    with a save_path, shutdown_with_save only when that stop's bundle was written)."""
     mode: str = "solo"
     outer: str = "none"
     world_size: int = 1

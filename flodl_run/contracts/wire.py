@@ -130,6 +130,14 @@ class WindowDone(Message):
     """Deadline windows: when the window's first batch began, on the coordinator's clock as
     this rank estimates it (None: no estimate); the coordinator's next deadline allows for
     the latest rank's start."""
+    loss_batches: Optional[int] = None
+    """The batches whose losses `loss_sum` adds up (None: all `batches`). A batch of no sample
+    adds none: nccl_sync gives a rank none of a step smaller than the ranks, and the mean of
+    an empty batch is NaN."""
+
+    @property
+    def loss_count(self) -> int:
+        return self.batches if self.loss_batches is None else self.loss_batches
 
 
 class WindowFailed(Message):

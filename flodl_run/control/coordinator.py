@@ -17,6 +17,7 @@ import zmq
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import ExperimentConfig, Mode
+from flodl_run.contracts import checkpoint
 from flodl_run.contracts.recipe import CallbackFailed, Recipe, load_recipe
 from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import (
@@ -486,9 +487,11 @@ class Coordinator:
             self._send(rank, CutWindow(self.stop.reason))
 
     def _shutdown_with_save(self, reason: str, detail: str) -> None:
-        """Save from a survivor (when any), then stop with status shutdown_with_save."""
-        self.summary.status = "shutdown_with_save"
-        stem = None
+        """Save from a survivor (when any), then stop with status shutdown_with_save; with a
+        save_path and nothing saved (nobody left, or the save failed) the run failed, and the
+        message says what the save path still holds (it said shutdown_with_save and "no
+        bundle", even with an earlier bundle there)."""
+        stem, failed = None, ""
         if self.alive:
             try:
                 epoch, uncovered = (self.async_loop.save_point() if self.async_loop is not None
@@ -496,9 +499,13 @@ class Coordinator:
                                                                    self.uncovered_now()))
                 stem = self.save_bundle(reason, epoch, uncovered)
             except (RunAborted, zmq.ZMQError) as exc:
-                detail = f"{detail}; the save failed: {exc}"
-        saved = f"bundle {stem}" if stem else "no bundle"
-        self.summary.message = f"{reason}: {detail}; {saved}"
+                failed = f"the save failed: {exc}"
+        if stem is not None or not self.config.save_path:  # saved, or no bundle was asked for
+            self.summary.status = "shutdown_with_save"
+            self.summary.message = f"{reason}: {detail}; " + (f"bundle {stem}" if stem else "no save_path")
+        else:
+            held = failed or f"no rank left to save; {checkpoint.still_held(self.config.save_path)}"
+            self.summary.status, self.summary.message = "failed", f"{reason}: {detail}; not saved: {held}"
         self.observer.on_event("shutdown", self.summary.message)
 
     def _finish(self, wall_s: float) -> None:

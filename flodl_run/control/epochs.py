@@ -80,7 +80,6 @@ class Epochs:
             self.summary.final_eval = last.eval
 
     def _epoch_record(self, epoch: int, tally: EpochTally) -> EpochRecord:
-        total_batches = max(sum(tally.batches), 1)
         every = self.config.eval_every_epochs
         eval_began = time.perf_counter()
         due = bool(every) and (epoch + 1) % every == 0
@@ -89,7 +88,7 @@ class Epochs:
         eval_ms = (time.perf_counter() - eval_began) * 1000.0
         return EpochRecord(
             epoch=epoch,
-            avg_loss=sum(tally.loss_sum) / total_batches,  # work-weighted: per batch, all ranks
+            avg_loss=tally.mean_loss() or 0.0,  # work-weighted: per batch that gave a loss, all ranks
             eval=score,
             epoch_ms=(time.perf_counter() - tally.started) * 1000.0,
             eval_ms=eval_ms,

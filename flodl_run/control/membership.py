@@ -88,6 +88,9 @@ class Membership:
         self._deaths: "queue.Queue[Tuple[int, str]]" = queue.Queue()
         self.last_seen: Dict[int, float] = {}
         self.batch_clock: Dict[int, tuple] = {}  # rank -> (batches finished, since when)
+        self.seen_batch_ms: Dict[int, float] = {}
+        """Per rank, its longest batch as its heartbeats show it (batches finished between two
+        beats while training): a batch time before ElChe has one (the first window)."""
         self.in_batch: Set[int] = set()  # ranks whose last heartbeat said they were training
         self.liveness_checked = 0.0
         self.loop_seen: Optional[float] = None  # when the coordinator's loop last came by
@@ -134,6 +137,9 @@ class Membership:
         """Restart the rank's progress clock when it finished a batch since the last beat, or
         is not training (idle, or in an ordered reduce, eval or save: never hung)."""
         last = self.batch_clock.get(beat.rank)
+        if last is not None and beat.training and beat.batches > last[0]:
+            per_batch_ms = (now - last[1]) * 1000.0 / (beat.batches - last[0])
+            self.seen_batch_ms[beat.rank] = max(per_batch_ms, self.seen_batch_ms.get(beat.rank, 0.0))
         if last is None or last[0] != beat.batches or not beat.training:
             self.batch_clock[beat.rank] = (beat.batches, now)
         (self.in_batch.add if beat.training else self.in_batch.discard)(beat.rank)
@@ -195,7 +201,7 @@ class Membership:
         smoothed = self.ctx.balance.smoothed_ms()
         hung = []
         for rank, (batches, since) in self.batch_clock.items():
-            ms = smoothed[rank] if rank < len(smoothed) else None
+            ms = (smoothed[rank] if rank < len(smoothed) else None) or self.seen_batch_ms.get(rank)
             limit, during = self._batch_limit_s(ms), " during a stop" if self.ctx.stop.is_set() else ""
             if rank in self.alive and now - since > limit:
                 hung.append((rank, f"hung: no batch finished for {now - since:.1f}s while "
@@ -203,9 +209,11 @@ class Membership:
         return hung
 
     def _batch_limit_s(self, ms: Optional[float]) -> float:
-        """How long a rank may go without finishing a batch (`ms`: its smoothed batch time).
-        While the run stops, a rank whose batch time is known gets STOP_PROGRESS_FACTOR of it
-        (never less than the stop's grace): a stop waits for a slow batch, not a hung one."""
+        """How long a rank may go without finishing a batch (`ms`: its smoothed batch time, or
+        before ElChe has one its longest batch seen in its heartbeats). While the run stops, a
+        rank whose batch time is known gets STOP_PROGRESS_FACTOR of it (never less than the
+        stop's grace): a stop waits for a slow batch, not a hung one. In the first window that
+        waited the usual rule out (max(20 x, 300 s)), and a second Ctrl-C stopped unsaved."""
         limit = hung_limit_s(ms, self.progress_factor, self.progress_floor_s)
         if self.ctx.stop.is_set() and ms:
             limit = min(limit, hung_limit_s(ms, STOP_PROGRESS_FACTOR, self.ctx.stop.grace_s))

@@ -458,11 +458,11 @@ class Reduces:
         if tally.reports >= n or fraction < (tally.reports + 1) / n:
             return
         tally.reports = min(n, int(fraction * n + 1e-9))
-        batches = done - tally.reported_batches
+        counted = sum(tally.loss_batches) - tally.reported_loss_batches  # the batches that gave a loss
         loss = sum(tally.loss_sum) - tally.reported_loss
-        tally.reported_batches, tally.reported_loss = done, sum(tally.loss_sum)
+        tally.reported_loss, tally.reported_loss_batches = sum(tally.loss_sum), sum(tally.loss_batches)
         self.observer.on_report(ReportRecord(
-            epoch, tally.reports, fraction, self.global_step, loss / max(batches, 1),
+            epoch, tally.reports, fraction, self.global_step, loss / max(counted, 1),
             roll_up(tally.scalars, self.config.scalar_reductions)))
 
     def observe_reduce(self, epoch: int, sync_ms: float, divergence: float,

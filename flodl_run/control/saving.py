@@ -18,7 +18,6 @@ from flodl_run.config.compose import dotted_items
 from flodl_run.config.schema import Mode
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.checkpoint import (
-    BundleError,
     BundleMeta,
     Coverage,
     NotWritten,
@@ -96,13 +95,7 @@ class Saving:
     def _say_what_stays(aborted: RunAborted, stem: str) -> NoReturn:
         """A save cut short (a second stop signal, every rank lost): re-raise, naming the
         bundle `stem` still holds (the generation being written never became current)."""
-        try:
-            meta = read_meta(stem)
-            stays = (f"{stem} still holds the bundle of generation {meta.generation} "
-                     f"({meta.save_reason}, resume at epoch {meta.epoch + 1})")
-        except BundleError:
-            stays = f"no bundle at {stem}"
-        raise RunAborted(aborted.status, f"{aborted.reason}; {stays}") from None
+        raise RunAborted(aborted.status, f"{aborted.reason}; {checkpoint.still_held(stem)}") from None
 
     def _write_outer(self, stem: str, generation: int, files: Dict[str, str]) -> None:
         """The outer state this process keeps, when there is one, into `generation` (its

@@ -386,4 +386,6 @@ class Windows:
     def progress(self, epoch: int, epoch_tally: EpochTally, window: WindowTally,
                   done: WindowDone) -> None:
         batches = self.batches_before.get(epoch, 0) + sum(epoch_tally.batches) + sum(window.batches)
-        self.observer.on_batch(epoch, batches, done.loss_sum / max(done.batches, 1))
+        # the rank's window loss; a rank given no sample has none: the window's, else the epoch's
+        loss = done.loss_sum / done.loss_count if done.loss_count else window.mean_loss()
+        self.observer.on_batch(epoch, batches, loss if loss is not None else epoch_tally.mean_loss())

@@ -22,6 +22,7 @@ from torch.utils.data.dataloader import default_collate
 
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.config.validate import epoch_splits_problem
+from flodl_run.contracts.recipe import RecipeError
 from flodl_run.data.datametrics import DataStats
 from flodl_run.data.picks import JobPlan, PickSpace, Transform, Work, apply_transform, epoch_of
 from flodl_run.data.prefetch import IndexUpload, Prefetcher, tensors_of
@@ -63,8 +64,8 @@ class DataPlane:
                  environ: Optional[Mapping[str, str]] = None):
         env = os.environ if environ is None else environ
         problem = epoch_splits_problem(len(dataset), config)
-        if problem is not None:
-            raise ValueError(str(problem))
+        if problem is not None:  # the rank's first look at the set: the launcher never loads it
+            raise RecipeError(problem.key, problem.value, problem.rule)
         self.dataset, self.device, self.data = dataset, device, config.data
         self.rank, self.batch_size, self.transform = rank, config.batch_size, transform
         self.num_samples = len(dataset)

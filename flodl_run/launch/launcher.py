@@ -23,6 +23,7 @@ from flodl_run.config.schema import ClusterConfig, DashboardConfig, ExperimentCo
 from flodl_run.config.validate import Problem, validate
 from flodl_run.contracts.signals import stop_signal
 from flodl_run.contracts.summary import Summary, write_outcome, write_summary
+from flodl_run.control.runstate import STOP_GRACE_S
 from flodl_run.hardware.devices import GpuInfo, hardware_line, pick_gpus, visible_gpus
 from flodl_run.launch.notices import say_what_differs
 from flodl_run.launch.zygote import fork_ranks, ready_spare
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.contracts.recipe import Recipe
     from flodl_run.launch.hosts import HostLayout
     from flodl_run.launch.slurm import SlurmPlan
+    from flodl_run.rank.solo import SoloTrainer
     from flodl_run.report.liveserver import LiveServer
 
 
@@ -178,12 +180,28 @@ def _run(config: ExperimentConfig, run_dir: Path, console: Console, recipe: Opti
         finally:
             if progress is not None:
                 progress.close()
+        _drop_uncommitted(config.save_path, observers)
         summary.mlflow_run_id = tracker.run_id
         latest = _close_records(summary, run_dir, outputs, tracker, observers.errors, console)
         _report(summary, console, written(run_dir, summary, latest, config.tracking.uri), error)
         say_unwritten(console, observers.errors)
         return RunResult(summary, run_dir, run_dir / "summary.json", summary.checkpoint,
                          tracker.run_id, model), error
+
+
+def _drop_uncommitted(save_path: Optional[str], observer: Observer) -> None:
+    """The ranks are gone: remove the generations of saves that never committed (a writer
+    lost mid-save starts another generation; a run that lost every rank in a save left up to
+    three behind), saying so. The bundle the meta names stays."""
+    if not save_path:
+        return
+    from flodl_run.contracts.checkpoint import drop_uncommitted
+
+    dropped = drop_uncommitted(save_path)
+    if dropped:
+        names = ", ".join(f"g{g}" for g in dropped)
+        observer.on_event("checkpoint_discarded", f"removed generation(s) {names} of {save_path}: "
+                                                  "saves that never completed")
 
 
 def _open_files_up_to_the_hard_limit() -> None:
@@ -432,15 +450,20 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
         recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
                              config.recipe.loop)
     trainer = SoloTrainer(config, recipe, observer)
+    grace = threading.Timer(STOP_GRACE_S, _let_go, [trainer])
+    grace.daemon = True
 
     def on_signal(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
-        if trainer.stop_reason is not None:  # a second signal: at once, as Ctrl-C always did
-            trainer.stop_reason = f"{trainer.stop_reason}; then {name}"
+        if trainer.stop_reason is not None:  # a second signal, or the grace ran out: at once
+            if trainer.let_go is None:
+                trainer.stop_reason = f"{trainer.stop_reason}; then {name}"
+            trainer.stop_at_once()  # in an epoch's close: the epochs trained are saved first
             raise KeyboardInterrupt
         trainer.request_stop(f"interrupted by {name}")
         say(console, f"stopping ({name}): after the batch in hand, saving what was trained; "
-                     "Ctrl-C again stops at once without saving")
+                     "Ctrl-C again stops at once")
+        grace.start()
 
     main = threading.current_thread() is threading.main_thread()
     # a scheduler's notice before the job's end (contracts.signals) stops the run as SIGTERM does
@@ -456,9 +479,19 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
         error = exc
         trainer.summary.status, trainer.summary.message = "failed", f"{type(exc).__name__}: {exc}"
     finally:
+        grace.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return trainer.summary, trainer.replica.model, error
+
+
+def _let_go(trainer: "SoloTrainer") -> None:
+    """The stop's grace ran out (a timer's thread): a trainer still in an epoch's close (an
+    eval, a callback: they may hang) is stopped at once, as by a second signal, saving the
+    epochs it holds; one in a batch finishes it first (a batch is never cut)."""
+    if trainer.closing is not None:
+        trainer.let_go = f"{trainer.closing} outlasted the stop's {STOP_GRACE_S:g}s grace"
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs in the trainer's thread
 
 
 def _report(summary: Summary, console: Console, artifacts: List[str],

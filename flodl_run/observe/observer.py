@@ -8,7 +8,7 @@ no file descriptors left) is said once (`OutputErrors`) and the run goes on with
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from flodl_run.contracts.summary import CHECKPOINT_FAILED, EpochRecord, ReduceRecord, ReportRecord
 from flodl_run.contracts.wire import NodeSample
@@ -30,9 +30,10 @@ class Observer:
         """Once, right after on_start, when the run resumes a bundle: training starts in
         `epoch`, of which `batches_done` batches were trained before (the bundle holds them)."""
 
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+    def on_batch(self, epoch: int, batches_done: int, loss: Optional[float]) -> None:
         """After a batch (solo) or a rank's window (distributed); `batches_done` in this epoch
-        (a resumed epoch's count includes the batches trained before the resume)."""
+        (a resumed epoch's count includes the batches trained before the resume); `loss` None
+        while no batch of the epoch gave one (a rank given no sample of a step)."""
 
     def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:
         """A rank finished a window: `samples` trained in `wall_ms` of compute; `device_bytes`
@@ -80,7 +81,7 @@ class Observers(Observer):
     def on_resume(self, epoch: int, batches_done: int) -> None:
         self._fan("on_resume", epoch, batches_done)
 
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+    def on_batch(self, epoch: int, batches_done: int, loss: Optional[float]) -> None:
         self._fan("on_batch", epoch, batches_done, loss)
 
     def on_window(self, rank: int, samples: int, wall_ms: float, device_bytes: int) -> None:

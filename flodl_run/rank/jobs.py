@@ -30,6 +30,8 @@ class Job:
     samples: int = 0
     loss_sum: Optional[torch.Tensor] = None
     """Sum of the window's losses, on the device (read once, when the window is done)."""
+    loss_batches: int = 0
+    """The batches `loss_sum` holds the losses of (those with samples that reported one)."""
     step_ms: List[float] = field(default_factory=list)
     micro: List[Any] = field(default_factory=list)
     """nccl_sync (gradients): the exact step's micro-batch of each batch (rank.exact.Micro)."""

@@ -337,8 +337,9 @@ class RankWorker:
             self._window_failed(job)
             return
         loss, self._reported = self._reported, None
-        if loss is not None:  # read at window end
+        if loss is not None and len(indices):  # read at window end; an empty batch's mean is NaN
             job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss
+            job.loss_batches += 1
         # a deadline window reads the clock after every batch, so each waits for the device
         timed = job.done == 0 or job.done + 1 == len(job.batches) or bool(job.order.deadline_ms)
         self._settle_step(began, timed=timed, emulate=not job.micro)
@@ -388,7 +389,7 @@ class RankWorker:
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
             skipped=exact.window_skipped() if exact else 0, window_wall_ms=sum(job.step_ms),
             graphs=graphs, eager_frames=eager_frames,
-            left=job.left,
+            left=job.left, loss_batches=job.loss_batches,
             began_ns=job.began_ns(self.timeline.clock.estimate()), **self.source.take_stats()))
         if self.mode is Mode.cpu_async and not self._sync_pending:
             self._sync_pending, self._overshoot_used = True, 0

@@ -45,7 +45,9 @@ def main() -> int:
             raise  # ours: a rank the coordinator declared dead leaves with its message
         error = _error_line(exc)
         when = "failed" if worker is not None else "failed to start"
-        print(f"rank {env.rank}: {when}:\n{user_traceback(exc, error)}", file=sys.stderr, end="")
+        trace = user_traceback(exc, error)  # empty where the message says where: one line then
+        print(f"rank {env.rank}: {when}:\n{trace}" if trace else f"rank {env.rank}: {when}: {error}\n",
+              file=sys.stderr, end="")
         _report_failure(env, worker, RankFailed(env.rank, error))
         return 1
     finally:

@@ -99,6 +99,13 @@ class SoloTrainer:
         self._samples = 0
         self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
         self.stop_reason: Optional[str] = None  # a SIGINT/SIGTERM asked to stop (request_stop)
+        self.closing: Optional[str] = None
+        """What the trainer is in while the replica holds the `_trained` epochs whole and no
+        batch is in hand (`the eval of epoch 3`, `the close of epoch 3`, `the final eval`)."""
+        self.at_once: Optional[str] = None  # what a stop at once saved (stop_at_once)
+        self.let_go: Optional[str] = None  # why the stop's grace let the trainer's close go
+        self._open_record: Optional[EpochRecord] = None  # an epoch in its eval: not yet recorded
+        self._saving = False
         self._resume_epoch = -1  # where resume_from starts ...
         self._resume_uncovered: List[List[int]] = []  # ... and what of that epoch it trains
 
@@ -108,9 +115,26 @@ class SoloTrainer:
 
     def request_stop(self, reason: str) -> None:
         """Stop after the batch in hand and save what the replica trained, the rest of the
-        epoch listed uncovered (a signal handler calls this; a second signal raises
-        KeyboardInterrupt instead: stopped at once, unsaved)."""
+        epoch listed uncovered (a signal handler calls this; a second signal calls
+        `stop_at_once`, then raises KeyboardInterrupt)."""
         self.stop_reason = reason
+
+    def stop_at_once(self) -> None:
+        """Before the run ends at once (a second signal, or an epoch's close that outlasted the
+        stop's grace; the caller raises KeyboardInterrupt next, in this thread): in an epoch's
+        close (its eval, its callbacks, the final eval) the replica holds the epochs trained
+        whole, so they are saved first, that epoch recorded without its eval. An in-process
+        eval that hung used to save nothing. In a batch, or in a save, nothing is saved."""
+        where = self.closing
+        if where is None or self._saving:
+            return
+        if self._open_record is not None:
+            self.summary.epochs.append(self._open_record)
+            self._open_record = None
+        saved = self._save_bundle("graceful_shutdown", self._trained)
+        said = f"saved {self.summary.checkpoint}" if saved else \
+            "not saved (the disk refused it)" if self.config.save_path else "not saved (no save_path)"
+        self.at_once = f"in {where}: {said}"
 
     def run(self) -> TrainResult:
         """Train every epoch, then the final eval. A stop request saves what was trained and
@@ -131,7 +155,9 @@ class SoloTrainer:
                 self._graceful_stop(stopped)
         except KeyboardInterrupt:  # a second signal (or one outside the launcher's handler)
             self.summary.status = "interrupted"
-            self.summary.message = (f"{self.stop_reason} (stopped at once: not saved)"
+            reason = f"{self.stop_reason}; {self.let_go}" if self.let_go else self.stop_reason
+            self.summary.message = (f"{reason} (stopped at once {self.at_once})" if self.at_once
+                                    else f"{self.stop_reason} (stopped at once: not saved)"
                                     if self.stop_reason else "stopped by SIGINT")
             raise
         except CallbackFailed as failure:
@@ -161,6 +187,7 @@ class SoloTrainer:
         for epoch in range(first, self.total_epochs):
             record = yield from self._train_epoch(epoch)
             self.summary.epochs.append(record)
+            self._open_record, self.closing = None, f"the close of epoch {epoch + 1}"
             self._close_epoch(record)
 
     def _close_epoch(self, record: EpochRecord) -> None:
@@ -252,6 +279,7 @@ class SoloTrainer:
         losses = _LossReader(self.observer, epoch, self._batches_before(epoch))
         began = time.perf_counter()
         trained = 0
+        self.closing = None  # from here a batch may be in hand
         for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
             step_began = time.perf_counter()
             self._reported = None
@@ -268,22 +296,24 @@ class SoloTrainer:
             torch.cuda.synchronize(self.device)  # host clock only after the queued work is done
         compute_s = time.perf_counter() - began
         self._samples += len(indices)
-        eval_began = time.perf_counter()
-        score = self._maybe_eval(epoch)  # timed into epoch_ms, as a distributed epoch's eval is
-        eval_ms = (time.perf_counter() - eval_began) * 1000.0
-        self._epoch_s += compute_s + eval_ms / 1000.0
-        return EpochRecord(
+        record = EpochRecord(  # without its eval until the eval returns (a stop may not wait)
             epoch=epoch,
             avg_loss=losses.mean,
-            eval=score,
-            epoch_ms=compute_s * 1000.0 + eval_ms,
-            eval_ms=eval_ms,
+            eval=None,
+            epoch_ms=compute_s * 1000.0,
             per_rank_throughput=[len(indices) / compute_s if compute_s > 0 else 0.0],
             per_rank_batch_share=[1.0],
             samples=len(indices),
             scalars=roll_up(drain(), self.config.scalar_reductions),
             **self.train_source.stats.take_epoch(),
         )
+        self._open_record, self.closing = record, f"the eval of epoch {epoch + 1}"
+        eval_began = time.perf_counter()
+        record.eval = self._maybe_eval(epoch)  # timed into epoch_ms, as a distributed epoch's eval is
+        record.eval_ms = (time.perf_counter() - eval_began) * 1000.0
+        record.epoch_ms += record.eval_ms
+        self._epoch_s += compute_s + record.eval_ms / 1000.0
+        return record
 
     def _maybe_eval(self, epoch: int) -> Optional[float]:
         every = self.config.eval_every_epochs
@@ -297,6 +327,7 @@ class SoloTrainer:
         last = self.summary.epochs[-1].eval if self.summary.epochs else None
         if last is not None:
             return last
+        self.closing = "the final eval"
         score = self.replica.evaluate(self.eval_data)
         if self.summary.epochs:
             self.recipe.run_callback("eval_result_fn", self.summary.epochs[-1].epoch, score)
@@ -323,6 +354,7 @@ class SoloTrainer:
         if not stem:
             return False
         generation: Optional[int] = None
+        self._saving = True  # a stop at once does not save over it
         try:
             generation = checkpoint.next_generation(stem)
             self._write_generation(stem, generation, reason, epoch, uncovered, trained)
@@ -332,6 +364,8 @@ class SoloTrainer:
             self.observer.on_event(CHECKPOINT_FAILED,
                                    f"{reason}: {checkpoint.unwritten(stem, generation, why)}")
             return False
+        finally:
+            self._saving = False
         checkpoint.prune(stem, generation)
         self.summary.checkpoint = stem
         self.observer.on_event("checkpoint", f"{reason}: {stem} (resume at epoch {epoch + 1})")

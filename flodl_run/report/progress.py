@@ -74,15 +74,15 @@ class TerminalProgress(Observer):
             self._progress.reset(self._task, completed=epoch * self._batches_per_epoch + batches_done,
                                  description=f"epoch {epoch + 1}/{self._total_epochs}")
 
-    def on_batch(self, epoch: int, batches_done: int, loss: float) -> None:
+    def on_batch(self, epoch: int, batches_done: int, loss: Optional[float]) -> None:
         if self._progress is not None:
             done = epoch * self._batches_per_epoch + batches_done
-            self._progress.update(self._task, completed=done, loss=f"{loss:.4f}",
+            self._progress.update(self._task, completed=done, loss=_fmt(loss),
                                   description=f"epoch {epoch + 1}/{self._total_epochs}")
         elif self.clock() - self._last_line >= LINE_EVERY_S:
             self._within_epoch_line(epoch, batches_done, loss)
 
-    def _within_epoch_line(self, epoch: int, batches_done: int, loss: float) -> None:
+    def _within_epoch_line(self, epoch: int, batches_done: int, loss: Optional[float]) -> None:
         now = self.clock()
         self._last_line = now
         trained = batches_done - (self._start[1] if epoch == self._start[0] else 0)  # by this run
@@ -90,7 +90,7 @@ class TerminalProgress(Observer):
         left = max(self._batches_per_epoch - batches_done, 0)
         eta = f"{left / rate:,.0f}s" if rate > 0 else "-"
         say(self.console, f"epoch {epoch + 1}/{self._total_epochs}  batch {batches_done}/"
-                          f"{self._batches_per_epoch}  loss {loss:.4f}  {rate:,.2f} batches/s  "
+                          f"{self._batches_per_epoch}  loss {_fmt(loss)}  {rate:,.2f} batches/s  "
                           f"epoch ETA {eta}")
 
     def on_epoch(self, record: EpochRecord) -> None:

@@ -25,6 +25,7 @@ from rich.console import Console
 
 from flodl_run.config.schema import TrackingConfig, TrackingKind
 from flodl_run.report.compare import JobOutcome, plot, to_csv, to_markdown
+from flodl_run.report.rerun import resumes_itself
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ _active: Optional[Sweep] = None
 """The sweep started in this process."""
 _joined: Optional[Path] = None
 """The sweep dir of the job this process runs for a sweep started elsewhere."""
+_earlier: Dict[Path, List[str]] = {}
+"""Run dir -> the overrides of the entry an earlier attempt of its job left (this job's
+entry replaces it before the job runs)."""
 
 
 def active() -> Optional[Sweep]:
@@ -152,15 +156,16 @@ def write_job(sweep_dir: Path, entry: Tuple[int, List[str], Path]) -> None:
     """Leave a job's entry for the comparison; a requeued job's replaces its first attempt's
     (and leaves out the resume_from its requeue added: the job is the same sweep point)."""
     num, overrides, run_dir = entry
-    own = [o for o in overrides if not _resumes_itself(o, run_dir)]
+    own = [o for o in overrides if not resumes_itself(o, run_dir)]
     (sweep_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
     _write_json(sweep_dir / JOBS_DIR / f"{num}.json",
                 {"num": num, "overrides": own, "run_dir": str(run_dir)})
 
 
-def _resumes_itself(override: str, run_dir: Path) -> bool:
-    key, _, value = override.partition("=")
-    return key.lstrip("+") == "resume_from" and Path(value).parent == Path(run_dir)
+def earlier_overrides(run_dir: Path) -> Optional[List[str]]:
+    """The overrides an earlier attempt of the job in `run_dir` ran with (its sweep entry, as
+    found when this attempt started); None when there was none."""
+    return _earlier.get(Path(run_dir))
 
 
 def read_jobs(sweep_dir: Path) -> List[Tuple[int, List[str], Path]]:
@@ -240,9 +245,11 @@ class SweepCallback(UnusedHooks):
             _active.open_parents(sweep_tracking(config.tracking))
 
     def on_job_start(self, config: Any, **_: Any) -> None:
-        """In the job's own process: leave its entry; join the sweep started elsewhere. A
-        single run (Hydra calls this hook for it too, with `hydra.job.num` unset) is no job of a
-        sweep: nothing to do."""
+        """In the job's own process: leave its entry; join the sweep started elsewhere. An entry
+        an earlier attempt of the job left (a sweep rerun into its directory) is remembered for
+        the job (`earlier_overrides`), and stays when its overrides differ: that job is refused.
+        A single run (Hydra calls this hook for it too, with `hydra.job.num` unset) is no job of
+        a sweep: nothing to do."""
         global _joined
         if not is_sweep_job(config):
             return
@@ -250,7 +257,14 @@ class SweepCallback(UnusedHooks):
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         if _active is None:
             _joined = sweep_dir
-        write_job(sweep_dir, entry)
+        num, overrides, run_dir = entry
+        _earlier.pop(run_dir, None)
+        for earlier_num, earlier, earlier_dir in read_jobs(sweep_dir):
+            if earlier_num == num and earlier_dir == run_dir:
+                _earlier[run_dir] = earlier
+        own = [o for o in overrides if not resumes_itself(o, run_dir)]
+        if _earlier.get(run_dir, own) == own:
+            write_job(sweep_dir, entry)
 
     def on_multirun_end(self, config: Any, **_: Any) -> None:
         end_active()
