@@ -118,9 +118,11 @@ def test_fewer_samples_than_ranks_trains_and_logs_the_loss_of_the_rank_with_the_
     """Pins nccl_sync on a train set of one sample and two ranks: rank 1's share of every step
     is empty, so its train_step's mean was NaN and every epoch logged loss nan. A batch of no
     sample now gives no loss: each epoch's loss is that of the sample, as one process sees it
-    before its step (the model learns: the second epoch's is lower)."""
+    before its step (the model learns: the second epoch's is lower). The sub-epoch reports count
+    the epoch's samples: they counted every rank's batch of a step and said 200%."""
     proc, summary = _run(tmp_path, *PAIR, "elche=nccl_sync", "recipe=synthetic_mlp",
-                         "recipe.params.num_samples=2", "num_epochs=2", f"seed={SEED}")
+                         "recipe.params.num_samples=2", "num_epochs=2", f"seed={SEED}",
+                         "reports_per_epoch=2")
     assert proc.returncode == 0 and summary["status"] == "completed", proc.stderr[-3000:]
     assert summary["epochs"][0]["per_rank_batch_share"] == [1.0, 0.0]
     recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2}, None, None)
@@ -131,3 +133,5 @@ def test_fewer_samples_than_ranks_trains_and_logs_the_loss_of_the_rank_with_the_
     assert losses[0] == pytest.approx(first, rel=1e-5), (losses, first)
     assert losses[1] < losses[0]
     assert "loss nan" not in proc.stdout
+    said = [line.split("  ")[2] for line in proc.stdout.splitlines() if "  report " in line]
+    assert said == ["100%", "100%"], proc.stdout  # one step an epoch: the epoch's one sample

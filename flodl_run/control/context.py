@@ -111,13 +111,13 @@ class Group(Protocol):
 
 class Run(Group, Protocol):
     """What the coordinator offers the reduces besides a regroup: a save, what of the epoch
-    under way the survivors' weights may not include, and the batches an epoch holds."""
+    under way the survivors' weights may not include, and the samples an epoch holds."""
 
     def save_bundle(self, reason: str, epoch: int, uncovered: List[List[int]]) -> Optional[str]: ...
 
     def uncovered_now(self) -> List[List[int]]: ...
 
-    def epoch_batches(self, epoch: int) -> int: ...
+    def epoch_samples(self, epoch: int) -> int: ...
 
 
 class Closes(Protocol):

@@ -318,8 +318,10 @@ class Coordinator:
 
     def epoch_batches(self, epoch: int) -> int:
         """The batches of batch_size the epoch's samples make."""
-        span = self._span(epoch)
-        return -(-span.size // self.config.batch_size)
+        return -(-self.epoch_samples(epoch) // self.config.batch_size)
+
+    def epoch_samples(self, epoch: int) -> int:
+        return self._span(epoch).size
 
     def _span(self, epoch: int) -> EpochSpan:
         data = self.config.data

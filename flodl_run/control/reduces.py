@@ -449,12 +449,13 @@ class Reduces:
         raise RunAborted("failed", f"{detail}; {saved}")
 
     def _maybe_report(self, epoch: int, tally: EpochTally) -> None:
-        """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n."""
+        """reports_per_epoch: one sub-epoch report each time the epoch passes another 1/n of its
+        samples (in samples, not batches: nccl_sync's ranks each count a batch of every step, and
+        a step's last one is short, so batches overran the epoch's, 102% and more)."""
         n = self.config.reports_per_epoch
         if not n:
             return
-        done = sum(tally.batches)
-        fraction = done / max(self.run.epoch_batches(epoch), 1)
+        fraction = sum(tally.samples) / max(self.run.epoch_samples(epoch), 1)
         if tally.reports >= n or fraction < (tally.reports + 1) / n:
             return
         tally.reports = min(n, int(fraction * n + 1e-9))
