@@ -463,23 +463,8 @@ def test_sigint_while_a_ranks_epoch_fn_hangs_saves_the_finished_epochs(tmp_path)
     hung rank is declared hung and killed, and rank 0 saves the consensus: epochs 0 and 1 in
     the summary (1 without its eval), a graceful_shutdown bundle resuming at epoch 2, no rank
     process left."""
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "hanging_epoch_fn.py").write_text(HANGING_EPOCH_FN)
-    run_dir, marker = tmp_path / "run", tmp_path / "hung"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), str(REPO)]))
-    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", *PAIR, "elche=nccl_cadence",
-                     "num_epochs=3", "epoch_callback_policy=rank:1", "recipe=custom",
-                     "recipe.module=hanging_epoch_fn", "+recipe.params.num_samples=2000",
-                     "+recipe.params.hidden=16", "+recipe.params.depth=1",
-                     f"+recipe.params.marker={marker}", env=env)
-    deadline = time.monotonic() + 120
-    while not marker.is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.05)  # polling the recipe's own note that it hangs, bounded
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 130, out
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run_dir, out, summary = _sigint_once_it_hangs(tmp_path, "hanging_epoch_fn", HANGING_EPOCH_FN, *PAIR,
+                                                  "elche=nccl_cadence", "epoch_callback_policy=rank:1")
     stem = str(run_dir / "checkpoint")
     assert (summary["status"], summary["message"]) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
     assert summary["dead_ranks"] == [1] and "rank 1 lost: hung: its eval ran for" in out, out
@@ -593,12 +578,27 @@ def test_sigint_while_an_in_process_eval_hangs_saves_the_epochs_trained(tmp_path
     forever, and a second one stopped it unsaved. Now the stop's grace lets the eval go as it
     lets a rank's go: the replica, which holds epochs 1 and 2 whole, is saved (resume at
     epoch 3), epoch 2 recorded without its eval, exit 130."""
+    run_dir, out, summary = _sigint_once_it_hangs(tmp_path, "hanging_solo_eval", HANGING_SOLO_EVAL,
+                                                  "cluster=solo")
+    stem = str(run_dir / "checkpoint")
+    assert (summary["status"], summary["message"]) == (
+        "interrupted", f"interrupted by SIGINT; the eval of epoch 2 outlasted the stop's "
+                       f"{STOP_GRACE_S:g}s grace (stopped at once in the eval of epoch 2: saved {stem})")
+    assert [(e["epoch"], e["eval"] is None) for e in summary["epochs"]] == [(0, False), (1, True)]
+    meta = read_meta(stem)
+    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])
+
+
+def _sigint_once_it_hangs(tmp_path, module: str, source: str, *overrides: str):
+    """Run the recipe `source` (as `module`, 3 epochs of a small MLP) until it writes its marker
+    (it hangs from then on), SIGINT the launcher, and expect exit 130: the run dir, what the
+    launcher printed, and its summary."""
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "hanging_solo_eval.py").write_text(HANGING_SOLO_EVAL)
+    (tmp_path / "pkg" / f"{module}.py").write_text(source)
     run_dir, marker = tmp_path / "run", tmp_path / "hung"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "pkg"), str(REPO)]))
-    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=solo", "num_epochs=3",
-                     "recipe=custom", "recipe.module=hanging_solo_eval", "+recipe.params.num_samples=2000",
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", *overrides, "num_epochs=3",
+                     "recipe=custom", f"recipe.module={module}", "+recipe.params.num_samples=2000",
                      "+recipe.params.hidden=16", "+recipe.params.depth=1",
                      f"+recipe.params.marker={marker}", env=env)
     deadline = time.monotonic() + 120
@@ -608,11 +608,4 @@ def test_sigint_while_an_in_process_eval_hangs_saves_the_epochs_trained(tmp_path
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, out
-    summary = json.loads((run_dir / "summary.json").read_text())
-    stem = str(run_dir / "checkpoint")
-    assert (summary["status"], summary["message"]) == (
-        "interrupted", f"interrupted by SIGINT; the eval of epoch 2 outlasted the stop's "
-                       f"{STOP_GRACE_S:g}s grace (stopped at once in the eval of epoch 2: saved {stem})")
-    assert [(e["epoch"], e["eval"] is None) for e in summary["epochs"]] == [(0, False), (1, True)]
-    meta = read_meta(stem)
-    assert (meta.save_reason, meta.coverage.epoch, meta.coverage.uncovered) == ("graceful_shutdown", 2, [])
+    return run_dir, out, json.loads((run_dir / "summary.json").read_text())
