@@ -71,6 +71,16 @@ def _model(seed: int) -> nn.Module:
     return model
 
 
+def user_recipe(tmp_path: Path, module: str, source: str, **env: str) -> Dict[str, str]:
+    """A user's recipe outside the repo: `source` written as `<tmp>/userpkg/<module>.py`; the
+    environment a run of `recipe=custom recipe.module=<module>` needs to import it (this
+    process's, its package and the repo on PYTHONPATH, and `env`)."""
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir(exist_ok=True)
+    (pkg / f"{module}.py").write_text(source)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), **env)
+
+
 def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
          tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
     """`python -m flodl_run` with its run dir at `<tmp_path>/run` (`run_cli`): the finished

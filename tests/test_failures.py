@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from flodl_run.contracts.checkpoint import read_meta
-from tests.support import REPO, _live_ranks, _run, start_cli, text_of, wait_for
+from tests.support import _live_ranks, _run, start_cli, text_of, user_recipe, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -27,10 +27,7 @@ def test_a_recipe_that_raises_fails_the_run_with_its_own_error_and_nothing_else(
     error line), and no internal error follows (it used to end with an AttributeError and status
     shutdown_with_save). Exactly once: the test accepted a rank that printed nothing, and each
     rank printed its error line twice (in its first line, then under the traceback)."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "raising_recipe.py").write_text(RAISES_IN_BUILD_MODEL)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    env = user_recipe(tmp_path, "raising_recipe", RAISES_IN_BUILD_MODEL)
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=raising_recipe",
                          "cluster=cpu_pair", "num_epochs=1", env=env)
     out = proc.stdout + proc.stderr
@@ -87,10 +84,7 @@ def test_a_recipe_that_exits_fails_its_rank_as_a_recipe_error(tmp_path):
     """Rule: a recipe's sys.exit or os._exit fails its rank as a recipe error, and the `done:`
     line says so when the survivors finish the run. It used to read `rank 1 lost: exited with
     code 0`, and the run completed as if nothing of the recipe's had gone wrong."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "exiting_recipe.py").write_text(EXITS_IN_TRAIN_STEP)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    env = user_recipe(tmp_path, "exiting_recipe", EXITS_IN_TRAIN_STEP)
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=exiting_recipe", "cluster=cpu",
                          "cluster.num_ranks=3", "cluster.threads_per_rank=1", "num_epochs=1", env=env)
     out = proc.stdout + proc.stderr
@@ -138,11 +132,8 @@ def test_what_a_recipe_starts_ends_with_the_run(tmp_path):
     """Pins: ranks that exited cleanly left what the recipe started (a `sleep 3600`, an os.fork
     child) running, re-parented to init: the supervisor signalled only ranks still alive. Now
     what is left in the ranks' process groups is ended with the run."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "spawning_recipe.py").write_text(STARTS_PROCESSES)
     left = tmp_path / "left"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), LEFT_FILE=str(left))
+    env = user_recipe(tmp_path, "spawning_recipe", STARTS_PROCESSES, LEFT_FILE=str(left))
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=spawning_recipe",
                          "cluster=cpu_pair", "num_epochs=1", env=env)
     pids = [int(pid) for pid in left.read_text().split()]
@@ -163,11 +154,8 @@ def test_what_a_recipe_starts_ends_with_a_killed_launcher(tmp_path):
     output pipe broke) and exited, and what their recipe had started (a `sleep 3600`, an
     os.fork child) ran on, re-parented to init: no launcher was left to end the ranks' process
     groups, and a rank did not end its own. Now an orphaned rank ends its group as it exits."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "spawning_recipe.py").write_text(STARTS_PROCESSES)
     left, run_dir = tmp_path / "left", tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), LEFT_FILE=str(left))
+    env = user_recipe(tmp_path, "spawning_recipe", STARTS_PROCESSES, LEFT_FILE=str(left))
     proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "recipe=custom",
                      "recipe.module=spawning_recipe", "cluster=cpu_pair", "num_epochs=500", env=env)
     pids = []
@@ -205,11 +193,8 @@ def test_what_a_recipe_starts_does_not_inherit_the_run_secret(tmp_path):
     process speak for a rank on the control plane. Now the rank drops it from its environment
     once read: an `env` the recipe runs on either rank lists the run's other variables, not
     the secret."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "env_recipe.py").write_text(PRINTS_ITS_CHILDS_ENVIRONMENT)
     names = tmp_path / "names"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), ENV_FILE=str(names))
+    env = user_recipe(tmp_path, "env_recipe", PRINTS_ITS_CHILDS_ENVIRONMENT, ENV_FILE=str(names))
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=env_recipe", "cluster=cpu_pair",
                          "num_epochs=1", env=env)
     assert proc.returncode == 0 and summary["status"] == "completed", proc.stdout + proc.stderr
@@ -234,10 +219,7 @@ def test_every_rank_hung_in_a_save_fails_the_run_and_leaves_no_uncommitted_gener
     shutdown_with_save while it said "no bundle", with the half-written generations g2 and g3
     left beside the bundle of g1. Now it ends failed, saying it did not save and what the save
     path still holds, and only the committed generation's files remain."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "hanging_save.py").write_text(HANGS_IN_CHECKPOINT_FN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    env = user_recipe(tmp_path, "hanging_save", HANGS_IN_CHECKPOINT_FN)
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=hanging_save", "cluster=cpu_pair",
                          "num_epochs=4", "checkpoint_every=1", "progress_timeout_secs=2", env=env)
     out = proc.stdout + proc.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import resource
 import signal
 from pathlib import Path
@@ -23,7 +22,7 @@ from flodl_run.launch.launcher import _close_records, say_unwritten
 from flodl_run.observe.observer import Observer, Observers, OutputErrors
 from flodl_run.report.rundir import EventFile
 from flodl_run.report.tracking import NullTracker
-from tests.support import REPO, start_cli, text_of, wait_for
+from tests.support import start_cli, text_of, user_recipe, wait_for
 
 
 @contextlib.contextmanager
@@ -116,11 +115,8 @@ def _disk_fills_after_the_first_checkpoint(tmp_path: Path, room_bytes: int, *ove
     """A run with a checkpoint every epoch whose launcher may write no file past `room_bytes`
     from its first checkpoint on (its recipe's epoch_fn(1) waits for that): (the finished
     process with its output, its run dir, the bundle's stem)."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "waiting_recipe.py").write_text(WAITS_IN_EPOCH_2)
     run_dir, stem, go = tmp_path / "run", tmp_path / "bundle", tmp_path / "go"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), GO_FILE=str(go))
+    env = user_recipe(tmp_path, "waiting_recipe", WAITS_IN_EPOCH_2, GO_FILE=str(go))
     proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "recipe=custom",
                      "recipe.module=waiting_recipe", "num_epochs=4", "checkpoint_every=1",
                      f"save_path={stem}", *overrides, env=env)

@@ -3,12 +3,10 @@ a later epoch, or a disk that cannot take a checkpoint. End to end: the CLI as a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from flodl_run.contracts.checkpoint import read_meta
-from tests.support import REPO, _run
+from tests.support import _run, user_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -30,10 +28,7 @@ def test_a_recipe_error_in_a_solo_run_keeps_what_the_run_did(tmp_path):
     checkpoint null, wall_s 0) although two epochs had trained and a valid bundle was on disk.
     Now the summary keeps the epochs done, the checkpoint written and the wall time, and says
     the recipe's error."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "late_raising.py").write_text(RAISES_IN_THIRD_EPOCH)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    env = user_recipe(tmp_path, "late_raising", RAISES_IN_THIRD_EPOCH)
     stem = tmp_path / "bundle"
     proc, summary = _run(tmp_path, "recipe=custom", "recipe.module=late_raising", "cluster=solo",
                          "num_epochs=4", "checkpoint_every=1", f"save_path={stem}", env=env)

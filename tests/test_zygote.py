@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
-from tests.support import REPO, _run, start_cli
+from tests.support import REPO, _run, start_cli, user_recipe
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -241,11 +241,8 @@ def test_a_zygote_killed_alone_is_reported_and_its_ranks_train_on(tmp_path):
     exit, and the run ended `all_ranks_lost` while the launcher was alive. Now they watch the
     launcher: 2.5 heartbeat periods after the kill (each rank checks once a period) both still
     train, the launcher says the zygote is gone, and a SIGTERM still stops the run with a save."""
-    pkg = tmp_path / "userpkg"
-    pkg.mkdir()
-    (pkg / "slow_recipe.py").write_text(SLOW_STEPS)
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]))
+    env = user_recipe(tmp_path, "slow_recipe", SLOW_STEPS)
     proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu_pair", "recipe=custom",
                      "recipe.module=slow_recipe", "num_epochs=500", env=env)
     lines = []
