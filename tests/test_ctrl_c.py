@@ -201,14 +201,7 @@ def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_p
     elche = replace(ElCheConfig.preset(mode), sync_average=SyncAverage.params)
     run = ExperimentConfig(elche=elche, num_epochs=2, batch_size=8, save_path=stem)
     coord, fakes, group = cohort(run, [3.0, 3.0], faults=[Fault(rank=1, kind="hang", at=3)])
-    coord.stop.grace_s = 1.0
-    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
-    for fake in fakes:
-        fake.start()
-    thread, box = _run_in_thread(coord)
-    thread.join(timeout=15.0)
-    assert not thread.is_alive(), "the stop waited for the progress rule's 300 s"
-    summary = box[0]
+    summary = _sigint_when_rank_1_sticks(coord, fakes)
     assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
     assert summary.dead_ranks == [1]
     meta = read_meta(stem)
@@ -219,6 +212,19 @@ def test_a_stop_while_a_rank_hangs_in_its_batch_saves_what_the_other_holds(tmp_p
     assert set(seen) == ({(e, i) for e in range(epoch) for i in range(NUM_SAMPLES)}
                          | {(epoch, i) for i in range(NUM_SAMPLES)} - lacks)
 
+
+
+def _sigint_when_rank_1_sticks(coord, fakes):
+    """Run the cohort with a 1 s stop grace, SIGINT (a stop request) the moment rank 1 is stuck,
+    and expect the run to end within 15 s, not after the progress rule's 300 s: its summary."""
+    coord.stop.grace_s = 1.0
+    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
+    for fake in fakes:
+        fake.start()
+    thread, box = _run_in_thread(coord)
+    thread.join(timeout=15.0)
+    assert not thread.is_alive(), "the stop waited for the progress rule's 300 s"
+    return box[0]
 
 
 class _Noted(Observer):
@@ -246,14 +252,7 @@ def test_a_stop_in_the_first_window_lets_a_rank_hung_in_its_batch_go(tmp_path):
     events = []
     hang = Fault(rank=1, kind="hang", at=10, point="batch")  # the 10th of a 100-batch window
     coord, fakes, group = cohort(run, [20.0, 20.0], faults=[hang], beat_s=0.1, observer=_Noted(events))
-    coord.stop.grace_s = 1.0
-    fakes[1].on_stuck = lambda fake: coord.request_stop("interrupted by SIGINT")
-    for fake in fakes:
-        fake.start()
-    thread, box = _run_in_thread(coord)
-    thread.join(timeout=15.0)
-    assert not thread.is_alive(), "the stop waited for the progress rule's 300 s"
-    summary = box[0]
+    summary = _sigint_when_rank_1_sticks(coord, fakes)
     assert (summary.status, summary.message) == ("interrupted", f"interrupted by SIGINT; saved {stem}")
     assert summary.dead_ranks == [1] and "during a stop; last at batch 10" in str(events)
     coverage = read_meta(stem).coverage
