@@ -21,8 +21,8 @@ running beside it; all other tests share that lock. One marked `apart` has a bou
 and coordinator tests) from running beside it, while unit tests, one light process, may.
 
 Starting processes: `support._run` forks each CLI run from a per-worker launch server that
-has imported torch, Hydra, MLflow and the runner (flodl_run/launch/launchserver.py says what that changes: nothing
-the run can see), and `support.start_ranks` forks a test's Gloo ranks from multiprocessing's
+has imported torch, Hydra, MLflow and the runner (flodl_run/launch/launchserver.py says what that
+changes: nothing the run can see), and `support.start_ranks` forks a test's Gloo ranks from multiprocessing's
 forkserver; a fresh interpreter spends about two CPU-seconds importing torch. Tests about an
 interpreter's start or about signals to a launcher start `python -m flodl_run` themselves.
 `FLODL_TESTS_FRESH=1` makes `_run` start a fresh interpreter every time.
@@ -54,8 +54,7 @@ from typing import Callable
 import pytest
 
 from flodl_run.config.schema import SshConfig
-from tests.support import HOSTS, LOCKSTEP, _run, free_common_port, kill_leftover_launchers, \
-    running_launchers
+from tests.support import HOSTS, LOCKSTEP, _run, free_common_port, kill_leftover_launchers, running_launchers
 
 
 def pytest_configure(config):
@@ -71,8 +70,8 @@ def pytest_configure(config):
 
 def _compile_the_package() -> None:
     """Byte-compile the repo's packages once, before any worker or run starts. Under
-    PYTHONDONTWRITEBYTECODE=1 (set in the environment of the machines it was measured on) no interpreter writes
-    the caches, so each of the suite's fresh interpreters (SSH, srun and torchrun ranks,
+    PYTHONDONTWRITEBYTECODE=1 (set in the environment of the machines it was measured on) no
+    interpreter writes the caches, so each of the suite's fresh interpreters (SSH, srun and torchrun ranks,
     submitit jobs, the bench's runs) compiled our modules again: 0.3-0.6 CPU-seconds each,
     measured on `import flodl_run.cli, flodl_run.launch.launcher, flodl_run.rank.process`
     (2.7 CPU-s without the caches, 2.4 with). An editable install has no caches until a run

@@ -236,8 +236,14 @@ def test_bundles_move_between_compiled_and_eager_runs(tmp_path, monkeypatch, one
     launcher's shape check and the load see the eager keys), then an eager run resuming the
     compiled run's bundle; each continues where the bundle ends."""
     import flodl_run
-    from flodl_run.config.schema import ClusterConfig, ExperimentConfig, RecipeConfig, Topology
-    from flodl_run.config.schema import TrackingConfig, TrackingKind
+    from flodl_run.config.schema import (
+        ClusterConfig,
+        ExperimentConfig,
+        RecipeConfig,
+        Topology,
+        TrackingConfig,
+        TrackingKind,
+    )
 
     monkeypatch.chdir(tmp_path)
     params = dict(d_model=32, num_layers=1, num_heads=2, seq_len=32, max_bytes=20000, amp=False)

@@ -125,8 +125,8 @@ RULES = [
     ("local_uri", dict(tracking__uri="http://host:5000"), "tracking.uri", "'http://host:5000'"),
     ("experiment", dict(tracking__experiment=""), "tracking.experiment", "''"),
     ("recipe_batch_size", dict(recipe__batch_size=0), "recipe.batch_size", "0"),
-    ("sysmetrics_interval", dict(tracking__system_metrics_interval_s=0.0), "tracking.system_metrics_interval_s",
-     "0.0"),
+    ("sysmetrics_interval", dict(tracking__system_metrics_interval_s=0.0),
+     "tracking.system_metrics_interval_s", "0.0"),
 ]
 
 

@@ -55,7 +55,8 @@ def test_dashboard_is_one_offline_file_with_every_chart(tmp_path):
 @needs_chromium
 def test_dashboard_renders_in_headless_chromium(tmp_path):
     """Pins that a real browser draws it without network: the rendered DOM holds the twelve
-    charts with their lines (nine, then each rank's device busy and both ranks' together), and the screenshot's background follows the theme."""
+    charts with their lines (nine, then each rank's device busy and both ranks' together), and the
+    screenshot's background follows the theme."""
     light = _dashboard(tmp_path / "light" / "dash.html", "light")
     dom = _chromium("--dump-dom", light.as_uri(), tmp_path=tmp_path)
     assert dom.returncode == 0, dom.stderr[-2000:]

@@ -14,19 +14,19 @@ from dataclasses import replace
 from typing import Dict, List
 
 import pytest
-
 import torch
 
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, WindowEnd
-from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.contracts.clock import ClockEstimate, ClockSync
+from flodl_run.contracts.summary import ReduceRecord
 from flodl_run.contracts.wire import Train, WindowDone
 from flodl_run.control.deadlines import Deadlines
 from flodl_run.observe.observer import Observer
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.jobs import Job, deadline_s
 from tests.fakes import NUM_SAMPLES, Coverage, Fault, cohort, drive
-from tests.support import PAIR, _run as run_cli_summary
+from tests.support import PAIR
+from tests.support import _run as run_cli_summary
 
 pytestmark = pytest.mark.coordinator
 

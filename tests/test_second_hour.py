@@ -69,9 +69,20 @@ def test_python_configs_take_the_yamls_strings_for_every_enum_field():
     attribute 'value'`, a string of a nested or dict enum field left a string,
     or a misspelt one passing without naming its dotted key."""
     from flodl_run.config.materialize import ConfigError, materialize
-    from flodl_run.config.schema import (ClusterConfig, ElCheConfig, ExperimentConfig, GuardKind,
-                                         Mode, OuterConfig, OuterKind, Reduction, Theme, Topology,
-                                         TrackingConfig, TrackingKind)
+    from flodl_run.config.schema import (
+        ClusterConfig,
+        ElCheConfig,
+        ExperimentConfig,
+        GuardKind,
+        Mode,
+        OuterConfig,
+        OuterKind,
+        Reduction,
+        Theme,
+        Topology,
+        TrackingConfig,
+        TrackingKind,
+    )
 
     config = ExperimentConfig(
         cluster=ClusterConfig(topology="cpu", num_ranks=2),

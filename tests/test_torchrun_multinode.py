@@ -33,7 +33,8 @@ def _agents(env: dict, second_env: dict) -> list[subprocess.Popen]:
 def test_a_dead_torchrun_node_is_survived_by_the_other(tmp_path):
     """Pins multi-node torchrun and what a lost node means under it: agents with 2 and 1 ranks
     meet at one c10d endpoint and their 3 ranks (numbered by torchrun across both agents) join
-    one run with the controller; the second agent's only rank is SIGKILLed after 8 batches (whichever global rank torchrun gave it); that agent ends failed, the first
+    one run with the controller; the second agent's only rank is SIGKILLed after 8 batches (whichever
+    global rank torchrun gave it); that agent ends failed, the first
     agent's two ranks carry on (the coordinator drops the silent rank after its heartbeat
     timeout), and the run completes with exactly that rank dead. The surviving agent then
     waits in torchrun's exit barrier for the dead one (300 s), so it is stopped here."""
