@@ -268,3 +268,25 @@ def test_a_sigkilled_launcher_leaves_no_rank_and_no_slab(tmp_path):
         time.sleep(0.1)  # polling an outcome, bounded; not ordering anything
     assert _live_ranks(tmp_path / "run") == []
     assert glob.glob(f"/dev/shm/flodl_run-{proc.pid}-*") == []
+
+
+def test_a_launcher_that_exited_is_gone_while_it_waits_to_be_reaped():
+    """Pins: a killed launcher stays a zombie until its parent reaps it, and the ranks' orphan
+    check (`kill(pid, 0)`) took it for alive all that while; a rank that left meanwhile, on its
+    broken output pipe, did not end what its recipe started (a flaky CI failure). A zombie is
+    not alive; a live process is, and so is this one."""
+    from flodl_run.contracts.checkpoint import pid_alive
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        assert not pid_alive(child)
+        assert pid_alive(os.getpid()) and pid_alive(os.getppid())
+    finally:
+        os.waitpid(child, 0)
+    assert not pid_alive(child)

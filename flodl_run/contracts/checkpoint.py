@@ -289,14 +289,23 @@ def _written_by_another_live_process(path: Path) -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (another user's included)."""
+    """Whether a process with this pid runs (another user's included). A zombie does not: it
+    has exited, and only waits for its parent to collect its status. (A launcher killed by
+    SIGKILL stays one until its parent reaps it; its ranks took it for alive meanwhile, and one
+    that left in that window, on its broken output pipe, left what its recipe started.)"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's process holds that pid
-    return True
+        pass  # another user's process holds that pid
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # gone meanwhile; or no /proc here, as on macOS
+    except (OSError, IndexError):
+        return True  # unreadable: kill(0) is all we know
 
 
 def load_tensors(path: Path) -> Any:
