@@ -16,7 +16,7 @@ from flodl_run.config.schema import OuterConfig, OuterKind
 from flodl_run.contracts.wire import Reduced, SyncNow, Update
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
-from flodl_run.rank.loop import RankWorker
+from flodl_run.rank.runner import RankRunner
 from flodl_run.rank.reduce import CollectiveReduce
 
 
@@ -57,14 +57,14 @@ def test_a_collective_outer_step_resets_the_inner_state_only_when_asked(reset):
 
 
 def _apply(reset_inner_state: bool, update: Update) -> tuple:
-    """RankWorker._apply_update on a rank whose parameters arrive unchanged (no exchange)."""
+    """RankRunner._apply_update on a rank whose parameters arrive unchanged (no exchange)."""
     model, optimizer = _trained_adamw()
     config = SimpleNamespace(outer=OuterConfig(kind=OuterKind.diloco,
                                                reset_inner_state=reset_inner_state))
     rank = SimpleNamespace(exchange=SimpleNamespace(apply_=lambda update, payloads: None),
                            replica=SimpleNamespace(optimizer=optimizer, seek_schedule=lambda s: None),
                            config=config, jobs=[], _awaiting_update=True)
-    RankWorker._apply_update(rank, update, [])
+    RankRunner._apply_update(rank, update, [])
     assert rank._awaiting_update is False
     return model, optimizer
 

@@ -35,7 +35,7 @@ WHOLE_CONFIG = {
     "flodl_run.launch.launcher._train_in_process": "the solo trainer trains the whole run",
     "flodl_run.launch.supervisor.launch_ranks": "builds the Coordinator, which runs the whole run",
     "flodl_run.control.coordinator.Coordinator.__init__": "the coordinator runs the whole run",
-    "flodl_run.rank.loop.RankWorker.__init__": "the rank process trains its replica of the whole run",
+    "flodl_run.rank.runner.RankRunner.__init__": "the rank process trains its replica of the whole run",
     "flodl_run.rank.solo.SoloTrainer.__init__": "the in-process trainer trains the whole run",
     "flodl_run.rank.solo.train_solo": "the in-process trainer trains the whole run",
     "flodl_run.data.dataplane.DataPlane.__init__":

@@ -4,8 +4,8 @@ Entry point `python -m flodl_run.rank`, torchrun-compatible: reads RANK, LOCAL_R
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT, plus FLODL_RUN_COORD (coordinator address),
 FLODL_RUN_SECRET (hex key) and FLODL_RUN_FILE (the resolved run.yaml). It trains what it is
 told, reduces when told, and reports facts; it decides nothing about cadence. This module is
-the process around the worker: it reads the environment and the run file, runs RankWorker
-(rank_loop) and reports a failure once, to the coordinator and on stderr.
+the process around the runner: it reads the environment and the run file, runs RankRunner
+(rank.runner) and reports a failure once, to the coordinator and on stderr.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from flodl_run.contracts.recipe import raised_by_recipe, user_traceback
 from flodl_run.contracts.signals import ignore_stop_signal
 from flodl_run.contracts.wire import Channel, RankFailed, connect_dealer
 from flodl_run.rank.env import RankEnv, end_own_group, is_orphaned, watch_orphaned
-from flodl_run.rank.loop import RankWorker
+from flodl_run.rank.runner import RankRunner
 
-__all__ = ["RankEnv", "RankWorker", "main"]
+__all__ = ["RankEnv", "RankRunner", "main"]
 
 
 def main() -> int:
@@ -36,23 +36,23 @@ def main() -> int:
     watch_orphaned(env)
     os.environ.pop("FLODL_RUN_SECRET", None)  # read: what the recipe starts must not inherit it
     config = experiment_from_yaml(env.run_file.read_text())
-    worker: Optional[RankWorker] = None
+    runner: Optional[RankRunner] = None
     try:
-        worker = RankWorker(env, config)
-        return worker.run()
+        runner = RankRunner(env, config)
+        return runner.run()
     except (Exception, SystemExit) as exc:
         if isinstance(exc, SystemExit) and not raised_by_recipe(exc):
             raise  # ours: a rank the coordinator declared dead leaves with its message
         error = _error_line(exc)
-        when = "failed" if worker is not None else "failed to start"
+        when = "failed" if runner is not None else "failed to start"
         trace = user_traceback(exc, error)  # empty where the message says where: one line then
         print(f"rank {env.rank}: {when}:\n{trace}" if trace else f"rank {env.rank}: {when}: {error}\n",
               file=sys.stderr, end="")
-        _report_failure(env, worker, RankFailed(env.rank, error))
+        _report_failure(env, runner, RankFailed(env.rank, error))
         return 1
     finally:
-        if worker is not None:
-            worker.close()
+        if runner is not None:
+            runner.close()
         if is_orphaned(env):  # however we got here (a broken output pipe, ...): no slab stays,
             remove_run(os.environ.get(PREFIX_ENV))  # nor anything the recipe started
             end_own_group()
@@ -66,10 +66,10 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _report_failure(env: RankEnv, worker: Optional[RankWorker], failed: RankFailed) -> None:
-    """Tell the coordinator (a worker that failed to start has no channel yet: open one)."""
-    if worker is not None and hasattr(worker, "channel"):
-        worker.channel.send(failed)
+def _report_failure(env: RankEnv, runner: Optional[RankRunner], failed: RankFailed) -> None:
+    """Tell the coordinator (a runner that failed to start has no channel yet: open one)."""
+    if runner is not None and hasattr(runner, "channel"):
+        runner.channel.send(failed)
         return
     ctx = zmq.Context()
     sock = connect_dealer(ctx, env.coord, env.secret, linger_ms=1000)

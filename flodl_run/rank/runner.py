@@ -1,6 +1,6 @@
 """The rank's control loop: one replica on one device, following the coordinator's orders.
 
-RankWorker handles every order that arrived, then hands the recipe's loop one batch of its
+RankRunner handles every order that arrived, then hands the recipe's loop one batch of its
 queued windows, batch by batch, until the coordinator's Stop; it reports facts (WindowDone,
 Reduced, SnapshotTaken, Evaluated, CheckpointSaved) and decides nothing about cadence. The
 group, the two kinds of reduce, the bundle and the side channels are collaborators it owns.
@@ -67,7 +67,7 @@ from flodl_run.rank.snapshot import SnapshotExchange
 from flodl_run.rank.worker import Loss, Worker, run_loop
 
 
-class RankWorker:
+class RankRunner:
     """Follows orders: Train, SyncNow, Update, Evaluate, SaveCheckpoint, Regroup, CutWindow,
     Stop."""
 
