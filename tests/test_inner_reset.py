@@ -16,8 +16,8 @@ from flodl_run.config.schema import OuterConfig, OuterKind
 from flodl_run.contracts.wire import Reduced, SyncNow, Update
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
+from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions
 from flodl_run.rank.runner import RankRunner
-from flodl_run.rank.reduce import CollectiveReduce
 
 
 def _trained_adamw() -> tuple:
@@ -45,8 +45,8 @@ def test_a_collective_outer_step_resets_the_inner_state_only_when_asked(reset):
     replica = SimpleNamespace(seek_schedule=lambda step: None, optimizer=optimizer)
     outer = OuterOptimizer(OuterConfig(kind=OuterKind.diloco, lr=0.7, momentum=0.9,
                                        reset_inner_state=reset))
-    reduce = CollectiveReduce(0, replica, FlatParams(model), outer, group, Recorder(), 0.5,
-                              track_start=True)
+    reduce = CollectiveReduce(0, replica, FlatParams(model), outer, group, Recorder(),
+                              ReduceOptions(0.5, track_start=True))
     fact, _ = reduce.run(SyncNow(round=1, global_step=1), steps=1)
     assert isinstance(fact, Reduced) and _moments_kept(model, optimizer)
     reduce.forget()

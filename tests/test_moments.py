@@ -19,7 +19,7 @@ from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import Reduced, SyncNow
 from flodl_run.observe.timeline import Recorder
-from flodl_run.rank.reduce import CollectiveReduce
+from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions
 from tests.support import PAIR, _free_port, _run, start_ranks
 
 STEPS = (3, 1)  # batches per rank since the last reduce; gamma 1: weights 3/4 and 1/4
@@ -106,7 +106,7 @@ def _pair_worker(rank: int, port: int, out_dir: str) -> None:
 
     def reduce(moments):
         return CollectiveReduce(rank, replica, flat, OuterOptimizer(OuterConfig()), group,
-                                Recorder(), 1.0, track_start=True, moments=moments)
+                                Recorder(), ReduceOptions(1.0, track_start=True, moments=moments))
     fact, _ = reduce(None).run(SyncNow(round=1, global_step=4), STEPS[rank])
     off = _state(model, optimizer)
     on = reduce(FlatMoments(model, optimizer))
@@ -152,7 +152,8 @@ def test_a_lone_rank_keeps_its_moments():
     group = SimpleNamespace(alone=True, broken=lambda: False, fail=lambda: None)
     replica = SimpleNamespace(seek_schedule=lambda step: None, optimizer=optimizer)
     reduce = CollectiveReduce(0, replica, FlatParams(model), OuterOptimizer(OuterConfig()), group,
-                              Recorder(), 1.0, track_start=True, moments=FlatMoments(model, optimizer))
+                              Recorder(), ReduceOptions(1.0, track_start=True,
+                                                        moments=FlatMoments(model, optimizer)))
     fact, _ = reduce.run(SyncNow(round=1, global_step=2), 2)
     assert isinstance(fact, Reduced) and fact.weight == 2.0
     assert all(torch.equal(v, trained[k]) for k, v in _state(model, optimizer).items())

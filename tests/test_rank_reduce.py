@@ -20,7 +20,7 @@ from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import AbortGroup, Reduced, ReduceFailed, SyncNow
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
-from flodl_run.rank.reduce import CollectiveReduce
+from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions
 
 GAMMA = 0.5
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def _lone_reduce(seeks: list) -> tuple:
     replica = SimpleNamespace(seek_schedule=seeks.append, optimizer=SimpleNamespace(state={}))
     flat = FlatParams(torch.nn.Linear(3, 2))
     reduce = CollectiveReduce(0, replica, flat, OuterOptimizer(OuterConfig()), group, Recorder(),
-                              GAMMA, track_start=True)
+                              ReduceOptions(GAMMA, track_start=True))
     return reduce, group
 
 
@@ -76,14 +76,14 @@ from flodl_run.config.schema import OuterConfig
 from flodl_run.contracts.wire import AbortGroup, SyncNow
 from flodl_run.observe.timeline import Recorder
 from flodl_run.rank.group import RankGroup
-from flodl_run.rank.reduce import CollectiveReduce
+from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions
 rank = int(sys.argv[1])
 group = RankGroup(rank, torch.device("cpu"), limit_s=float(sys.argv[2]))
 group.join(0, [0, 1])
 replica = SimpleNamespace(seek_schedule=lambda step: None, optimizer=SimpleNamespace(state={}))
 reduce = CollectiveReduce(rank, replica, FlatParams(torch.nn.Linear(3, 2)),
-                          OuterOptimizer(OuterConfig()), group, Recorder(), 0.5,
-                          track_start=True)
+                          OuterOptimizer(OuterConfig()), group, Recorder(),
+                          ReduceOptions(0.5, track_start=True))
 if rank == 0:
     group.abort(AbortGroup(0, [2]))
 fact, _ = reduce.run(SyncNow(round=1, global_step=0), steps=3)

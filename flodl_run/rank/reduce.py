@@ -53,16 +53,27 @@ class _Undo:
     """Their layout's fingerprint: restored only while the optimizer still holds that layout."""
 
 
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How a rank's collective reduce weighs and what rides along with the parameters."""
+
+    gamma: float
+    """elche.gamma: a replica's weight is its batch count since the last reduce to this power."""
+    track_start: bool = False
+    """Keep the parameters each window began from (nccl_cadence's divergence breakdown)."""
+    moments: Optional[FlatMoments] = None
+    """elche.reduce_optimizer_state: the optimizer state averaged with the parameters."""
+
+
 class CollectiveReduce:
-    """One rank's reduces over its RankGroup. `run` is called on the main thread per SyncNow.
-    `moments` (elche.reduce_optimizer_state): the optimizer state averaged with the parameters."""
+    """One rank's reduces over its RankGroup. `run` is called on the main thread per SyncNow."""
 
     def __init__(self, rank: int, replica: Replica, flat: FlatParams, outer: OuterOptimizer,
-                 group: RankGroup, recorder: Recorder, gamma: float, track_start: bool,
-                 moments: Optional[FlatMoments] = None):
+                 group: RankGroup, recorder: Recorder, options: ReduceOptions):
         self.rank, self.replica, self.flat, self.outer = rank, replica, flat, outer
-        self.group, self.recorder, self.gamma = group, recorder, gamma
-        self.moments = moments
+        self.group, self.recorder, self.gamma = group, recorder, options.gamma
+        self.moments = options.moments
+        track_start = options.track_start
         self._last: Optional[_Undo] = None
         # nccl_cadence: where this window began (the last consensus), for the divergence's
         # cosine/magnitude; a spare buffer of the same size takes the next one (no allocation).

@@ -61,7 +61,7 @@ from flodl_run.rank.exact import ExactSync, micro_plan
 from flodl_run.rank.group import RankGroup, timed_reduce_ms
 from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s, fill_ms
 from flodl_run.rank.nodesample import node_sampler
-from flodl_run.rank.reduce import CollectiveReduce, after_outer_step
+from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions, after_outer_step
 from flodl_run.rank.replica import Replica
 from flodl_run.rank.snapshot import SnapshotExchange
 from flodl_run.rank.worker import Loss, Worker, run_loop
@@ -130,9 +130,10 @@ class RankRunner:
         moments = FlatMoments(self.replica.model, self.replica.optimizer) \
             if config.elche.reduce_optimizer_state and not self._exact_path() else None
         self.collective = CollectiveReduce(env.rank, self.replica, self.flat, self.outer, self.group,
-                                           self.recorder, config.elche.gamma,
-                                           track_start=self.mode is Mode.nccl_cadence,
-                                           moments=moments)
+                                           self.recorder,
+                                           ReduceOptions(config.elche.gamma,
+                                                         track_start=self.mode is Mode.nccl_cadence,
+                                                         moments=moments))
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
