@@ -15,9 +15,9 @@ from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.config.schema import OuterConfig, OuterKind
 from flodl_run.contracts.wire import Reduced, SyncNow, Update
 from flodl_run.observe.timeline import Recorder
+from flodl_run.rank.central_windows import CentralWindows
 from flodl_run.rank.group import RankGroup
 from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions
-from flodl_run.rank.runner import RankRunner
 
 
 def _trained_adamw() -> tuple:
@@ -57,14 +57,14 @@ def test_a_collective_outer_step_resets_the_inner_state_only_when_asked(reset):
 
 
 def _apply(reset_inner_state: bool, update: Update) -> tuple:
-    """RankRunner._apply_update on a rank whose parameters arrive unchanged (no exchange)."""
+    """CentralWindows.apply_update on a rank whose parameters arrive unchanged (no exchange)."""
     model, optimizer = _trained_adamw()
     config = SimpleNamespace(outer=OuterConfig(kind=OuterKind.diloco,
                                                reset_inner_state=reset_inner_state))
     rank = SimpleNamespace(exchange=SimpleNamespace(apply_=lambda update, payloads: None),
                            replica=SimpleNamespace(optimizer=optimizer, seek_schedule=lambda s: None),
-                           config=config, jobs=[], _awaiting_update=True)
-    RankRunner._apply_update(rank, update, [])
+                           outer=SimpleNamespace(config=config.outer), _awaiting_update=True)
+    CentralWindows.apply_update(rank, update, [])
     assert rank._awaiting_update is False
     return model, optimizer
 

@@ -1,9 +1,10 @@
-"""The rank's control loop: one replica on one device, following the coordinator's orders.
+"""One rank's run: one replica on one device, following the coordinator's orders.
 
-RankRunner handles every order that arrived, then hands the recipe's loop one batch of its
-queued windows, batch by batch, until the coordinator's Stop; it reports facts (WindowDone,
-Reduced, SnapshotTaken, Evaluated, CheckpointSaved) and decides nothing about cadence. The
-group, the two kinds of reduce, the bundle and the side channels are collaborators it owns.
+RankRunner handles every order that arrived (a table from order type to handler), then hands
+the recipe's loop one batch of its queued windows, batch by batch, until the coordinator's
+Stop; it reports facts (WindowDone, Reduced, SnapshotTaken, Evaluated, CheckpointSaved) and
+decides nothing about cadence. What the modes do differently is its mode part's, picked once
+by rank.modes; the replica, the data, the bundle and the side channels are its own.
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import torch
 import zmq
 
 from flodl_run.averaging.flat import FlatParams
-from flodl_run.averaging.moments import FlatMoments
 from flodl_run.averaging.outer import OuterOptimizer
 from flodl_run.averaging.shm import PREFIX_ENV
-from flodl_run.config.schema import ExperimentConfig, Mode, TrackingKind, WindowEnd, lr_factor
+from flodl_run.config.schema import ExperimentConfig, TrackingKind, WindowEnd, lr_factor
 from flodl_run.config.validate import batch_size_warning
 from flodl_run.contracts import scalars
 from flodl_run.contracts.recipe import CallbackFailed, load_recipe
@@ -37,14 +37,12 @@ from flodl_run.contracts.wire import (
     RankJoined,
     Reduced,
     Regroup,
-    Regrouped,
     SaveCheckpoint,
     Stop,
     SyncNow,
     Train,
     Update,
     WindowDone,
-    WindowFailed,
     connect_dealer,
 )
 from flodl_run.data.dataplane import DataPlane
@@ -54,22 +52,22 @@ from flodl_run.hardware.slowdown import slowdown_for
 from flodl_run.observe.timeline import RankTimeline
 from flodl_run.rank.bundle import resume, swapped_in, write_share
 from flodl_run.rank.busy import BusySampler
-from flodl_run.rank.channels import HeartbeatThread, ListenerThread
+from flodl_run.rank.channels import HeartbeatThread
 from flodl_run.rank.compiled import graph_counts
 from flodl_run.rank.env import RankEnv, pick_device
-from flodl_run.rank.exact import ExactSync, micro_plan
-from flodl_run.rank.group import RankGroup, timed_reduce_ms
-from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s, fill_ms
+from flodl_run.rank.exact import micro_plan
+from flodl_run.rank.group import RankGroup
+from flodl_run.rank.jobs import BatchCutter, Job, Waits, deadline_s
+from flodl_run.rank.modes import rank_mode
 from flodl_run.rank.nodesample import node_sampler
-from flodl_run.rank.reduce import CollectiveReduce, ReduceOptions, after_outer_step
+from flodl_run.rank.part import RankParts
 from flodl_run.rank.replica import Replica
-from flodl_run.rank.snapshot import SnapshotExchange
 from flodl_run.rank.worker import Loss, Worker, run_loop
 
 
 class RankRunner:
     """Follows orders: Train, SyncNow, Update, Evaluate, SaveCheckpoint, Regroup, CutWindow,
-    Stop."""
+    Stop. `part` is the mode's (rank.part.RankMode)."""
 
     def __init__(self, env: RankEnv, config: ExperimentConfig):
         self.env, self.config = env, config
@@ -83,100 +81,85 @@ class RankRunner:
             torch.set_num_threads(config.cluster.threads_per_rank)
         self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
                                   config.recipe.loop)
-        self.replica = Replica(self.recipe, self.device, config.seed,
-                               lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
-                               max_grad_norm=config.max_grad_norm, options=config.recipe)
-        self.flat = FlatParams(self.replica.model)
-        warning = cpu_training_warning(config.recipe.module, self.flat.numel) \
-            if env.rank == 0 and self.device.type == "cpu" else None
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-        self.outer = OuterOptimizer(config.outer)
-        self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
-                                self.recipe.transform, rank=env.rank)
-        self.cutter = BatchCutter(len(self.source), config.data.augment, config.seed, config.batch_size)
-        warning = batch_size_warning(len(self.source), config, env.world_size) if env.rank == 0 else None
-        if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-        self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
+        self._build_replica()
+        self._build_data()
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,
                                      config.cluster.emulate_jitter, env.rank, config.seed)
-        self.mode = config.elche.mode
         self.group = RankGroup(env.rank, self.device, max(5.0, 2 * config.heartbeat_timeout_secs),
                                config.cluster.backend.value)
         self.jobs: Deque[Job] = deque()
         self._steps_since_reduce = 0
-        self._awaiting_update = False
-        self._sync_pending = False  # cpu_async: window done, SyncNow not yet received
-        self._overshoot_used = 0
         self._reduces_seen = 0
         self._batches_total = 0
         self._training = False  # inside the train loop (not idle, not serving an order)
         self._reported: Optional[Loss] = None  # what the loop reported for the batch in hand
         self._stopped = False  # the coordinator's Stop arrived: the batches have ended
         self._cut = False  # the run is stopping (CutWindow): every window ends after a batch
-        self._reduced_round = 0  # the last round whose reduce completed here (orders sent ahead)
         self._heartbeat: Optional[HeartbeatThread] = None
-        self._listener: Optional[ListenerThread] = None
         self.waits = Waits(os.environ.get("FLODL_RUN_WAITS") == "1")
+        part = rank_mode(config.elche, own_loop=self.recipe.loop is not None)
         if config.resume_from:
-            resume(config.resume_from, env.rank, self.replica, self.outer, self.mode.is_collective,
+            resume(config.resume_from, env.rank, self.replica, self.outer, part.holds_outer_state,
                    self.device)
         self.timeline = RankTimeline(env.rank, config.timeline, f"{socket.gethostname()} {self.device}",
                                      self.device.index if self.device.type == "cuda" else None,
                                      aligns=config.elche.window_end is WindowEnd.deadline)
         self.recorder = self.timeline.recorder
-        # the exact path below steps one optimizer on the same gradient everywhere: nothing to average
-        moments = FlatMoments(self.replica.model, self.replica.optimizer) \
-            if config.elche.reduce_optimizer_state and not self._exact_path() else None
-        self.collective = CollectiveReduce(env.rank, self.replica, self.flat, self.outer, self.group,
-                                           self.recorder,
-                                           ReduceOptions(config.elche.gamma,
-                                                         track_start=self.mode is Mode.nccl_cadence,
-                                                         moments=moments))
         self.ctx = zmq.Context()
         sock = connect_dealer(self.ctx, env.coord, env.secret, linger_ms=1000)
         self.channel = Channel(sock, env.secret)
-        self.exchange = SnapshotExchange(env.rank, self.flat, self.channel, os.environ.get(PREFIX_ENV))
-        # nccl_sync's exact path (gradients averaged inside backward); a recipe with its own
-        # loop steps its optimizers itself, so it averages parameters instead
-        self.exact = (ExactSync(self.replica, self.flat, self.group, self.slowdown,
-                                config.recipe.find_unused_parameters)
-                      if self._exact_path() else None)
+        self.part = part(RankParts(
+            env=env, ctx=self.ctx, channel=self.channel, replica=self.replica, flat=self.flat,
+            outer=self.outer, group=self.group, recorder=self.recorder, slowdown=self.slowdown,
+            elche=config.elche, find_unused_parameters=config.recipe.find_unused_parameters,
+            shm_prefix=os.environ.get(PREFIX_ENV)))
+        self._handlers: Dict[type, Callable[[Any, List[memoryview]], None]] = {
+            Train: self._train, SyncNow: self._reduce, Update: self._apply_update,
+            Evaluate: self._evaluate, SaveCheckpoint: self._save, Regroup: self._regroup,
+            CutWindow: self._cut_windows}
 
-    def _exact_path(self) -> bool:
-        return self.config.elche.averages_gradients and self.recipe.loop is None
+    def _build_replica(self) -> None:
+        """The model replica on this rank's device, its flat view and the outer optimizer."""
+        config = self.config
+        self.replica = Replica(self.recipe, self.device, config.seed,
+                               lr_scale=lr_factor(self.env.world_size, config.lr_scale_ratio),
+                               max_grad_norm=config.max_grad_norm, options=config.recipe)
+        self.flat = FlatParams(self.replica.model)
+        warning = cpu_training_warning(config.recipe.module, self.flat.numel) \
+            if self.env.rank == 0 and self.device.type == "cpu" else None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        self.outer = OuterOptimizer(config.outer)
+
+    def _build_data(self) -> None:
+        """The training data on this rank's device, the cutter of orders into batches, and the
+        recipe's eval data."""
+        config, rank = self.config, self.env.rank
+        self.source = DataPlane(self.recipe.call("train_dataset"), self.device, config,
+                                self.recipe.transform, rank=rank)
+        self.cutter = BatchCutter(len(self.source), config.data.augment, config.seed, config.batch_size)
+        warning = batch_size_warning(len(self.source), config, self.env.world_size) if rank == 0 else None
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        self.eval_data = self.recipe.call("eval_dataset") if self.recipe.has_eval else None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> int:
-        collective = self.mode.is_collective
-        if collective:  # the coordinator backend needs no process group (and no NCCL)
-            self.group.join(0, list(range(self.env.world_size)))
-            if self.exact is not None:
-                self.exact.rebuild()
+        self.part.join()  # the coordinator-averaged modes need no process group (and no NCCL)
         heartbeat = self._start_heartbeat()
-        listener = ListenerThread(self.ctx, self.env, self.group.abort, self.group.watch)
-        if collective:
-            listener.start()
-            self._listener = listener
+        reduce_ms = self.part.start()
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        # a cohort of one (a run started on one rank) has no group to time
-        reduce_ms = timed_reduce_ms(self.flat.buffers) if collective and not self.group.alone else None
         self.channel.send(RankJoined(self.env.rank, self.env.world_size, os.getpid(),
                                      socket.gethostname(), str(self.device), name,
                                      len(self.source), node_facts(self.device.type == "cuda"),
                                      reduce_ms=reduce_ms))
-        if self.mode is Mode.cpu_async and self.env.rank == 0:
-            self._send_snapshot(0, steps=0)  # the EASGD center starts at the initial weights
-            self._awaiting_update = False
+        self.part.joined()
         try:
             self._run_loop()
         finally:
             heartbeat.stopped.set()
-            listener.stopped.set()
-            self.exchange.close()
-            self.group.leave()
+            self.part.stop()
         return 0
 
     def close(self) -> None:
@@ -184,10 +167,10 @@ class RankRunner:
         1 s: a rank's last facts and its failure report), then free every socket of the rank,
         the side channels' once their threads have seen the stop. What the rank sent is then
         delivered however the process exits, a forked rank's skipped teardown included."""
-        for thread in (self._heartbeat, self._listener):
-            if thread is not None:
-                thread.stopped.set()
-                thread.join(timeout=2.0)
+        if self._heartbeat is not None:
+            self._heartbeat.stopped.set()
+            self._heartbeat.join(timeout=2.0)
+        self.part.close()
         self.ctx.destroy()  # each socket closes with its own linger
 
     def _start_heartbeat(self) -> HeartbeatThread:
@@ -202,21 +185,11 @@ class RankRunner:
         self._heartbeat = heartbeat
         return heartbeat
 
-    def _regroup(self, order: Regroup) -> None:
+    def _regroup(self, order: Regroup, payloads: List[memoryview]) -> None:
         if self.env.rank not in order.members:
             raise SystemExit(f"rank {self.env.rank}: declared dead by the coordinator; exiting")
-        # orders sent ahead of a reduce that failed here are void (the coordinator redoes them);
-        # so is what is left of an exact window (the coordinator re-plans its steps)
-        self.jobs = deque(job for job in self.jobs if job.order.after_round <= self._reduced_round
-                          and not job.micro)
-        if self.exact is not None:
-            self.exact.ddp = None  # its reducer holds the old group
-        self.group.join(order.generation, order.members)
-        if self.exact is not None:
-            if order.source >= 0:
-                self.exact.adopt_from(order.members.index(order.source))
-            self.exact.rebuild()
-        self.channel.send(Regrouped(self.env.rank, order.generation))
+        self.jobs, regrouped = self.part.regroup(order, self.jobs)
+        self.channel.send(regrouped)
 
     def _hang(self) -> None:
         """An injected hang (FLODL_RUN_FAULT `hang`): no more batches and no more heartbeats, and
@@ -232,7 +205,7 @@ class RankRunner:
     def _run_loop(self) -> None:
         """The recipe's loop (or the built-in one) over this rank's batches, to the Stop."""
         worker = Worker(self.replica, self._serve, self._report, self.env.rank, self.env.world_size,
-                        step=self.exact.step if self.exact is not None else None)
+                        step=self.part.worker_step())
         run_loop(self.recipe, worker)
         if not self._stopped:  # the batches left untrained would stall the run
             raise RuntimeError("the recipe's loop returned before worker.batches() ended "
@@ -250,7 +223,7 @@ class RankRunner:
             can_train = self._can_train()
             if not can_train and idle_since is None:
                 idle_since = time.perf_counter()
-                throttled = bool(self.jobs) and not self._awaiting_update  # the overshoot cap
+                throttled = bool(self.jobs) and not self.part.awaiting_update  # the overshoot cap
             received = self.channel.recv(timeout_ms=0 if can_train else 1000)
             self._training = received is None and self._can_train()  # what heartbeats report
             if received is None:
@@ -269,38 +242,26 @@ class RankRunner:
                                            int(idle_since * 1e9), began_ns,
                                            type(received.message).__name__)
             idle_since = None
-            self._handle(received.message, received.payloads)
+            handler = self._handlers.get(type(received.message))  # others are not orders: ignored
+            if handler is not None:
+                handler(received.message, received.payloads)
             self.waits.handled(received.message, began)
             self.timeline.order_span(received.message, began_ns)
 
-    def _handle(self, order: Any, payloads: List[memoryview]) -> None:
-        if isinstance(order, Train):
-            if not order.after_round:  # training moved on: that reduce will not be retried
-                self.collective.forget()  # (sent ahead: a failed round may still be, and undone)
-            self.jobs.append(self._job(order))
-        elif isinstance(order, SyncNow):
-            self._reduce(order)
-        elif isinstance(order, Update):
-            self._apply_update(order, payloads)
-        elif isinstance(order, Evaluate):
-            self._evaluate(order, payloads)
-        elif isinstance(order, SaveCheckpoint):
-            self._save(order, payloads)
-        elif isinstance(order, Regroup):
-            self._regroup(order)
-        elif isinstance(order, CutWindow):
-            self._cut_windows()
-
-    def _cut_windows(self) -> None:
+    def _cut_windows(self, order: CutWindow, payloads: List[memoryview]) -> None:
         """The run is stopping: the window in hand ends now if a batch of it was trained (orders
         are read between batches, so the batch in hand is done), else after its first batch;
-        every later window ends after its first. An exact window is not cut: its steps are
-        collective (the coordinator sends no cut on that path)."""
-        self._cut = True
-        if self.jobs and self.jobs[0].done and not self.jobs[0].micro:
+        every later window ends after its first. Unless the mode's windows are not cut (exact
+        steps: the coordinator sends no cut on that path)."""
+        self._cut = self.part.cuts_windows
+        if self._cut and self.jobs and self.jobs[0].done:
             self._window_done(self.jobs.popleft())
 
     # ---- training --------------------------------------------------------------------------
+
+    def _train(self, order: Train, payloads: List[memoryview]) -> None:
+        self.part.train_ordered(order)
+        self.jobs.append(self._job(order))
 
     def _job(self, order: Train) -> Job:
         """The order's batches: whole batches, or an exact window's micro-batches."""
@@ -312,11 +273,9 @@ class RankRunner:
         return Job(order, self.cutter.cut_sizes(order, [m.samples for m in micro]), micro=micro)
 
     def _can_train(self) -> bool:
-        """Work queued, no update awaited (cpu_sync/cadence), within the async overshoot, and
-        not an order sent ahead of a reduce that has not completed here (nccl_sync)."""
-        if not self.jobs or self._awaiting_update or self.jobs[0].order.after_round > self._reduced_round:
-            return False
-        return not (self._sync_pending and self._overshoot_used >= self.jobs[0].order.overshoot)
+        """Work queued, and the mode lets its next batch train (no update awaited, within the
+        async overshoot, not an order sent ahead of a reduce that has not completed here)."""
+        return bool(self.jobs) and self.part.may_train(self.jobs[0])
 
     def _train_one(self) -> Iterator[Any]:
         """Hand the loop the next batch of the window; once it comes back for another, the batch
@@ -329,13 +288,13 @@ class RankRunner:
         batch = self.source.gather(indices, self.jobs)
         data_ns = self.recorder.now()
         self._reported = None
-        if job.micro:
-            if job.done == 0:
-                self.exact.reset_window()
-            self.exact.begin(job.micro[job.done])
+        self.part.before_batch(job)
         yield batch
-        if job.micro and self.exact.failed:
-            self._window_failed(job)
+        failed = self.part.batch_failed(job)
+        if failed is not None:  # the rest of the window is dropped: its steps are re-planned
+            self.jobs.popleft()
+            self.channel.send(failed)
+            self._reported = None
             return
         loss, self._reported = self._reported, None
         if loss is not None and len(indices):  # read at window end; an empty batch's mean is NaN
@@ -343,7 +302,7 @@ class RankRunner:
             job.loss_batches += 1
         # a deadline window reads the clock after every batch, so each waits for the device
         timed = job.done == 0 or job.done + 1 == len(job.batches) or bool(job.order.deadline_ms)
-        self._settle_step(began, timed=timed, emulate=not job.micro)
+        self._settle_step(began, timed=timed, emulate=self.part.emulates_slowdown)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
         self.recorder.batch(began_ns, data_ns, self._batches_total)
         job.done += 1
@@ -351,9 +310,8 @@ class RankRunner:
         self._steps_since_reduce += 1
         self._batches_total += 1
         self.env.faults.after_batch(self.env.rank, self._batches_total, self._hang)
-        if self._sync_pending:
-            self._overshoot_used += 1
-        if job.is_over(time.perf_counter()) or (self._cut and not job.micro):
+        self.part.after_batch()
+        if job.is_over(time.perf_counter()) or self._cut:
             self.jobs.popleft()
             self._window_done(job)
 
@@ -369,73 +327,42 @@ class RankRunner:
         if emulate:
             self.slowdown.after_step(began)
 
-    def _window_failed(self, job: Job) -> None:
-        """An exact window broke inside a step: say after how many steps, drop the rest of it
-        and wait for the Regroup (its steps are re-planned among the survivors)."""
-        self.jobs.popleft()
-        self.channel.send(WindowFailed(self.env.rank, job.order.window, self.exact.steps,
-                                       self.exact.failed))
-        self._reported = None
-
     def _window_done(self, job: Job) -> None:
         order = job.order
         self.recorder.instant("window_end", order.window)
         self.waits.sent("WindowDone")
-        exact = self.exact if job.micro else None
+        counts = self.part.window_counts(job)
         graphs, eager_frames = graph_counts()
         self.channel.send(WindowDone(
-            self.env.rank, order.window, order.epoch, exact.steps if exact else job.done, job.samples,
-            _compute_ms(exact, job.step_ms),
-            0.0 if exact else fill_ms(job.step_ms), _read(job.loss_sum), self.replica.lr,
+            self.env.rank, order.window, order.epoch, counts.steps, job.samples, counts.compute_ms,
+            counts.fill_ms, _read(job.loss_sum), self.replica.lr,
             scalars.drain(), reduces_seen=self._reduces_seen, device_bytes=_device_bytes(self.device),
-            skipped=exact.window_skipped() if exact else 0, window_wall_ms=sum(job.step_ms),
+            skipped=counts.skipped, window_wall_ms=sum(job.step_ms),
             graphs=graphs, eager_frames=eager_frames,
             left=job.left, loss_batches=job.loss_batches,
             began_ns=job.began_ns(self.timeline.clock.estimate()), **self.source.take_stats()))
-        if self.mode is Mode.cpu_async and not self._sync_pending:
-            self._sync_pending, self._overshoot_used = True, 0
+        self.part.window_ended()
         if order.then_sync is not None:  # the coordinator folded the SyncNow into the order
-            self._reduce(order.then_sync)
+            self._reduce(order.then_sync, [])
 
     # ---- reduces ---------------------------------------------------------------------------
 
-    def _reduce(self, order: SyncNow) -> None:
+    def _reduce(self, order: SyncNow, payloads: List[memoryview]) -> None:
         self._training = False  # waiting on peers in a reduce is not a hang of ours
         self._reduces_seen += 1
         self.replica.rescale_lr(order.lr_factor)
-        if not self.mode.is_collective:
-            began_ns = self.recorder.now()
-            self._send_snapshot(order.round)
-            self.recorder.span("reduce.snapshot", began_ns, order.round)
-            return
-        fact, self._steps_since_reduce = self.collective.run(order, self._steps_since_reduce)
+        fact, self._steps_since_reduce = self.part.reduce(order, self._steps_since_reduce)
         if isinstance(fact, Reduced):
-            self._reduced_round = order.round
             self.waits.sent("Reduced")
-        self.channel.send(fact)
-
-    def _send_snapshot(self, round_: int, steps: Optional[int] = None) -> None:
-        """Coordinator backend: the snapshot out; then wait for the update (cpu_sync,
-        cpu_cadence) or keep training while the round trip is in flight (cpu_async)."""
-        self.exchange.send(round_, self._steps_since_reduce if steps is None else steps)
-        self._steps_since_reduce = 0
-        if self.mode is Mode.cpu_async:
-            self._sync_pending = False  # keep training while the round trip is in flight
-        else:
-            self._awaiting_update = True  # cpu_sync / cpu_cadence: block until the update lands
+        if fact is not None:
+            self.channel.send(fact)
 
     def _apply_update(self, update: Update, payloads: List[memoryview]) -> None:
-        """The coordinator's parameters in, then what they mean for the optimizer and schedule;
-        a Train order folded into the update is queued."""
-        self.exchange.apply_(update, payloads)
-        if update.outer_stepped:
-            after_outer_step(self.replica, self.config.outer)
-        if update.reset:  # we were non-finite: so are the optimizer's moments
-            self.replica.optimizer.state.clear()
-        self.replica.seek_schedule(update.global_step)
-        self._awaiting_update = False
-        if update.train is not None:
-            self.jobs.append(self._job(update.train))
+        """The coordinator's parameters in (the mode's); a Train order folded into the update
+        is queued."""
+        train = self.part.apply_update(update, payloads)
+        if train is not None:
+            self.jobs.append(self._job(train))
 
     # ---- evaluation and checkpoints --------------------------------------------------------
 
@@ -459,7 +386,7 @@ class RankRunner:
         """This rank's share of the bundle, then the recipe's checkpoint_fn on what was just
         saved (the center under EASGD); CheckpointSaved carries a write error, if any."""
         error, written, disk = write_share(order, payloads, self.env.rank, self.replica, self.flat,
-                                           self.outer, self.mode.is_collective)
+                                           self.outer, self.part.holds_outer_state)
         if not error and order.write_model and order.epoch is not None:
             try:
                 with swapped_in(self.flat, payloads, order.dtypes):
@@ -474,13 +401,6 @@ class RankRunner:
         tell the coordinator, which fails the run with a save; this rank lives on to save."""
         print(f"rank {self.env.rank}: {failure.describe()}", file=sys.stderr, end="", flush=True)
         self.channel.send(RankFailed(self.env.rank, failure.error, callback=failure.name))
-
-
-def _compute_ms(exact: Optional[ExactSync], step_ms: List[float]) -> float:
-    """A window's compute: the exact step's own timing (waits at the all-reduce left out),
-    else the steps' wall."""
-    timed = exact.window_compute_ms() if exact is not None else None
-    return timed if timed is not None else sum(step_ms)
 
 
 def _read(total: Optional[torch.Tensor]) -> float:
