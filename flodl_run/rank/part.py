@@ -48,7 +48,7 @@ class RankParts:
     flat: FlatParams
     outer: OuterOptimizer
     group: RankGroup
-    """The process group of the collective modes (built by none of the others)."""
+    """The rank's process group; only the collective modes' parts join it."""
     recorder: Recorder
     slowdown: Slowdown
     elche: ElCheConfig
