@@ -1,7 +1,7 @@
 """The architecture's numbers for control/ and rank/, as tests/test_layers.py holds them:
 mode checks outside the one module that picks each side's part (`modes.py`), classes over 25
-methods, functions over 50 lines or 7 parameters, and the modules that write FLODL_RUN_*
-environment names.
+methods, functions over 50 lines or 7 parameters, the bound methods and lambdas control/ hands
+to calls, and the modules that write FLODL_RUN_* environment names.
 
     python tools/arch_metrics.py          # a table; exit 0
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-ROOT = Path(__file__).resolve().parent.parent / "flodl_run"
+ROOT = Path(__file__).resolve().parent.parent / "flodl_run"  # the tree this copy of the tool is in
 SIDES = ("control", "rank")
 CHOOSER = "modes.py"  # the one place on each side that picks the mode's part
 MODE_ATTRS = {"mode", "is_sync", "is_collective", "is_progressive", "is_async", "is_central",
@@ -77,6 +77,35 @@ def oversized(path: Path) -> List[str]:
     return found
 
 
+def callbacks_passed(path: Path) -> List[str]:
+    """Bound methods of the class a call is made in (`self._on_x`, not a property) handed to a
+    call as arguments, closures (a function defined inside a method) and lambdas that call
+    one: a part calling back into its caller. A lambda
+    that only reads values (a sort key, a message filter) is not counted."""
+    found = []
+    for cls in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and not any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+
+        def bound(node: ast.AST) -> bool:
+            return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "self" and node.attr in methods)
+
+        closures = {inner.name for fn in ast.walk(cls) if isinstance(fn, ast.FunctionDef)
+                    for inner in ast.walk(fn) if isinstance(inner, ast.FunctionDef) and inner is not fn}
+        for call in ast.walk(cls):
+            if not isinstance(call, ast.Call):
+                continue
+            for arg in list(call.args) + [k.value for k in call.keywords]:
+                if bound(arg) or isinstance(arg, ast.Name) and arg.id in closures or \
+                        isinstance(arg, ast.Lambda) and any(
+                        isinstance(sub, ast.Call) and bound(sub.func) for sub in ast.walk(arg.body)):
+                    found.append(f"{cls.name} line {arg.lineno}: {ast.unparse(arg)[:60]}")
+    return found
+
+
 def env_writers() -> List[str]:
     """Modules that write a FLODL_RUN_* name into an environment mapping: a subscript
     assignment, a dict literal key, or a keyword/`update`/`setdefault` with the name as a
@@ -103,13 +132,15 @@ def env_writers() -> List[str]:
 def measure() -> Dict[str, object]:
     checks: Dict[str, List[Tuple[str, int]]] = {}
     big: List[str] = []
+    callbacks = [f"control/{path.name}: {what}" for path in sorted((ROOT / "control").glob("*.py"))
+                 for what in callbacks_passed(path)]
     for side in SIDES:
         checks[side] = []
         for path in sorted((ROOT / side).glob("*.py")):
             if path.name != CHOOSER:
                 checks[side] += [(path.name, line) for line in mode_checks(path)]
             big += [f"{side}/{path.name}: {what}" for what in oversized(path)]
-    return {"checks": checks, "oversized": big, "env_writers": env_writers()}
+    return {"checks": checks, "oversized": big, "callbacks": callbacks, "env_writers": env_writers()}
 
 
 def main() -> int:
@@ -122,6 +153,9 @@ def main() -> int:
               + ", ".join(f"{k} {v}" for k, v in sorted(per_file.items(), key=lambda kv: -kv[1])))
     print(f"over {MAX_METHODS} methods, {MAX_LINES} lines or {MAX_PARAMS} parameters:")
     for line in m["oversized"]:
+        print(f"  {line}")
+    print(f"callbacks passed as arguments in control/: {len(m['callbacks'])}")
+    for line in m["callbacks"]:
         print(f"  {line}")
     print("modules writing FLODL_RUN_ names: " + ", ".join(m["env_writers"]))
     return 0
