@@ -12,6 +12,7 @@ coordinator's. Never touches CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from rich.markup import escape
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig
 from flodl_run.config.validate import Problem
+from flodl_run.contracts.rankenv import SECRET_ENV, RankEnvironment
 from flodl_run.launch.rankproc import RankProcess, host_store, is_loopback
 from flodl_run.launch.slurm_task import expand_counts
 
@@ -166,25 +168,20 @@ def srun_argv(cluster: ClusterConfig, plan: SlurmPlan, python: str = sys.executa
 def step_environment(cluster: ClusterConfig, plan: SlurmPlan, coord: str, master_port: int,
                      secret_file: Path, run_file: Path) -> Dict[str, str]:
     """srun's environment, passed to every task: ours, without the secret itself."""
-    env = {k: v for k, v in os.environ.items() if k != "FLODL_RUN_SECRET"}
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     if "SLURM_STEP_ID" in env:  # the launcher's own step (a sweep's job): its layout is not ours
         env.pop("SLURM_NTASKS_PER_NODE", None)
-    env.update({
-        "MASTER_ADDR": plan.addr, "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
-        "FLODL_RUN_FILE": str(run_file), "FLODL_RUN_SECRET_FILE": str(secret_file),
-        "FLODL_RUN_STORE_HOSTED": "1", "PYTHONUNBUFFERED": "1",
-        # the launcher's node as Slurm names it (a task's FLODL_RUN_NODE): the launcher's MLflow
-        # monitor samples it, the lowest task of every other node samples its own
-        "FLODL_RUN_LAUNCHER_NODE": plan.allocation.batch_host,
-    })
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    contract = RankEnvironment(
+        master_addr=plan.addr, master_port=master_port, coord=coord, run_file=run_file,
+        secret_file=secret_file, store_hosted=True, unbuffered=True, project=os.getcwd(),
+        # the launcher's node as Slurm names it (a task's node): the launcher's MLflow monitor
+        # samples it, the lowest task of every other node samples its own
+        launcher_node=plan.allocation.batch_host)
     if plan.gpus:  # each task sees its own GPU (--gpus-per-task=1), so cuda:0 is its own
-        env.update({"FLODL_RUN_DEVICE": "cuda:0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+        contract = dataclasses.replace(contract, device="cuda:0")
     else:
-        threads = cpu_threads(cluster, plan)
-        env.update({"FLODL_RUN_DEVICE": "cpu", "OMP_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads)})
-    return env
+        contract = dataclasses.replace(contract, device="cpu", threads=cpu_threads(cluster, plan))
+    return contract.over(env)
 
 
 def write_secret(path: Path, secret: bytes) -> Path:

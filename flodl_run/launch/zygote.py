@@ -58,6 +58,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, NoReturn, Optional
 
+from flodl_run.contracts.rankenv import RankEnvironment
+
 START_ENV = "FLODL_RUN_RANK_START"
 ZYGOTE_NAME = "flodl_zygote"
 MAX_MESSAGE = 1 << 20  # an environment is a few kB; a seqpacket message is read whole or not at all
@@ -440,7 +442,8 @@ def _run_rank(request: dict) -> int:
     os.environ.update(env)
     if _base_path is not None:  # sys.path as `python -m` builds it here: cwd, PYTHONPATH, the rest
         sys.path[:] = [os.getcwd(), *_entries(env.get("PYTHONPATH", "")), *_base_path]
-    os.environ["FLODL_RUN_PARENT_PID"] = str(request["launcher"])  # not our parent, the zygote
+    # the rank's orphan check watches the launcher, not its parent (the zygote)
+    os.environ.update(RankEnvironment(parent_pid=request["launcher"]).to_environ())
     fresh_random_state()
     intra_op_threads(env)
     from flodl_run.rank import process as rank
