@@ -36,8 +36,10 @@ from flodl_run.control.runstate import RunAborted
 
 
 def _meta(generation: int, files: dict) -> BundleMeta:
-    return BundleMeta(checkpoint.SCHEMA_VERSION, 1, 10, 2, 2, "checkpoint", {"phase": "probe"},
-                      Coverage(0, 8, 1, 1), {}, None, generation, files)
+    return BundleMeta(schema_version=checkpoint.SCHEMA_VERSION, epoch=1, global_step=10, sync_round=2,
+                      world_size_at_save=2, save_reason="checkpoint", elche_state={"phase": "probe"},
+                      coverage=Coverage(0, 8, 1, 1), config={}, mlflow_run_id=None,
+                      generation=generation, files=files)
 
 
 def _save(stem: str, value: float) -> int:
