@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from flodl_run.contracts.rankenv import RankEnvironment
+from flodl_run.contracts.signals import KILL_GRACE_S
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import SshConfig
 
 HANDSHAKE_VERSION = 1
-STOP_GRACE_S = 4.0  # SIGTERM -> SIGKILL, as the local supervisor does
 # Our defaults come after the worker's own options: ssh keeps the first value it reads.
 CLIENT_OPTIONS = (
     "BatchMode=yes",          # never prompt: a missing key is an error, not a hung launcher
@@ -109,7 +109,7 @@ def _stop(child: subprocess.Popen) -> None:
         except ProcessLookupError:
             return
         try:
-            child.wait(timeout=STOP_GRACE_S)
+            child.wait(timeout=KILL_GRACE_S)  # SIGTERM -> SIGKILL, as the supervisor does
             return
         except subprocess.TimeoutExpired:
             continue

@@ -28,11 +28,11 @@ from rich.console import Console
 from flodl_run.averaging.shm import remove_run, run_prefix
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, RecipeConfig
 from flodl_run.contracts.rankenv import COORD_ENV, RUN_FILE_ENV, SECRET_ENV, RankEnvironment
-from flodl_run.contracts.signals import stop_signal
+from flodl_run.contracts.signals import KILL_GRACE_S, stop_signal
 from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import frame_limit, new_secret
 from flodl_run.control.coordinator import Coordinator
-from flodl_run.control.runstate import STOP_GRACE_S as SAVE_GRACE_S
+from flodl_run.control.runstate import STOP_GRACE_S
 from flodl_run.launch.rankproc import RankProcess, forward, host_store
 from flodl_run.launch.zygote import Zygote, fork_ranks
 from flodl_run.observe.observer import Observer
@@ -40,7 +40,6 @@ from flodl_run.observe.timeline import Timeline
 from flodl_run.report.say import say
 
 log = logging.getLogger(__name__)
-STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
 LEAVE_S = 5.0
 """How long after a second signal's cut the coordinator may take to end itself (its Stop orders,
 the ranks' last timeline shipments: 2 s, closing its socket) before the launcher leaves it."""
@@ -111,7 +110,7 @@ def _cores_of(pid: int) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
+def stop_ranks(procs: List[RankProcess], grace_s: float = KILL_GRACE_S,
                hurry: Callable[[], bool] = lambda: False) -> None:
     """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL; then the same for what
     they started on this host (their process groups), and their rendezvous store: no orphan
@@ -139,7 +138,7 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
         store.close()  # nobody is left to rendezvous on it
 
 
-def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
+def end_leftovers(groups: List[int], grace_s: float = KILL_GRACE_S) -> None:
     """SIGTERM, then SIGKILL after `grace_s`, to what is left in the ranks' process groups
     once the ranks are gone: a recipe's `sleep 3600` or os.fork child, re-parented to init,
     used to outlive the run. Each rank leads its own group (its own session), so the group id
@@ -217,7 +216,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
            console: Console) -> None:
     """Until the coordinator ends: report a rank that exited early, turn each SIGINT/SIGTERM
     noted meanwhile into a stop request, and say what happens next (the screen would not
-    change while the ranks finish their batch in hand, then for up to SAVE_GRACE_S)."""
+    change while the ranks finish their batch in hand, then for up to STOP_GRACE_S)."""
     reported = set()
     zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
@@ -234,9 +233,9 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
 
 
 _AFTER_THE_BATCH = ("the ranks finish the batch in hand, then the run saves what they trained "
-                    f"(within {SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once "
+                    f"(within {STOP_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once "
                     "without saving")
-_AT_ONCE = f"at once (a save under way gets until {SAVE_GRACE_S:.0f} s after the first signal)"
+_AT_ONCE = f"at once (a save under way gets until {STOP_GRACE_S:.0f} s after the first signal)"
 
 
 def _where(thread: threading.Thread) -> str:
