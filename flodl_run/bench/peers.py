@@ -77,7 +77,7 @@ class PeerRank:
         self.device = device
         if device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
-        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+        self.recipe = load_recipe(config)
         # Same construction as our ranks: seed, recipe model/optimizer, linear LR scaling.
         self.replica = Replica(self.recipe, device, config.seed,
                                lr_scale=lr_factor(world_size, config.lr_scale_ratio),

@@ -449,8 +449,7 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     from flodl_run.rank.solo import SoloTrainer
 
     if recipe is None:
-        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                             config.recipe.loop)
+        recipe = load_recipe(config)
     trainer = SoloTrainer(config, recipe, observer)
     grace = threading.Timer(STOP_GRACE_S, _let_go, [trainer])
     grace.daemon = True

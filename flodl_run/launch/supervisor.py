@@ -413,10 +413,10 @@ def _param_bytes(mode: Mode, recipe: RecipeConfig, transform: Optional[str]) -> 
         return 0
     import torch
 
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe
 
     try:
-        loaded = load_recipe(recipe.module, recipe.params, transform, recipe.loop)
+        loaded = import_recipe(recipe.module, recipe.params, transform, recipe.loop)
         with torch.device("meta"):
             model = loaded.call("build_model", torch.device("meta"))
         params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -81,8 +81,7 @@ class RankWorker:
         self.device = pick_device(env)
         if self.device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
-        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                                  config.recipe.loop)
+        self.recipe = load_recipe(config)
         self.replica = Replica(self.recipe, self.device, config.seed,
                                lr_scale=lr_factor(env.world_size, config.lr_scale_ratio),
                                max_grad_norm=config.max_grad_norm, options=config.recipe)
