@@ -36,8 +36,10 @@ from flodl_run.control.runstate import RunAborted
 
 
 def _meta(generation: int, files: dict) -> BundleMeta:
-    return BundleMeta(checkpoint.SCHEMA_VERSION, 1, 10, 2, 2, "checkpoint", {"phase": "probe"},
-                      Coverage(0, 8, 1, 1), {}, None, generation, files)
+    return BundleMeta(schema_version=checkpoint.SCHEMA_VERSION, epoch=1, global_step=10, sync_round=2,
+                      world_size_at_save=2, save_reason="checkpoint", elche_state={"phase": "probe"},
+                      coverage=Coverage(0, 8, 1, 1), config={}, mlflow_run_id=None,
+                      generation=generation, files=files)
 
 
 def _save(stem: str, value: float) -> int:
@@ -218,12 +220,12 @@ def test_an_elche_state_elche_cannot_take_is_a_resume_problem(key, value, said):
     resume problem naming the key, the value and the rule (exit 2, before any rank starts)."""
     from flodl_run.config.schema import ElCheConfig
     from flodl_run.elche.balancer import ElChe
-    from flodl_run.launch.launcher import Plan, _trajectory_problems
+    from flodl_run.launch.launcher import LaunchPlan, _trajectory_problems
 
     state = json.loads(json.dumps(ElChe(ElCheConfig(), 2).export_state()))
     state[key] = value
     meta = dataclasses.replace(_meta(1, {}), elche_state=state)
-    problems = _trajectory_problems(ExperimentConfig(num_epochs=3), Plan(world_size=2, in_process=False,
+    problems = _trajectory_problems(ExperimentConfig(num_epochs=3), LaunchPlan(world_size=2, in_process=False,
                                                                          gpus=[]), meta)
     assert len(problems) == 1 and said in problems[0], problems
 
@@ -233,10 +235,10 @@ def test_resuming_at_or_past_num_epochs_says_how_to_extend_the_run(tmp_path):
     a bundle labelled epoch 3 holding four epochs of training. It is now a resume problem
     (exit 2) that names num_epochs and how to extend the run; an elche_state ElChe cannot
     restore is one too (it was a KeyError after the ranks started)."""
-    from flodl_run.launch.launcher import Plan, _trajectory_problems
+    from flodl_run.launch.launcher import LaunchPlan, _trajectory_problems
 
     meta = dataclasses.replace(_meta(1, {}), epoch=4, coverage=Coverage(0, 8, 1, 4))
-    plan = Plan(world_size=2, in_process=False, gpus=[])
+    plan = LaunchPlan(world_size=2, in_process=False, gpus=[])
     problems = _trajectory_problems(ExperimentConfig(num_epochs=3), plan, meta)
     assert problems[0] == ("the bundle has trained 4 epochs and this run ends at num_epochs=3: "
                            "to train on, resume with num_epochs=<larger than 4>")

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from flodl_run.contracts.checkpoint import load_model
-from flodl_run.contracts.recipe import load_recipe
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 from tests.support import LOCKSTEP, _run
 
 REPO = Path(__file__).resolve().parents[1]

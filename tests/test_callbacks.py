@@ -15,7 +15,8 @@ from torch.utils.data import TensorDataset
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig, RecipeConfig
 from flodl_run.contracts.checkpoint import read_meta
-from flodl_run.contracts.recipe import CallbackFailed, Recipe, RecipeError, load_recipe
+from flodl_run.contracts.recipe import CallbackFailed, Recipe, RecipeError
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 from flodl_run.contracts.summary import EpochRecord
 from flodl_run.contracts.wire import Evaluate, SaveCheckpoint, new_secret
 from flodl_run.control.coordinator import Coordinator

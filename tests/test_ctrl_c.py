@@ -488,7 +488,7 @@ def test_an_in_process_stop_saves_the_batches_trained_and_the_resume_trains_the_
     the replica with the rest of the epoch listed uncovered, and a resume trains exactly those
     positions of the pass's permutation, then the epochs after it; its progress counts on from
     the batches the bundle holds (it started again at 0)."""
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe as load_recipe
     from flodl_run.data.passes import permutation
     from flodl_run.rank.solo import SoloTrainer
 
@@ -521,7 +521,7 @@ def test_an_in_process_stop_at_once_in_an_eval_saves_the_epochs_trained(tmp_path
     epoch finished and a second trained. The replica holds both whole there: they are saved
     (resume at epoch 3, nothing uncovered) and epoch 2 is recorded without its eval; in a
     batch, nothing is (a step cannot be saved halfway)."""
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe as load_recipe
     from flodl_run.rank.solo import SoloTrainer
 
     recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 200, "hidden": 16, "depth": 1})

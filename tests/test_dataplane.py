@@ -149,7 +149,7 @@ def test_oom_while_going_resident_streams_and_says_so_once(monkeypatch, caplog):
 
 
 def _fake_jobs(plane: dp.DataPlane, slices):
-    """Jobs as RankWorker queues them: a Train order and its batches (the rank's cut)."""
+    """Jobs as RankRunner queues them: a Train order and its batches (the rank's cut)."""
     order = Train(window=0, epoch=0, slices=slices, num_batches=0)
     batches = []
     for pass_index, offset, size in slices:

@@ -31,7 +31,7 @@ def test_epoch_splits_make_finer_epochs_with_eval_and_data_metrics_in_process():
     carrying the rank's data metrics (solo: resident on CPU, all rows from the device tier,
     which on a CPU is RAM: it said `"vram": 1.0`)."""
     from flodl_run.config.schema import DataConfig, ExperimentConfig
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe as load_recipe
     from flodl_run.rank.solo import SoloTrainer
 
     recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2000, "hidden": 32, "depth": 1})
@@ -51,7 +51,7 @@ def test_an_in_process_epoch_reports_its_eval_time_inside_its_epoch_time():
     reports none; the summary's samples_per_s divides by the epochs' time, as the bench's
     training rate expects of every summary."""
     from flodl_run.config.schema import ExperimentConfig
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe as load_recipe
     from flodl_run.rank.solo import SoloTrainer
 
     recipe = load_recipe("recipes.synthetic_mlp", {"num_samples": 2000, "hidden": 32, "depth": 1})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodl_run.contracts.recipe import load_recipe
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 from flodl_run.hardware.slowdown import Slowdown
 from flodl_run.rank.exact import ExactSync, Micro
 from flodl_run.rank.group import RankGroup

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flodl_run.config.schema import lr_factor
-from flodl_run.contracts.recipe import load_recipe
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 from flodl_run.data.passes import permutation
 from flodl_run.rank.replica import Replica
 from tests.support import PAIR, _run

@@ -157,3 +157,50 @@ def test_no_test_module_imports_another() -> None:
     offenders = {path.name: [name for name in _imports(path) if name.startswith("tests.test_")]
                  for path in sorted(tests.glob("*.py"))}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def _arch_metrics():
+    """tools/arch_metrics.py, the numbers a developer prints (loaded from its file: tools/ is
+    no package)."""
+    import importlib.util
+
+    path = PACKAGE.parent / "tools" / "arch_metrics.py"
+    spec = importlib.util.spec_from_file_location("arch_metrics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_side_decides_the_mode_in_one_place_and_no_part_is_oversized() -> None:
+    """Pins the shape of control/ and rank/: the mode is looked at in each side's modes.py and
+    at most 8 times elsewhere (it was 26 and 26); no class over 25 methods, no function over 50
+    lines or 7 parameters; control/ hands no bound method or closure of its own to a call (the
+    reduce returned to windows through `plan_next` and `ahead=`); one module writes the rank's
+    FLODL_RUN_ environment (three launchers wrote it)."""
+    metrics = _arch_metrics().measure()
+    for side, found in metrics["checks"].items():
+        assert len(found) <= 8, (side, found)
+    assert metrics["oversized"] == []
+    assert metrics["callbacks"] == []
+    assert len(metrics["env_writers"]) == 1, metrics["env_writers"]
+
+
+def test_the_architecture_numbers_see_what_they_count(tmp_path: Path) -> None:
+    """The counters are not blind: a mode test, an and/or on the mode, a long function, a
+    bound method handed to a call and a FLODL_RUN_ key written are each found."""
+    arch = _arch_metrics()
+    source = tmp_path / "part.py"
+    body = "\n".join(f"        x{i} = {i}" for i in range(52))
+    source.write_text(
+        "class Part:\n"
+        "    def run(self, mode):\n"
+        "        if self.mode is Mode.cpu_async:\n"
+        "            pass\n"
+        "        fold = self.mode.is_collective and mode\n"
+        "        schedule(self.on_done)\n"
+        "    def on_done(self):\n"
+        f"{body}\n"
+        "env = {'FLODL_RUN_X': '1'}\n")
+    assert arch.mode_checks(source) == [3, 5]
+    assert arch.callbacks_passed(source) == ["Part line 6: self.on_done"]
+    assert arch.oversized(source) == ["on_done (line 7): 53 lines, 0 parameters"]

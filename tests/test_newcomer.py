@@ -170,7 +170,7 @@ def test_a_users_module_comes_from_the_current_directory_first(tmp_path):
     (tmp_path / "recipes" / "digits_mlp.py").write_text(
         "def build_model(device): ...\ndef build_optimizer(parameters): ...\n"
         "def train_step(model, batch): ...\ndef train_dataset(): ...\n")
-    code = ("import sys; from flodl_run.contracts.recipe import load_recipe; "
+    code = ("import sys; from flodl_run.contracts.recipe import import_recipe as load_recipe; "
             "load_recipe('recipes.digits_mlp'); "
             "print(sys.modules['recipes.digits_mlp'].__file__)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -81,7 +81,7 @@ def test_seed_value_is_stable_and_spreads():
 
 
 def _rank_batches(num_samples: int, augment: int, batch_size: int, order: Train):
-    """The rank's own cut of a Train order into batches (what RankWorker queues)."""
+    """The rank's own cut of a Train order into batches (what RankRunner queues)."""
     return BatchCutter(num_samples, augment, seed=3, batch_size=batch_size).cut(order)
 
 

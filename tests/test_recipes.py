@@ -18,7 +18,8 @@ import torch
 import yaml
 from torch.utils.data import default_collate
 
-from flodl_run.contracts.recipe import RecipeError, load_recipe
+from flodl_run.contracts.recipe import RecipeError
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 from flodl_run.rank.replica import Optimizers, Replica, as_one_optimizer
 from flodl_run.rank.worker import Worker, run_loop
 

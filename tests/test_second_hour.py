@@ -295,7 +295,7 @@ def test_the_bench_terminal_table_keeps_names_whole_and_the_plot_tells_entries_a
 def test_train_step_and_eval_step_get_the_params_they_declare(tmp_path, monkeypatch):
     """Pins: `train_step`/`eval_step` called without `recipe.params` while the README says every
     recipe function gets the params it declares (and a `**_` one must not get `model` twice)."""
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe as load_recipe
 
     (tmp_path / "declares.py").write_text(
         "from recipes.digits_mlp import build_model, build_optimizer, train_dataset, eval_dataset  # noqa\n"
@@ -385,7 +385,8 @@ def test_a_sim_sweep_writes_a_comparison(tmp_path):
 def test_a_train_step_returning_a_float_is_named_with_its_line(tmp_path, monkeypatch):
     """Pins: `return loss.item()` failing as `'float' object has no attribute 'backward'` with
     only the runtime's frames, on every path (in-process and on each rank)."""
-    from flodl_run.contracts.recipe import NotALoss, load_recipe, user_traceback
+    from flodl_run.contracts.recipe import NotALoss, user_traceback
+    from flodl_run.contracts.recipe import import_recipe as load_recipe
 
     (tmp_path / "floats.py").write_text(
         "from recipes.digits_mlp import build_model, build_optimizer, train_dataset  # noqa: F401\n"

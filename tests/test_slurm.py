@@ -27,7 +27,7 @@ from flodl_run.config.schema import ExperimentConfig, SlurmConfig, Topology
 from flodl_run.config.validate import validate
 from flodl_run.launch.slurm import (
     Allocation,
-    SlurmPlan,
+    SlurmLayout,
     SrunStep,
     TaskHandle,
     gpu_count,
@@ -84,7 +84,7 @@ def test_a_task_gets_the_torchrun_contract_from_slurms_variables():
         task_environ({}, "ab12")
 
 
-def _plan(config: ExperimentConfig, allocation: Allocation) -> SlurmPlan:
+def _plan(config: ExperimentConfig, allocation: Allocation) -> SlurmLayout:
     """The launcher's plan of an srun step for `config` in `allocation`."""
     return plan_slurm(config.cluster, allocation, world_rules(config))
 
@@ -131,12 +131,12 @@ def test_the_step_keeps_its_tasks_and_never_carries_the_secret(tmp_path, monkeyp
     environment (only the 0600 file's path is)."""
     monkeypatch.setenv("FLODL_RUN_SECRET", "deadbeef")
     alloc = Allocation("7", ["n1", "n2"], [4, 4], 4, 16, "n1")
-    gpu = srun_argv(_slurm_config(gpus_per_node=4).cluster, SlurmPlan(alloc, 8, True, "gpu-a.test"))
+    gpu = srun_argv(_slurm_config(gpus_per_node=4).cluster, SlurmLayout(alloc, 8, True, "gpu-a.test"))
     for option in ("--ntasks=8", "--nodes=2", "--kill-on-bad-exit=0", "--no-kill", "--label",
                    "--ntasks-per-node=4", "--gpus-per-task=1"):
         assert option in gpu
     assert gpu[-3:] == [sys.executable, "-m", "flodl_run.launch.slurm_task"]
-    cpu_plan = SlurmPlan(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "gpu-a.test")
+    cpu_plan = SlurmLayout(Allocation("7", ["n1"], [2], 0, 4, "n1"), 2, False, "gpu-a.test")
     assert "--cpus-per-task=2" in srun_argv(_slurm_config().cluster, cpu_plan)
     env = step_environment(_slurm_config().cluster, cpu_plan, "tcp://gpu-a.test:1", 2, tmp_path / "secret",
                            tmp_path / "run.yaml")

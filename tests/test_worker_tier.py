@@ -16,7 +16,8 @@ import torch
 from flodl_run.config.materialize import ConfigError, materialize
 from flodl_run.config.schema import ExperimentConfig, RecipeConfig
 from flodl_run.contracts.checkpoint import bundle_files, read_meta
-from flodl_run.contracts.recipe import Recipe, RecipeError, load_recipe
+from flodl_run.contracts.recipe import Recipe, RecipeError
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 from flodl_run.rank.replica import Optimizers, Replica, as_one_optimizer
 from flodl_run.rank.worker import Worker, run_loop
 from tests.support import REPO, _run

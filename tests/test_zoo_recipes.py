@@ -19,7 +19,8 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader
 
-from flodl_run.contracts.recipe import eager_module, load_recipe
+from flodl_run.contracts.recipe import eager_module
+from flodl_run.contracts.recipe import import_recipe as load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO = sorted(p.stem.removeprefix("zoo_") for p in (REPO / "conf" / "recipe").glob("zoo_*.yaml"))

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flodl_run.contracts.recipe import load_recipe
+from flodl_run.contracts.recipe import import_recipe
 from flodl_run.hardware.slowdown import Slowdown
 from flodl_run.rank.exact import ExactSync, Micro
 from flodl_run.rank.group import RankGroup
@@ -45,7 +45,7 @@ def _batches(recipe, device, batch: int, count: int):
 
 def _replica(name: str, device, compile_model: bool):
     module, params = RECIPES[name]
-    recipe = load_recipe(module, params, None, None)
+    recipe = import_recipe(module, params)
     replica = Replica(recipe, device, seed=0)
     if compile_model:
         replica.model = torch.compile(replica.model)

@@ -16,9 +16,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # One step of the recipe must take >= 5 ms on the GPU: measure it the way a rank steps.
 python3 - <<'PY' | tee "$OUT/step_ms.txt"
 import time, torch
-from flodl_run.contracts.recipe import load_recipe
+from flodl_run.contracts.recipe import import_recipe
 from flodl_run.rank.replica import Replica
-recipe = load_recipe("recipes.synthetic_mlp", {"hidden": 4096, "depth": 4, "num_samples": 65536})
+recipe = import_recipe("recipes.synthetic_mlp", {"hidden": 4096, "depth": 4, "num_samples": 65536})
 replica = Replica(recipe, torch.device("cuda"), 0)
 x, y = (t[:512].cuda() for t in recipe.call("train_dataset").tensors)
 for _ in range(10):

@@ -56,7 +56,7 @@ for name in ("sigkill_nccl_sync", "sigkill_nccl_cadence", "sigstop_nccl_sync"):
         continue
     summary = json.loads(summary_file.read_text())
     config = experiment_from_yaml((run / name / "run.yaml").read_text())
-    recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+    recipe = load_recipe(config)
     size = len(recipe.call("train_dataset"))
     expected = [epoch_span(e["epoch"], size, config.data.augment, config.data.epoch_splits).size
                 for e in summary["epochs"]]

@@ -80,7 +80,7 @@ import json, statistics, sys, time, torch
 from omegaconf import OmegaConf
 import flodl_run
 from flodl_run.config.compose import compose, to_experiment
-from flodl_run.contracts.recipe import load_recipe
+from flodl_run.contracts.recipe import import_recipe
 
 name, device, epochs, compile_backend, rounds, out = json.loads(sys.argv[1])
 device = torch.device(device)
@@ -94,7 +94,7 @@ cfg = config.recipe
 def own_loop():
     # a careful user's loop: the recipe's model, optimizer and train_step, every sample on the
     # device once, batches by index, autocast and a GradScaler as recipe.amp asks
-    recipe = load_recipe(cfg.module, cfg.params, None, None)
+    recipe = import_recipe(cfg.module, cfg.params)
     torch.manual_seed(config.seed)
     model = recipe.call("build_model", device)
     if compile_backend and not hasattr(model, "_orig_mod"):

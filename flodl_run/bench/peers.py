@@ -22,6 +22,7 @@ of flodl_run's runtime (coordinator, ElChe) is involved.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -42,6 +43,7 @@ from flodl_run.config.schema import ClusterConfig, ExperimentConfig, lr_factor
 
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.launch.zygote import ForkedChild
+from flodl_run.contracts.rankenv import DEVICE_ENV, RankEnvironment
 from flodl_run.contracts.recipe import load_recipe
 from flodl_run.contracts.summary import EpochRecord, Summary, write_summary
 from flodl_run.control.dispatch import epoch_span
@@ -75,7 +77,7 @@ class PeerRank:
         self.device = device
         if device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
-        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform)
+        self.recipe = load_recipe(config)
         # Same construction as our ranks: seed, recipe model/optimizer, linear LR scaling.
         self.replica = Replica(self.recipe, device, config.seed,
                                lr_scale=lr_factor(world_size, config.lr_scale_ratio),
@@ -204,8 +206,8 @@ def _device_name(device: torch.device) -> str:
 
 def _device(env: dict, device: str) -> torch.device:
     """The rank's device: the launcher's pin, else the `device` key, else a GPU by local rank."""
-    if env.get("FLODL_RUN_DEVICE"):
-        return torch.device(env["FLODL_RUN_DEVICE"])
+    if env.get(DEVICE_ENV):
+        return torch.device(env[DEVICE_ENV])
     if device not in ("auto", ""):
         return torch.device(device)
     if torch.cuda.is_available():
@@ -245,17 +247,14 @@ def run_rank(config: ExperimentConfig, peer: str, out: Path, period: int) -> int
 def rank_env(cluster: ClusterConfig, rank: int, world_size: int, master_port: int,
              gpu_uuid: Optional[str]) -> dict:
     """The torchrun contract for a local rank, pinned to its GPU or to its CPU threads."""
-    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=cluster.master_addr,
-               MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    contract = RankEnvironment(rank=rank, local_rank=rank, world_size=world_size,
+                               local_world_size=world_size, master_addr=cluster.master_addr,
+                               master_port=master_port, unbuffered=True, project=os.getcwd())
     if gpu_uuid:
-        env.update(CUDA_VISIBLE_DEVICES=gpu_uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID",
-                   FLODL_RUN_DEVICE="cuda:0")
+        contract = dataclasses.replace(contract, gpu=gpu_uuid, device="cuda:0")
     else:
-        threads = str(cluster.threads_per_rank or 1)
-        env.update(FLODL_RUN_DEVICE="cpu", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-    return env
+        contract = dataclasses.replace(contract, device="cpu", threads=cluster.threads_per_rank or 1)
+    return contract.over(os.environ)
 
 
 def spawn(config: ExperimentConfig, argv: List[str], args: argparse.Namespace) -> int:
@@ -297,8 +296,10 @@ def spawn(config: ExperimentConfig, argv: List[str], args: argparse.Namespace) -
 def _can_fork() -> bool:
     """Forking ranks is safe (fork exists, this process has not initialized CUDA) and not
     turned off (`FLODL_RUN_RANK_START=spawn`, as for flodl_run's own ranks)."""
+    from flodl_run.launch.zygote import START_ENV
+
     return hasattr(os, "fork") and not torch.cuda.is_initialized() \
-        and os.environ.get("FLODL_RUN_RANK_START") != "spawn"
+        and os.environ.get(START_ENV) != "spawn"
 
 
 def _fork_rank(env: dict, run: Callable[[], int]) -> "ForkedChild":

@@ -52,7 +52,7 @@ from flodl_run.report.say import say, say_markup, say_table
 
 PROG = "flodl_run.bench"
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
-STOP_GRACE_S = 20.0  # a run told to stop (SIGINT) saves and stops its ranks well within this
+STOPPED_RUN_WAIT_S = 20.0  # a run told to stop (SIGINT) saves and stops its ranks well within this
 
 
 @dataclass
@@ -370,7 +370,7 @@ def _stop(proc: subprocess.Popen, already_signalled: bool = False) -> None:
     if not already_signalled:
         proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=STOP_GRACE_S)
+        proc.wait(timeout=STOPPED_RUN_WAIT_S)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
         proc.kill()
         proc.wait()

@@ -107,8 +107,7 @@ def _member(key: str, value: Any, kind: type) -> Iterator[Problem]:
 
 def _recipe_problems(cfg: ExperimentConfig) -> List[Problem]:
     try:
-        recipe = load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform,
-                             cfg.recipe.loop)
+        recipe = load_recipe(cfg)
     except RecipeError as exc:
         return [Problem(exc.key, exc.value, exc.rule)]
     if cfg.data.epoch_splits > 1:  # the rule needs the train set's size: load it only then

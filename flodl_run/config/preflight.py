@@ -61,7 +61,7 @@ def _shape_problems(cfg: ExperimentConfig, meta: Any) -> List[Problem]:
     try:
         saved = torch.load(bundle_files(cfg.resume_from, meta)["model"], map_location="meta",
                            weights_only=True)
-        recipe = load_recipe(cfg.recipe.module, cfg.recipe.params, cfg.data.transform, cfg.recipe.loop)
+        recipe = load_recipe(cfg)
         with torch.device("meta"):
             model = recipe.call("build_model", torch.device("meta"))
         here = {k: tuple(v.shape) for k, v in eager_module(model).state_dict().items()}

@@ -5,8 +5,11 @@ A save writes `S.g<n>.pt`, `S.g<n>.optim.pt`, `S.g<n>.optim.rank<k>.pt`, `S.g<n>
 generation n and the SHA-256 of every file, and its atomic rename is the one step that makes
 the new generation current. Only then are older generations removed, so an interrupted save
 leaves the previous bundle whole. Bundles of schema 1 (unsuffixed files, no checksums) still
-load, unverified. Owns the layout, the writes, the meta schema and the checks a resume makes
-before anything trains; who saves when, and which rank writes what, is the coordinator's.
+load, unverified. Owns the layout, the writes (`BundleWriter` for a generation's files, which
+every writer of a bundle uses: a rank's share, the coordinator's outer state, the solo trainer;
+`save_meta` for the keyword-built `BundleMeta` that commits them), the meta schema and the
+checks a resume makes before anything trains; who saves when, and which rank writes what, is
+the coordinator's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -47,9 +50,23 @@ class Coverage:
     epoch: int
     uncovered: List[List[int]] = field(default_factory=list)
 
+    @classmethod
+    def of_run(cls, config: Any, epoch: int, uncovered: Sequence[Sequence[int]]) -> "Coverage":
+        """A save's coverage under the run's `config` (its seed, batch_size, data.epoch_splits)."""
+        return cls(config.seed, config.batch_size, config.data.epoch_splits, epoch,
+                   [list(u) for u in uncovered])
 
-@dataclass
+
+def config_record(items: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's config as a meta records it: its dotted items, every value as JSON has it."""
+    return json.loads(json.dumps(items, default=str))
+
+
+@dataclass(kw_only=True)
 class BundleMeta:
+    """What makes a generation the bundle, built by keyword: where a resume starts and what
+    the weights cover, the run's config and ElChe state, and the files with their checksums."""
+
     schema_version: int
     epoch: int
     """The epoch to (re)start at when resuming."""
@@ -173,6 +190,35 @@ def _torch_save(state: Any, tmp: Path) -> None:
             if isinstance(exc.__context__, OSError):
                 raise exc.__context__ from None
             raise
+
+
+class BundleWriter:
+    """The files of one generation (`data_stem`, the generation's stem), each written atomically
+    with its SHA-256 kept by name in `files`: the one way a bundle's files are written. A rank
+    writes its share of a generation, the coordinator its outer state; the coordinator's meta,
+    or the solo trainer's, then names every file (`save_meta`, the commit point)."""
+
+    def __init__(self, data_stem: str | Path):
+        self.data_stem = str(data_stem)
+        self.files: Dict[str, str] = {}
+        """File name -> SHA-256, of what this writer wrote."""
+
+    def write_model(self, state: Any) -> None:
+        """The model's state dict; non-finite weights are refused (ValueError), never written."""
+        require_finite(state, "the model")
+        self._write(paths(self.data_stem)["model"], state)
+
+    def write_optimizer(self, state: Any, rank: Optional[int] = None) -> None:
+        """The optimizer state: the bundle's (the callback rank's), or rank `rank`'s own."""
+        path = paths(self.data_stem)["optim"] if rank is None else rank_optim_path(self.data_stem, rank)
+        self._write(path, state)
+
+    def write_outer(self, state: Any) -> None:
+        """The outer optimizer's state (and the EASGD center, when there is one)."""
+        self._write(paths(self.data_stem)["outer"], state)
+
+    def _write(self, path: Path, state: Any) -> None:
+        self.files[path.name] = save_tensors(path, state)
 
 
 class NotWritten(Exception):

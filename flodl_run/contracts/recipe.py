@@ -210,10 +210,19 @@ def _named_loop(mod: Any, name: str) -> Callable[..., Any]:
     return fn
 
 
-def load_recipe(module: str, params: Optional[Dict[str, Any]] = None,
-                transform: Optional[str] = None, loop: Optional[str] = None) -> Recipe:
+def load_recipe(config: Any) -> Recipe:
+    """The run's recipe, as every process of the run loads it: `config` is the run's
+    ExperimentConfig (its `recipe` group and `data.transform`; not imported here, contracts
+    import nothing of flodl_run)."""
+    recipe = config.recipe
+    return import_recipe(recipe.module, recipe.params, config.data.transform, recipe.loop)
+
+
+def import_recipe(module: str, params: Optional[Dict[str, Any]] = None,
+                  transform: Optional[str] = None, loop: Optional[str] = None) -> Recipe:
     """Import `module` (current directory first, then the environment) and check the contract.
-    `loop` (recipe.loop) names the rank's loop; None = the module's `loop`, if it has one."""
+    `loop` (recipe.loop) names the rank's loop; None = the module's `loop`, if it has one.
+    A run loads its recipe with `load_recipe(config)`; this is for a module named alone."""
     mod = _import(module, "recipe.module")
     missing = [name for name in REQUIRED if not callable(getattr(mod, name, None))]
     if missing:

@@ -109,8 +109,7 @@ class Coordinator:
         self.async_loop: Optional[AsyncLoop] = None
         recipe = None  # as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)
         if config.recipe is not None:
-            recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                                 config.recipe.loop)
+            recipe = load_recipe(config)
         self._compose(shm_prefix, recipe)
 
     def _compose(self, shm_prefix: Optional[str], recipe: Optional[Recipe]) -> None:

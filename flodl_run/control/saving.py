@@ -5,7 +5,6 @@ records, and the trajectory a resume restores. The bundle format itself lives in
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Dict, List, NoReturn, Optional, Set, Tuple
@@ -24,7 +23,6 @@ from flodl_run.contracts.checkpoint import (
     load_tensors,
     read_meta,
     save_meta,
-    save_tensors,
 )
 from flodl_run.contracts.recipe import CallbackFailed
 from flodl_run.contracts.summary import CHECKPOINT_FAILED
@@ -102,9 +100,9 @@ class Saving:
         checksum added to `files`)."""
         center = self.averager.center if self.mode is Mode.cpu_async else None
         if not self.mode.is_collective and self.averager.outer.active or center is not None:
-            state = dict(self.averager.outer.state_dict(), center=center)
-            outer = checkpoint.paths(checkpoint.generation_stem(stem, generation))["outer"]
-            files[outer.name] = save_tensors(outer, state)
+            writer = checkpoint.BundleWriter(checkpoint.generation_stem(stem, generation))
+            writer.write_outer(dict(self.averager.outer.state_dict(), center=center))
+            files.update(writer.files)
 
     def _unwritten(self, reason: str, stem: str, generation: Optional[int], why: str) -> None:
         """A save the disk refused: an output failure, never the run's end. What was written
@@ -166,14 +164,14 @@ class Saving:
 
     def _bundle_meta(self, reason: str, epoch: int, uncovered: List[List[int]], generation: int,
                      files: Dict[str, str]) -> BundleMeta:
-        data = self.config.data
-        coverage = Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
-                            [list(u) for u in uncovered])
         global_step, round_ = self._trajectory.trajectory()
-        return BundleMeta(checkpoint.SCHEMA_VERSION, epoch, global_step, round_,
-                          self.world_size, reason, self.balance.elche.export_state(), coverage,
-                          json.loads(json.dumps(dotted_items(self.config), default=str)),
-                          self.run_id, generation, files)
+        return BundleMeta(
+            schema_version=checkpoint.SCHEMA_VERSION, epoch=epoch, global_step=global_step,
+            sync_round=round_, world_size_at_save=self.world_size, save_reason=reason,
+            elche_state=self.balance.elche.export_state(),
+            coverage=Coverage.of_run(self.config, epoch, uncovered),
+            config=checkpoint.config_record(dotted_items(self.config)),
+            mlflow_run_id=self.run_id, generation=generation, files=files)
 
     def restore(self, stem: str, epoch_batches: int) -> BundleMeta:
         """Continue a bundle's trajectory: ElChe (no warm-up re-run) and the outer state here;

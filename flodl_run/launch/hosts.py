@@ -23,6 +23,7 @@ from rich.console import Console
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig, Mode, WorkerConfig
 from flodl_run.config.validate import Problem
+from flodl_run.contracts.rankenv import RankEnvironment
 from flodl_run.hardware.devices import GpuInfo
 from flodl_run.launch.dockerhost import docker_command
 from flodl_run.launch.probe import (
@@ -174,29 +175,22 @@ def hosts_line(layout: HostLayout) -> str:
 
 def rank_environment(cluster: ClusterConfig, layout: HostLayout, slots: WorkerSlots,
                      local_rank: int, coord: str) -> Dict[str, str]:
-    """The torchrun contract and our variables for one remote rank (the secret is added later)."""
+    """The torchrun contract and our variables for one remote rank over the worker's env block
+    (the secret is added later; the run file, the parent pid and PYTHONPATH by the remote end)."""
     device = slots.devices[local_rank]
-    env = dict(slots.worker.env)
-    env.update({
-        "RANK": str(slots.ranks[local_rank]), "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(len(slots.ranks)),
-        "MASTER_ADDR": layout.master_addr, "MASTER_PORT": str(layout.master_port),
-        "FLODL_RUN_COORD": coord, "FLODL_RUN_NODE": slots.worker.host, "PYTHONUNBUFFERED": "1",
-        "FLODL_RUN_STORE_HOSTED": "1",
+    contract = RankEnvironment(
+        rank=slots.ranks[local_rank], local_rank=local_rank, world_size=layout.world_size,
+        local_world_size=len(slots.ranks), master_addr=layout.master_addr,
+        master_port=layout.master_port, coord=coord, node=slots.worker.host, unbuffered=True,
+        store_hosted=True, socket_ifname=slots.worker.nccl_socket_ifname or None,
         # the node the launcher's MLflow monitor samples: a worker named so samples nothing itself
-        "FLODL_RUN_LAUNCHER_NODE": socket.gethostname(),
-    })
-    if slots.worker.nccl_socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = slots.worker.nccl_socket_ifname
+        launcher_node=socket.gethostname())
     if device == "cpu":
-        cpu_ranks = slots.devices.count("cpu")
-        threads = cluster.threads_per_rank or max(1, slots.cpu_count // cpu_ranks)
-        env.update({"FLODL_RUN_DEVICE": "cpu", "OMP_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads)})
+        threads = cluster.threads_per_rank or max(1, slots.cpu_count // slots.devices.count("cpu"))
+        contract = dataclasses.replace(contract, device="cpu", threads=threads)
     else:
-        env.update({"CUDA_VISIBLE_DEVICES": device, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                    "FLODL_RUN_DEVICE": "cuda:0"})
-    return env
+        contract = dataclasses.replace(contract, device="cuda:0", gpu=device)
+    return contract.over(slots.worker.env)
 
 
 def rank_command(slots: WorkerSlots, env: Dict[str, str], rank: int, run_name: str) -> str:
@@ -223,7 +217,7 @@ def start_hosts(cluster: ClusterConfig, layout: HostLayout, coord: str, secret: 
         for local_rank, rank in enumerate(slots.ranks):
             env = rank_environment(cluster, layout, slots, local_rank, coord)
             command = rank_command(slots, env, rank, run_dir.name)
-            env["FLODL_RUN_SECRET"] = secret.hex()  # stdin only: never argv, never a log
+            env.update(RankEnvironment(secret=secret).to_environ())  # stdin only: never argv
             process = subprocess.Popen(
                 ssh_argv(slots.worker.host, slots.worker.ssh, command), stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

@@ -44,53 +44,55 @@ if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.contracts.checkpoint import BundleMeta, SaveLock
     from flodl_run.contracts.recipe import Recipe
     from flodl_run.launch.hosts import HostLayout
-    from flodl_run.launch.slurm import SlurmPlan
+    from flodl_run.launch.slurm import SlurmLayout
     from flodl_run.rank.solo import SoloTrainer
     from flodl_run.report.liveserver import LiveServer
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Where the ranks of a run go: in-process (world size 1) or one process each."""
+class LaunchPlan:
+    """Where the ranks of a run go: in-process (world size 1) or one process each; the one
+    launch plan, whatever the topology (its hosts or Slurm layout, when it has one)."""
 
     world_size: int
     in_process: bool
     gpus: List[GpuInfo]
     hosts: Optional["HostLayout"] = None
     """Ranks per worker host for topology hosts."""
-    slurm: Optional["SlurmPlan"] = None
+    slurm: Optional["SlurmLayout"] = None
     """The srun step for topology slurm (read from the allocation)."""
 
 
-def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None) -> Plan:
+def plan_topology(config: ExperimentConfig, gpus: Optional[List[GpuInfo]] = None) -> LaunchPlan:
     """auto: 2+ visible GPUs -> one rank per GPU; 0-1 -> in-process."""
     cluster = config.cluster
     if cluster.topology is Topology.solo:
-        return Plan(1, True, [])
+        return LaunchPlan(world_size=1, in_process=True, gpus=[])
     if cluster.topology is Topology.cpu:
-        return Plan(cluster.num_ranks or 1, False, [])
+        return LaunchPlan(world_size=cluster.num_ranks or 1, in_process=False, gpus=[])
     if cluster.topology is Topology.local_gpus:
         try:
             picked = pick_gpus(list(cluster.devices)) if gpus is None else gpus
         except LookupError as exc:
             raise ConfigError([Problem("cluster.devices", list(cluster.devices), str(exc))]) from None
-        return Plan(len(picked), False, picked)
+        return LaunchPlan(world_size=len(picked), in_process=False, gpus=picked)
     if cluster.topology is Topology.hosts:
         from flodl_run.launch.hosts import plan_hosts
 
         # Asks each host over ssh; ConfigError when one cannot serve.
         layout = plan_hosts(cluster, config.elche.mode, _world_problems(config))
-        return Plan(layout.world_size, False, layout.gpus, layout)
+        return LaunchPlan(world_size=layout.world_size, in_process=False, gpus=layout.gpus,
+                          hosts=layout)
     if cluster.topology is Topology.slurm:
         from flodl_run.launch.slurm import plan_slurm, read_allocation
 
         # ConfigError outside an allocation.
         step = plan_slurm(cluster, read_allocation(), _world_problems(config))
-        return Plan(step.world_size, False, [], slurm=step)
+        return LaunchPlan(world_size=step.world_size, in_process=False, gpus=[], slurm=step)
     gpus = visible_gpus() if gpus is None else gpus
     if len(gpus) >= 2:
-        return Plan(len(gpus), False, gpus)
-    return Plan(1, True, gpus)
+        return LaunchPlan(world_size=len(gpus), in_process=False, gpus=gpus)
+    return LaunchPlan(world_size=1, in_process=True, gpus=gpus)
 
 
 def _world_problems(config: ExperimentConfig) -> Callable[[Optional[int]], List[Problem]]:
@@ -103,7 +105,7 @@ ONE_DEVICE_NOTICE = ("one device: solo in-process run; elche/outer apply with 2+
                      "e.g. cluster=cpu_pair")
 
 
-def one_device_notice(topology: Topology, plan: Plan) -> Optional[str]:
+def one_device_notice(topology: Topology, plan: LaunchPlan) -> Optional[str]:
     """The line that says a `cluster=auto` run fell back to one in-process replica, where the
     mode and outer optimizer have nothing to act on; None otherwise (`cluster=solo` asked)."""
     if plan.in_process and topology is Topology.auto:
@@ -327,7 +329,7 @@ def _uploads(config: ExperimentConfig) -> List[str]:
     return [name for name in (config.dashboard_html, config.timeline and TIMELINE_FILE) if name]
 
 
-def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console, observers: Observers,
+def _train(config: ExperimentConfig, plan: LaunchPlan, run_dir: Path, console: Console, observers: Observers,
            recipe: Optional["Recipe"], mlflow_run_id: Optional[str],
            timeline: Optional[TimelineFile] = None) -> tuple:
     """(summary, model or None, the exception the recipe raised or None)."""
@@ -348,7 +350,7 @@ def _train(config: ExperimentConfig, plan: Plan, run_dir: Path, console: Console
         return summary, None, exc
 
 
-def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
+def _say_plan(topology: Topology, plan: LaunchPlan, console: Console) -> None:
     """The hardware (or hosts) line, and the one-device notice when it applies."""
     if plan.hosts is not None:
         from flodl_run.launch.hosts import hosts_line
@@ -365,7 +367,7 @@ def _say_plan(topology: Topology, plan: Plan, console: Console) -> None:
         say_labelled(console, "note", notice, "cyan")
 
 
-def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"]) -> None:
+def _check_run(config: ExperimentConfig, plan: LaunchPlan, recipe: Optional["Recipe"]) -> None:
     """What only the plan can tell: a Recipe object cannot reach rank processes, a tracking
     server must answer before anything starts, and a bundle saved by another world size cannot
     be resumed (before a probe only a fixed cluster could be checked; here `cluster=auto` is
@@ -392,7 +394,7 @@ def _check_run(config: ExperimentConfig, plan: Plan, recipe: Optional["Recipe"])
                            for r in reasons])
 
 
-def _trajectory_problems(config: ExperimentConfig, plan: Plan, meta: "BundleMeta") -> List[str]:
+def _trajectory_problems(config: ExperimentConfig, plan: LaunchPlan, meta: "BundleMeta") -> List[str]:
     """What of a valid meta this run cannot continue: an epoch at or past the run's end (it
     used to "complete" with 0 samples and save a bundle labelled with fewer epochs than it
     holds), or an elche_state that ElChe cannot restore (it failed with a KeyError after the
@@ -416,7 +418,7 @@ def _trajectory_problems(config: ExperimentConfig, plan: Plan, meta: "BundleMeta
     return problems
 
 
-def _zygote_log(cluster: ClusterConfig, plan: Plan, run_dir: Path) -> Optional[Path]:
+def _zygote_log(cluster: ClusterConfig, plan: LaunchPlan, run_dir: Path) -> Optional[Path]:
     """Where the zygote of this run logs when its ranks fork on this host; None otherwise."""
     local = not plan.in_process and plan.hosts is None and plan.slurm is None
     if local and cluster.launch_ranks and fork_ranks(os.environ, on_gpus=bool(plan.gpus)):
@@ -424,7 +426,7 @@ def _zygote_log(cluster: ClusterConfig, plan: Plan, run_dir: Path) -> Optional[P
     return None
 
 
-def _leave_cores_to_ranks(cluster: ClusterConfig, plan: Plan) -> None:
+def _leave_cores_to_ranks(cluster: ClusterConfig, plan: LaunchPlan) -> None:
     """CPU ranks on this host own its cores: the coordinator's CPU averaging (cpu_* modes) gets
     what they leave, at least one thread. With torch's default of one thread per core its
     intra-op threads queue behind busy ranks: on 2 cores a 2.25 MB consensus took ~80 ms instead
@@ -447,8 +449,7 @@ def _train_in_process(config: ExperimentConfig, observer: Observers, recipe: Opt
     from flodl_run.rank.solo import SoloTrainer
 
     if recipe is None:
-        recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                             config.recipe.loop)
+        recipe = load_recipe(config)
     trainer = SoloTrainer(config, recipe, observer)
     grace = threading.Timer(STOP_GRACE_S, _let_go, [trainer])
     grace.daemon = True

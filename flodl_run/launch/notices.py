@@ -2,7 +2,7 @@
 why an in-process run writes no timeline. (A GPU-sized model on CPU is warned about by whoever
 builds it: `hardware.devices.cpu_training_warning`.)
 
-Owns those lines only; the plan itself (`launch.launcher.plan_topology`, whose Plan each
+Owns those lines only; the plan itself (`launch.launcher.plan_topology`, whose LaunchPlan each
 function takes as `plan`; not imported: the launcher imports this module) and the one-device
 notice stay with the launcher.
 """

@@ -12,6 +12,7 @@ coordinator's. Never touches CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from rich.markup import escape
 from flodl_run.config.materialize import ConfigError
 from flodl_run.config.schema import ClusterConfig
 from flodl_run.config.validate import Problem
+from flodl_run.contracts.rankenv import SECRET_ENV, RankEnvironment
 from flodl_run.launch.rankproc import RankProcess, host_store, is_loopback
 from flodl_run.launch.slurm_task import expand_counts
 
@@ -51,7 +53,7 @@ class Allocation:
 
 
 @dataclass(frozen=True)
-class SlurmPlan:
+class SlurmLayout:
     """The step to start: how many ranks, on GPUs or CPU, and where the coordinator listens."""
 
     allocation: Allocation
@@ -106,7 +108,7 @@ def batch_address(cluster: ClusterConfig, allocation: Allocation) -> str:
 
 
 def plan_slurm(cluster: ClusterConfig, allocation: Allocation,
-               world_problems: Callable[[Optional[int]], List[Problem]]) -> SlurmPlan:
+               world_problems: Callable[[Optional[int]], List[Problem]]) -> SlurmLayout:
     """One rank per allocated GPU, or cluster.num_ranks CPU ranks; ConfigError naming the key
     when the allocation cannot serve the config. `world_problems(world_size)` is the run's
     rules that needed the world size (the launcher's validation; None: no ranks)."""
@@ -127,64 +129,59 @@ def plan_slurm(cluster: ClusterConfig, allocation: Allocation,
     problems += world_problems(world or None)
     if problems:
         raise ConfigError(problems)
-    return SlurmPlan(allocation, world, gpus, addr)
+    return SlurmLayout(allocation, world, gpus, addr)
 
 
-def slurm_line(plan: SlurmPlan) -> str:
+def slurm_line(layout: SlurmLayout) -> str:
     """e.g. `ddp: 3 ranks as one srun step on 1 node (job 12: vm) | cpu x3`."""
-    alloc = plan.allocation
+    alloc = layout.allocation
     nodes = len(alloc.nodes)
     shown = ",".join(alloc.nodes[:4]) + (",..." if nodes > 4 else "")
-    kind = f"{alloc.gpus_per_node} GPUs per node" if plan.gpus else f"cpu x{plan.world_size}"
-    return (f"ddp: {plan.world_size} rank{'s' if plan.world_size != 1 else ''} as one srun step "
+    kind = f"{alloc.gpus_per_node} GPUs per node" if layout.gpus else f"cpu x{layout.world_size}"
+    return (f"ddp: {layout.world_size} rank{'s' if layout.world_size != 1 else ''} as one srun step "
             f"on {nodes} node{'s' if nodes != 1 else ''} (job {alloc.job_id}: {shown}) | {kind}")
 
 
-def cpu_threads(cluster: ClusterConfig, plan: SlurmPlan) -> int:
+def cpu_threads(cluster: ClusterConfig, layout: SlurmLayout) -> int:
     """Cores per CPU rank: cluster.threads_per_rank, else the node's CPUs shared by its ranks."""
-    per_node = max(1, -(-plan.world_size // len(plan.allocation.nodes)))
-    return cluster.threads_per_rank or max(1, plan.allocation.cpus_on_node // per_node)
+    per_node = max(1, -(-layout.world_size // len(layout.allocation.nodes)))
+    return cluster.threads_per_rank or max(1, layout.allocation.cpus_on_node // per_node)
 
 
-def srun_argv(cluster: ClusterConfig, plan: SlurmPlan, python: str = sys.executable) -> List[str]:
+def srun_argv(cluster: ClusterConfig, layout: SlurmLayout, python: str = sys.executable) -> List[str]:
     """The step: every rank a task, a task's end never ending the others."""
-    nodes = len(plan.allocation.nodes)
-    argv = ["srun", f"--job-name={STEP_NAME}", f"--ntasks={plan.world_size}",
-            f"--nodes={nodes if plan.gpus else f'1-{nodes}'}",
+    nodes = len(layout.allocation.nodes)
+    argv = ["srun", f"--job-name={STEP_NAME}", f"--ntasks={layout.world_size}",
+            f"--nodes={nodes if layout.gpus else f'1-{nodes}'}",
             "--kill-on-bad-exit=0",  # a rank that dies is a death the others carry on through
             "--no-kill",             # so is a node that fails: the step keeps the other nodes
             "--label", "--unbuffered", "--input=none", "--export=ALL", f"--chdir={os.getcwd()}"]
     if "SLURM_STEP_ID" in os.environ:  # a sweep's job runs the launcher as a task of its own
         argv.append("--overlap")        # step (submitit's srun), which holds every resource
-    if plan.gpus:
-        argv += [f"--ntasks-per-node={plan.allocation.gpus_per_node}", "--gpus-per-task=1"]
+    if layout.gpus:
+        argv += [f"--ntasks-per-node={layout.allocation.gpus_per_node}", "--gpus-per-task=1"]
     else:  # srun does not inherit the batch script's --cpus-per-task: ask for the rank's cores
-        argv.append(f"--cpus-per-task={cpu_threads(cluster, plan)}")
+        argv.append(f"--cpus-per-task={cpu_threads(cluster, layout)}")
     return argv + [python, "-m", "flodl_run.launch.slurm_task"]
 
 
-def step_environment(cluster: ClusterConfig, plan: SlurmPlan, coord: str, master_port: int,
+def step_environment(cluster: ClusterConfig, layout: SlurmLayout, coord: str, master_port: int,
                      secret_file: Path, run_file: Path) -> Dict[str, str]:
     """srun's environment, passed to every task: ours, without the secret itself."""
-    env = {k: v for k, v in os.environ.items() if k != "FLODL_RUN_SECRET"}
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
     if "SLURM_STEP_ID" in env:  # the launcher's own step (a sweep's job): its layout is not ours
         env.pop("SLURM_NTASKS_PER_NODE", None)
-    env.update({
-        "MASTER_ADDR": plan.addr, "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
-        "FLODL_RUN_FILE": str(run_file), "FLODL_RUN_SECRET_FILE": str(secret_file),
-        "FLODL_RUN_STORE_HOSTED": "1", "PYTHONUNBUFFERED": "1",
-        # the launcher's node as Slurm names it (a task's FLODL_RUN_NODE): the launcher's MLflow
-        # monitor samples it, the lowest task of every other node samples its own
-        "FLODL_RUN_LAUNCHER_NODE": plan.allocation.batch_host,
-    })
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
-    if plan.gpus:  # each task sees its own GPU (--gpus-per-task=1), so cuda:0 is its own
-        env.update({"FLODL_RUN_DEVICE": "cuda:0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    contract = RankEnvironment(
+        master_addr=layout.addr, master_port=master_port, coord=coord, run_file=run_file,
+        secret_file=secret_file, store_hosted=True, unbuffered=True, project=os.getcwd(),
+        # the launcher's node as Slurm names it (a task's node): the launcher's MLflow monitor
+        # samples it, the lowest task of every other node samples its own
+        launcher_node=layout.allocation.batch_host)
+    if layout.gpus:  # each task sees its own GPU (--gpus-per-task=1), so cuda:0 is its own
+        contract = dataclasses.replace(contract, device="cuda:0")
     else:
-        threads = cpu_threads(cluster, plan)
-        env.update({"FLODL_RUN_DEVICE": "cpu", "OMP_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads)})
-    return env
+        contract = dataclasses.replace(contract, device="cpu", threads=cpu_threads(cluster, layout))
+    return contract.over(env)
 
 
 def write_secret(path: Path, secret: bytes) -> Path:
@@ -325,31 +322,31 @@ class TaskHandle:
         self.step.ask(self.task, sig, self.tasks)
 
 
-def start_step(cluster: ClusterConfig, plan: SlurmPlan, coord: str, secret: bytes,
+def start_step(cluster: ClusterConfig, layout: SlurmLayout, coord: str, secret: bytes,
                run_dir: Path, console: Console, *, save_path: Optional[str]) -> List[RankProcess]:
     """Host the rendezvous store on the batch host, write the secret file, start the step."""
-    if len(plan.allocation.nodes) > 1:
+    if len(layout.allocation.nodes) > 1:
         console.print(f"note: multi-node run: the run dir {run_dir} and save_path "
                       f"{save_path} must be on storage every node sees",
                       markup=False, highlight=False, soft_wrap=True)
     log_dir = run_dir / "ranks"
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = host_store(plan.addr, cluster.master_port)
+    store = host_store(layout.addr, cluster.master_port)
     secret_file = write_secret(run_dir / "secret", secret)
-    env = step_environment(cluster, plan, coord, store.port, secret_file, run_dir / "run.yaml")
-    process = subprocess.Popen(srun_argv(cluster, plan), env=env, stdout=subprocess.PIPE,
+    env = step_environment(cluster, layout, coord, store.port, secret_file, run_dir / "run.yaml")
+    process = subprocess.Popen(srun_argv(cluster, layout), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, bufsize=1,
                                start_new_session=True)  # Ctrl-C reaches the launcher only
-    logs = [open(log_dir / f"rank{k}.log", "w") for k in range(plan.world_size)]
+    logs = [open(log_dir / f"rank{k}.log", "w") for k in range(layout.world_size)]
     for k, log in enumerate(logs):
-        log.write(f"# rank {k} of {plan.world_size}: task {k} of srun step {STEP_NAME} "
-                  f"(job {plan.allocation.job_id}, srun pid {process.pid})\n")
+        log.write(f"# rank {k} of {layout.world_size}: task {k} of srun step {STEP_NAME} "
+                  f"(job {layout.allocation.job_id}, srun pid {process.pid})\n")
         log.flush()
-    step = SrunStep(process, logs, console, plan.allocation.nodes, plan.allocation.job_id,
+    step = SrunStep(process, logs, console, layout.allocation.nodes, layout.allocation.job_id,
                     secret_file)
     procs = []
-    for k in range(plan.world_size):
-        proc = RankProcess(k, TaskHandle(step, k, plan.world_size), logs[k],  # type: ignore[arg-type]
+    for k in range(layout.world_size):
+        proc = RankProcess(k, TaskHandle(step, k, layout.world_size), logs[k],  # type: ignore[arg-type]
                            forwarder=step.readers[0], host=None, store=store)
         procs.append(proc)
     return procs

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from flodl_run.contracts.rankenv import SECRET_FILE_ENV, RankEnvironment
 from flodl_run.contracts.signals import ignore_stop_signal
 
 _COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
@@ -40,21 +41,19 @@ def task_environ(environ: Mapping[str, str], secret_hex: str) -> Dict[str, str]:
     per_node = expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE")
                              or environ.get("SLURM_TASKS_PER_NODE", "1"))
     node = int(environ["SLURM_NODEID"])
-    env = dict(environ)
-    env.update({
-        "RANK": environ["SLURM_PROCID"], "LOCAL_RANK": environ["SLURM_LOCALID"],
-        "WORLD_SIZE": environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS", "1"),
-        "LOCAL_WORLD_SIZE": str(per_node[node] if node < len(per_node) else per_node[-1]),
-        "FLODL_RUN_NODE": environ.get("SLURMD_NODENAME", ""), "FLODL_RUN_SECRET": secret_hex,
-    })
-    env.pop("FLODL_RUN_SECRET_FILE", None)
+    env = RankEnvironment(
+        rank=int(environ["SLURM_PROCID"]), local_rank=int(environ["SLURM_LOCALID"]),
+        world_size=int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS", "1")),
+        local_world_size=per_node[node] if node < len(per_node) else per_node[-1],
+        node=environ.get("SLURMD_NODENAME", ""), secret=bytes.fromhex(secret_hex)).over(environ)
+    env.pop(SECRET_FILE_ENV, None)  # read: the key itself replaces its file's path
     return env
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Become the rank; exit 2 (with the reason) when this is not a task the launcher started."""
     try:
-        secret = Path(os.environ["FLODL_RUN_SECRET_FILE"]).read_text().strip()
+        secret = Path(os.environ[SECRET_FILE_ENV]).read_text().strip()
         env = task_environ(os.environ, secret)
     except (KeyError, OSError, ValueError) as exc:
         print(f"flodl_run.launch.slurm_task: {type(exc).__name__}: {exc} (start ranks with "

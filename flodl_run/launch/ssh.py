@@ -22,11 +22,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
+from flodl_run.contracts.rankenv import RankEnvironment
+from flodl_run.contracts.signals import KILL_GRACE_S
+
 if TYPE_CHECKING:  # pragma: no cover
     from flodl_run.config.schema import SshConfig
 
 HANDSHAKE_VERSION = 1
-STOP_GRACE_S = 4.0  # SIGTERM -> SIGKILL, as the local supervisor does
 # Our defaults come after the worker's own options: ssh keeps the first value it reads.
 CLIENT_OPTIONS = (
     "BatchMode=yes",          # never prompt: a missing key is an error, not a hung launcher
@@ -82,14 +84,12 @@ def decode_handshake(line: bytes) -> tuple[Dict[str, str], str]:
 
 
 def _rank_environ(base: Dict[str, str], env: Dict[str, str], run_file: Path) -> Dict[str, str]:
+    """The launcher's `env` over this host's `base`, with what only this end knows: the run
+    file, our pid (the rank's own orphan check watches us) and the project path first on
+    PYTHONPATH, before the worker's env block's (or the login shell's when the block sets none)."""
     merged = dict(base)
     merged.update(env)
-    merged["FLODL_RUN_FILE"] = str(run_file)
-    merged["FLODL_RUN_PARENT_PID"] = str(os.getpid())  # the rank's own orphan check watches us
-    # The project path first (recipes import as on the launcher), then the worker's env block's
-    # PYTHONPATH, or the login shell's when the block sets none.
-    merged["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), merged.get("PYTHONPATH")) if p)
-    return merged
+    return RankEnvironment(run_file=run_file, parent_pid=os.getpid(), project=os.getcwd()).over(merged)
 
 
 def _await_eof(fd: int, closed: threading.Event) -> None:
@@ -109,7 +109,7 @@ def _stop(child: subprocess.Popen) -> None:
         except ProcessLookupError:
             return
         try:
-            child.wait(timeout=STOP_GRACE_S)
+            child.wait(timeout=KILL_GRACE_S)  # SIGTERM -> SIGKILL, as the supervisor does
             return
         except subprocess.TimeoutExpired:
             continue

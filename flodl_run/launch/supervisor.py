@@ -7,6 +7,7 @@ does; this module only tells it when a child died or the user pressed Ctrl-C. Ne
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import json
@@ -24,13 +25,14 @@ from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
 
-from flodl_run.averaging.shm import PREFIX_ENV, remove_run, run_prefix
+from flodl_run.averaging.shm import remove_run, run_prefix
 from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, RecipeConfig
-from flodl_run.contracts.signals import stop_signal
+from flodl_run.contracts.rankenv import COORD_ENV, RUN_FILE_ENV, SECRET_ENV, RankEnvironment
+from flodl_run.contracts.signals import KILL_GRACE_S, stop_signal
 from flodl_run.contracts.summary import Summary
 from flodl_run.contracts.wire import frame_limit, new_secret
 from flodl_run.control.coordinator import Coordinator
-from flodl_run.control.runstate import STOP_GRACE_S as SAVE_GRACE_S
+from flodl_run.control.runstate import STOP_GRACE_S
 from flodl_run.launch.rankproc import RankProcess, forward, host_store
 from flodl_run.launch.zygote import Zygote, fork_ranks
 from flodl_run.observe.observer import Observer
@@ -38,38 +40,22 @@ from flodl_run.observe.timeline import Timeline
 from flodl_run.report.say import say
 
 log = logging.getLogger(__name__)
-STOP_GRACE_S = 4.0  # Stop order -> SIGTERM -> SIGKILL, each after this long: all gone in < 10 s
 LEAVE_S = 5.0
 """How long after a second signal's cut the coordinator may take to end itself (its Stop orders,
 the ranks' last timeline shipments: 2 s, closing its socket) before the launcher leaves it."""
 
 
-def rank_environment(cluster: ClusterConfig, rank: int, world_size: int, coord: str,
-                     secret: bytes, run_file: Path, master_port: int,
-                     gpu_uuids: Optional[List[str]] = None,
-                     shm_prefix: Optional[str] = None) -> Dict[str, str]:
-    """The torchrun contract plus the coordinator's address, the key and the run file."""
-    env = dict(os.environ)
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": cluster.master_addr,
-        "MASTER_PORT": str(master_port), "FLODL_RUN_COORD": coord,
-        "FLODL_RUN_SECRET": secret.hex(), "FLODL_RUN_FILE": str(run_file),
-        "FLODL_RUN_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-        "FLODL_RUN_STORE_HOSTED": "1",
-    })
-    if shm_prefix:  # same host as the coordinator: parameters may travel through /dev/shm
-        env[PREFIX_ENV] = shm_prefix
-    # Ranks import the recipe the way the launcher did: from the current directory first.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+def local_environment(cluster: ClusterConfig, shared: RankEnvironment, rank: int,
+                      gpu_uuids: Optional[List[str]] = None) -> Dict[str, str]:
+    """One local rank's environment: this process's, with the contract every rank shares
+    (`shared`), the rank's numbers and its device pin written over it."""
+    contract = dataclasses.replace(shared, rank=rank, local_rank=rank,
+                                   local_world_size=shared.world_size)
     if gpu_uuids:
-        env.update({"CUDA_VISIBLE_DEVICES": gpu_uuids[rank], "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                    "FLODL_RUN_DEVICE": "cuda:0"})
+        contract = dataclasses.replace(contract, gpu=gpu_uuids[rank], device="cuda:0")
     else:
-        env["FLODL_RUN_DEVICE"] = "cpu"
-        threads = cluster.threads_per_rank or 1
-        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)})
-    return env
+        contract = dataclasses.replace(contract, device="cpu", threads=cluster.threads_per_rank or 1)
+    return contract.over(os.environ)
 
 
 def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: bytes,
@@ -79,11 +65,15 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
     log_dir.mkdir(parents=True, exist_ok=True)
     store = host_store(cluster.master_addr, cluster.master_port)
     master_port = store.port
+    shared = RankEnvironment(
+        world_size=world_size, master_addr=cluster.master_addr, master_port=master_port,
+        coord=coord, secret=secret, run_file=run_dir / "run.yaml", parent_pid=os.getpid(),
+        store_hosted=True, unbuffered=True, project=os.getcwd(),
+        shm_prefix=shm_prefix)  # same host as the coordinator: parameters may go through /dev/shm
     procs = []
     zygote: Optional[Zygote] = None
     for rank in range(world_size):
-        env = rank_environment(cluster, rank, world_size, coord, secret, run_dir / "run.yaml",
-                               master_port, gpu_uuids, shm_prefix)
+        env = local_environment(cluster, shared, rank, gpu_uuids)
         # one torch import per host, not per rank
         if zygote is None and fork_ranks(os.environ, on_gpus=bool(gpu_uuids)):
             zygote = Zygote.start(env, log_dir / "zygote.log")
@@ -120,7 +110,7 @@ def _cores_of(pid: int) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
+def stop_ranks(procs: List[RankProcess], grace_s: float = KILL_GRACE_S,
                hurry: Callable[[], bool] = lambda: False) -> None:
     """Wait for ranks to leave on their own, then SIGTERM, then SIGKILL; then the same for what
     they started on this host (their process groups), and their rendezvous store: no orphan
@@ -148,7 +138,7 @@ def stop_ranks(procs: List[RankProcess], grace_s: float = STOP_GRACE_S,
         store.close()  # nobody is left to rendezvous on it
 
 
-def end_leftovers(groups: List[int], grace_s: float = STOP_GRACE_S) -> None:
+def end_leftovers(groups: List[int], grace_s: float = KILL_GRACE_S) -> None:
     """SIGTERM, then SIGKILL after `grace_s`, to what is left in the ranks' process groups
     once the ranks are gone: a recipe's `sleep 3600` or os.fork child, re-parented to init,
     used to outlive the run. Each rank leads its own group (its own session), so the group id
@@ -226,7 +216,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
            console: Console) -> None:
     """Until the coordinator ends: report a rank that exited early, turn each SIGINT/SIGTERM
     noted meanwhile into a stop request, and say what happens next (the screen would not
-    change while the ranks finish their batch in hand, then for up to SAVE_GRACE_S)."""
+    change while the ranks finish their batch in hand, then for up to STOP_GRACE_S)."""
     reported = set()
     zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
     while thread.is_alive():
@@ -243,9 +233,9 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
 
 
 _AFTER_THE_BATCH = ("the ranks finish the batch in hand, then the run saves what they trained "
-                    f"(within {SAVE_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once "
+                    f"(within {STOP_GRACE_S:.0f} s of the last batch); Ctrl-C again stops at once "
                     "without saving")
-_AT_ONCE = f"at once (a save under way gets until {SAVE_GRACE_S:.0f} s after the first signal)"
+_AT_ONCE = f"at once (a save under way gets until {STOP_GRACE_S:.0f} s after the first signal)"
 
 
 def _where(thread: threading.Thread) -> str:
@@ -423,10 +413,10 @@ def _param_bytes(mode: Mode, recipe: RecipeConfig, transform: Optional[str]) -> 
         return 0
     import torch
 
-    from flodl_run.contracts.recipe import load_recipe
+    from flodl_run.contracts.recipe import import_recipe
 
     try:
-        loaded = load_recipe(recipe.module, recipe.params, transform, recipe.loop)
+        loaded = import_recipe(recipe.module, recipe.params, transform, recipe.loop)
         with torch.device("meta"):
             model = loaded.call("build_model", torch.device("meta"))
         params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -482,7 +472,7 @@ def _announce_controller_only(world_size: int, coord: str,
          "secret_file": str(secret_file)}))
     console.print(
         f"controller-only: waiting for {world_size} ranks. On each node run:\n"
-        f"  FLODL_RUN_COORD={coord} FLODL_RUN_FILE={run_dir / 'run.yaml'} "
-        f"FLODL_RUN_SECRET=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
+        f"  {COORD_ENV}={coord} {RUN_FILE_ENV}={run_dir / 'run.yaml'} "
+        f"{SECRET_ENV}=$(cat {secret_file}) torchrun --nproc-per-node=N -m flodl_run.rank",
         markup=False, highlight=False, soft_wrap=True)
     return secret_file

@@ -58,6 +58,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, NoReturn, Optional
 
+from flodl_run.contracts.rankenv import RankEnvironment
+
 START_ENV = "FLODL_RUN_RANK_START"
 ZYGOTE_NAME = "flodl_zygote"
 MAX_MESSAGE = 1 << 20  # an environment is a few kB; a seqpacket message is read whole or not at all
@@ -440,7 +442,8 @@ def _run_rank(request: dict) -> int:
     os.environ.update(env)
     if _base_path is not None:  # sys.path as `python -m` builds it here: cwd, PYTHONPATH, the rest
         sys.path[:] = [os.getcwd(), *_entries(env.get("PYTHONPATH", "")), *_base_path]
-    os.environ["FLODL_RUN_PARENT_PID"] = str(request["launcher"])  # not our parent, the zygote
+    # the rank's orphan check watches the launcher, not its parent (the zygote)
+    os.environ.update(RankEnvironment(parent_pid=request["launcher"]).to_environ())
     fresh_random_state()
     intra_op_threads(env)
     from flodl_run.rank import process as rank
@@ -523,7 +526,7 @@ def exit_forked(code: int, by_signal: Optional[int] = None) -> NoReturn:
     handlers run, output flushed), less its teardown: freeing every object the zygote made
     writes to pages the child shares with it, copying each one. Measured on a forked CPU
     rank: 0.6 CPU-seconds a rank with the teardown, 0.3 without. What a rank sends the
-    coordinator is delivered before (RankWorker.close), not by the teardown. `by_signal`:
+    coordinator is delivered before (RankRunner.close), not by the teardown. `by_signal`:
     die by that signal instead (code is then the status should it be caught)."""
     # CPython's own exit, in its order: threading's exit hooks (an executor tells its threads
     # to stop), non-daemon threads joined, then atexit handlers; os._exit would skip them all

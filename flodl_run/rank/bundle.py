@@ -8,7 +8,6 @@ only writes and reads this rank's files, all tensors on the CPU so a bundle load
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -45,26 +44,19 @@ def write_share(order: SaveCheckpoint, payloads: List[memoryview], rank: int, re
     coordinator's meta names them. Non-finite weights are refused, never written. Returns the
     error ("" when none: a full disk must not kill the rank, the coordinator decides), the
     checksum of each file written, by name, and whether the error is the disk's (OSError)."""
-    files = checkpoint.paths(order.stem)
-    written: Dict[str, str] = {}
-
-    def save(path: Path, state: Any) -> None:
-        written[path.name] = checkpoint.save_tensors(path, state)
-
+    writer = checkpoint.BundleWriter(order.stem)
     try:
         optim = to_cpu(replica.optimizer.state_dict())
-        save(checkpoint.rank_optim_path(order.stem, rank), optim)
+        writer.write_optimizer(optim, rank)
         if order.write_model:
             with swapped_in(flat, payloads, order.dtypes):  # on CPU the state shares storage
-                model = to_cpu(replica.module.state_dict())
-                checkpoint.require_finite(model, "the model")
-                save(files["model"], model)
-            save(files["optim"], optim)
+                writer.write_model(to_cpu(replica.module.state_dict()))
+            writer.write_optimizer(optim)
             if collective and outer.active and outer.prev is not None:
-                save(files["outer"], to_cpu(outer.state_dict()))
+                writer.write_outer(to_cpu(outer.state_dict()))
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}", written, isinstance(exc, OSError)
-    return "", written, False
+        return f"{type(exc).__name__}: {exc}", writer.files, isinstance(exc, OSError)
+    return "", writer.files, False
 
 
 def resume(stem: str, rank: int, replica: Replica, outer: OuterOptimizer, collective: bool,

@@ -1,8 +1,9 @@
 """The rank's process edge: what it reads from its environment, and where it runs.
 
-RankEnv is the torchrun contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
-the coordinator's address and key, the run file and the fault plan, read once at start. The
-orphan check ends a rank whose launcher died. Nothing here trains or talks to the coordinator.
+RankEnv is what a rank needs of the environment contract (flodl_run.contracts.rankenv, which
+every launcher writes): the torchrun variables plus the coordinator's address and key, the run
+file and the fault plan, read once at start. The orphan check ends a rank whose launcher died.
+Nothing here trains or talks to the coordinator.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import torch
 
 from flodl_run.averaging.shm import PREFIX_ENV, remove_run
 from flodl_run.contracts.checkpoint import pid_alive
+from flodl_run.contracts.rankenv import RankEnvironment, missing
 from flodl_run.rank.faults import FaultPlan, FaultSpecError
-
-REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "FLODL_RUN_COORD", "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
 
 
 @dataclass(frozen=True)
@@ -43,18 +42,17 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls, env: Dict[str, str]) -> "RankEnv":
-        missing = [k for k in REQUIRED if k not in env]
-        if missing:
-            raise SystemExit(f"flodl_run.rank: missing environment: {', '.join(missing)}")
+        """The contract as the launcher wrote it; SystemExit naming what is missing or malformed."""
+        absent = missing(env)
+        if absent:
+            raise SystemExit(f"flodl_run.rank: missing environment: {', '.join(absent)}")
         try:
             faults = FaultPlan.from_environ(env)
         except FaultSpecError as exc:
             raise SystemExit(f"flodl_run.rank: {exc}") from None
-        parent = env.get("FLODL_RUN_PARENT_PID")
-        return cls(int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])),
-                   int(env["WORLD_SIZE"]), env["FLODL_RUN_COORD"],
-                   bytes.fromhex(env["FLODL_RUN_SECRET"]), Path(env["FLODL_RUN_FILE"]),
-                   env.get("FLODL_RUN_DEVICE"), int(parent) if parent else None, faults)
+        given = RankEnvironment.from_environ(env)
+        return cls(given.rank, given.local_rank, given.world_size, given.coord, given.secret,
+                   given.run_file, given.device, given.parent_pid, faults)
 
 
 def pick_device(env: RankEnv) -> torch.device:

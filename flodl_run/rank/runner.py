@@ -79,8 +79,7 @@ class RankRunner:
         self.device = pick_device(env)
         if self.device.type == "cpu" and config.cluster.threads_per_rank:
             torch.set_num_threads(config.cluster.threads_per_rank)
-        self.recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
-                                  config.recipe.loop)
+        self.recipe = load_recipe(config)
         self._build_replica()
         self._build_data()
         self.slowdown = slowdown_for(config.cluster.emulate_slowdown,

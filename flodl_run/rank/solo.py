@@ -8,7 +8,6 @@ written when the run completes and every `checkpoint_every` epochs, read back by
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -376,22 +375,19 @@ class SoloTrainer:
     def _write_generation(self, stem: str, generation: int, reason: str, epoch: int,
                           uncovered: List[List[int]], trained: int) -> None:
         """Generation `generation`'s files, then the meta that makes it the bundle."""
-        data_stem = checkpoint.generation_stem(stem, generation)
-        files = checkpoint.paths(data_stem)
-        model = self.replica.module.state_dict()
-        checkpoint.require_finite(model, "model")  # a NaN replica never replaces a finite bundle
+        writer = checkpoint.BundleWriter(checkpoint.generation_stem(stem, generation))
+        writer.write_model(self.replica.module.state_dict())  # a NaN replica never replaces a finite bundle
         optim = self.replica.optimizer.state_dict()  # device tensors load anywhere: map_location
-        own = checkpoint.rank_optim_path(data_stem, 0)
-        hashes = {path.name: checkpoint.save_tensors(path, state)
-                  for path, state in ((files["model"], model), (files["optim"], optim), (own, optim))}
-        data = self.config.data
-        coverage = checkpoint.Coverage(self.config.seed, self.config.batch_size, data.epoch_splits, epoch,
-                                       [list(u) for u in uncovered])
+        writer.write_optimizer(optim)
+        writer.write_optimizer(optim, rank=0)
         steps = sum(self._batches_in_epoch(e) for e in range(epoch))
         steps += num_batches(trained, self.config.batch_size)
-        meta = checkpoint.BundleMeta(checkpoint.SCHEMA_VERSION, epoch, steps, 0, 1, reason, {}, coverage,
-                                     json.loads(json.dumps(dotted_items(self.config), default=str)),
-                                     self.mlflow_run_id, generation=generation, files=hashes)
+        meta = checkpoint.BundleMeta(
+            schema_version=checkpoint.SCHEMA_VERSION, epoch=epoch, global_step=steps, sync_round=0,
+            world_size_at_save=1, save_reason=reason, elche_state={},
+            coverage=checkpoint.Coverage.of_run(self.config, epoch, uncovered),
+            config=checkpoint.config_record(dotted_items(self.config)),
+            mlflow_run_id=self.mlflow_run_id, generation=generation, files=writer.files)
         checkpoint.save_meta(stem, meta)  # the atomic step: this generation is now the bundle
 
     def _restore(self) -> int:
