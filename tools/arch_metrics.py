@@ -108,11 +108,22 @@ def callbacks_passed(path: Path) -> List[str]:
 
 def env_writers() -> List[str]:
     """Modules that write a FLODL_RUN_* name into an environment mapping: a subscript
-    assignment, a dict literal key, or a keyword/`update`/`setdefault` with the name as a
-    string constant."""
+    assignment, a dict literal key, or a `setdefault`/`putenv`, with the name spelled as a
+    string or as a module constant that holds one (`COORD_ENV = "FLODL_RUN_COORD"`)."""
+    trees = {path: ast.parse(path.read_text()) for path in sorted(ROOT.rglob("*.py"))}
+    constants = {target.id for tree in trees.values() for node in tree.body
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                 and isinstance(node.value.value, str) and node.value.value.startswith("FLODL_RUN_")
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def names_one(key: ast.AST) -> bool:
+        if isinstance(key, ast.Constant):
+            return isinstance(key.value, str) and key.value.startswith("FLODL_RUN_")
+        return (isinstance(key, ast.Name) and key.id in constants
+                or isinstance(key, ast.Attribute) and key.attr in constants)
+
     writers = []
-    for path in sorted(ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    for path, tree in trees.items():
         for node in ast.walk(tree):
             keys: List[ast.AST] = []
             if isinstance(node, ast.Assign):
@@ -122,8 +133,7 @@ def env_writers() -> List[str]:
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     node.func.attr in ("setdefault", "putenv") and node.args:
                 keys = [node.args[0]]
-            if any(isinstance(k, ast.Constant) and isinstance(k.value, str) and
-                   k.value.startswith("FLODL_RUN_") for k in keys):
+            if any(names_one(k) for k in keys):
                 writers.append(str(path.relative_to(ROOT.parent)))
                 break
     return writers

@@ -28,12 +28,14 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 
 from flodl_run.contracts.checkpoint import pid_alive
+from flodl_run.contracts.rankenv import SHM_PREFIX_ENV
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-PREFIX_ENV = "FLODL_RUN_SHM_PREFIX"
-"""Set by the launcher for ranks on its own host: where this run's slabs live."""
+PREFIX_ENV = SHM_PREFIX_ENV
+"""Set by the launcher for ranks on its own host: where this run's slabs live (the rank
+environment's contract names it)."""
 KILL_SWITCH_ENV = "FLODL_RUN_SHM"
 """`off`: never use shared memory (every snapshot and update travels as frames)."""
 

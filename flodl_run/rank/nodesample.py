@@ -15,15 +15,15 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from flodl_run.contracts.rankenv import LAUNCHER_NODE_ENV, NODE_ENV
 from flodl_run.contracts.wire import NodeSample
 from flodl_run.hardware.hostinfo import metric_safe
 
 log = logging.getLogger(__name__)
 
-NODE_ENV = "FLODL_RUN_NODE"
-"""The rank's node as the cluster config (SSH) or Slurm names it; unset for local ranks."""
-LAUNCHER_NODE_ENV = "FLODL_RUN_LAUNCHER_NODE"
-"""The launcher's node under the same naming: the node its MLflow monitor already samples."""
+# NODE_ENV: the rank's node as the cluster config (SSH) or Slurm names it, unset for local
+# ranks; LAUNCHER_NODE_ENV: the launcher's node under the same naming, the node its MLflow
+# monitor already samples. The rank environment's contract names both.
 
 
 def sampled_node(environ: Mapping[str, str], local_rank: int) -> Optional[str]:
