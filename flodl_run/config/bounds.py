@@ -43,7 +43,7 @@ class Bound:
 
     def admits(self, value: Any) -> bool:
         """`value` lies in the range. A lone `>=` end is checked as `not value < low`, so NaN
-        passes it while every other shape refuses NaN (the validator's rules before bounds)."""
+        passes it while every other shape refuses NaN, as the rules written out before did."""
         if self.high is None and self.ge is not None:
             return not value < self.ge
         low_ok = self.low is None or (self.ge <= value if self.ge is not None else self.gt < value)
