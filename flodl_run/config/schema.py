@@ -1,6 +1,7 @@
 """Typed configuration: the dataclass schemas behind every `conf/` group.
 
-Owns the shape, types, defaults and units of every config key. It does not
+Owns the shape, types, defaults, units and single-key ranges (`bounded(...)`, see
+`config.bounds`) of every config key; a docstring never restates a range. It does not
 validate values (see `config.validate`) or talk to Hydra (see `config.compose`);
 plain Python users build these objects directly (`ElCheConfig.cpu_async()`).
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+
+from flodl_run.config.bounds import bounded
 
 
 class Mode(str, enum.Enum):
@@ -140,17 +143,17 @@ class ElCheConfig:
 
     mode: Mode = Mode.nccl_cadence
     """One of the five modes."""
-    anchor: int = 10
-    """Initial anchor: batches the slowest rank runs per window; >= 1."""
-    min_anchor: Optional[int] = None
+    anchor: int = bounded(10, ge=1)
+    """Initial anchor: batches the slowest rank runs per window."""
+    min_anchor: Optional[int] = bounded(None, ge=1)
     """Floor for auto-tune shrink, in batches; null = `anchor`. Nudges may go below, to 1."""
-    max_anchor: int = 1000
+    max_anchor: int = bounded(1000, ge=1)
     """Ceiling for the anchor, in batches; >= min_anchor."""
-    overhead_target: float = 0.05
-    """Target share of compute time spent in reduces; in [0.01, 0.50]."""
-    max_batch_diff: Optional[int] = None
+    overhead_target: float = bounded(0.05, ge=0.01, le=0.50)
+    """Target share of compute time spent in reduces."""
+    max_batch_diff: Optional[int] = bounded(None, ge=0)
     """Max lead in batches of the fastest over the slowest rank; 0 = lockstep; null = unbounded."""
-    max_overshoot: Optional[int] = None
+    max_overshoot: Optional[int] = bounded(None, ge=0)
     """cpu_async lookahead in batches past the window; null = auto (start 3, ceiling 15)."""
     relax_up: bool = False
     """Grow the anchor by 1 on each Stable verdict."""
@@ -158,12 +161,12 @@ class ElCheConfig:
     """Per-rank data shares (normalized); length = world size; null = by measured throughput."""
     convergence_guard: GuardKind = GuardKind.trend
     """Divergence guard: none, trend (default) or rate."""
-    divergence_threshold: Optional[float] = None
-    """Relative divergence D that counts as rising; > 0; null = 0.05, or 0.3 with easgd_alpha."""
-    easgd_alpha: Optional[float] = None
-    """EASGD elastic weight in (0, 1]; honoured on cpu_async only; null = plain overwrite."""
-    gamma: float = 1.0
-    """Consensus weight exponent: w_k = n_k ** gamma; >= 0."""
+    divergence_threshold: Optional[float] = bounded(None, gt=0)
+    """Relative divergence D that counts as rising; null = 0.05, or 0.3 with easgd_alpha."""
+    easgd_alpha: Optional[float] = bounded(None, gt=0, le=1)
+    """EASGD elastic weight; honoured on cpu_async only; null = plain overwrite."""
+    gamma: float = bounded(1.0, ge=0)
+    """Consensus weight exponent: w_k = n_k ** gamma."""
     reduce_optimizer_state: bool = False
     """Average the inner optimizer's per-parameter float state (AdamW's moments, SGD's momentum)
     with the parameters' weights at each consensus; step counters stay each rank's own."""
@@ -171,16 +174,16 @@ class ElCheConfig:
     """LR-aware meta-controller above ElChe."""
     sync_average: SyncAverage = SyncAverage.grads
     """nccl_sync only: grads (exact, work-weighted gradient all-reduce) or params (floDl's)."""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = bounded(None, ge=1)
     """nccl_sync grads: largest micro-batch a rank computes at once, in samples; null = batch_size."""
     window_end: WindowEnd = WindowEnd.count
     """Cadence and async modes: a window ends on the planned counts (count) or once the anchor
     rank's planned count should have taken (deadline: each rank stops after the batch in hand,
     its untrained batches go back to the pool); sync modes always end on counts."""
-    deadline_headroom: float = 0.1
+    deadline_headroom: float = bounded(0.1, ge=0, le=1)
     """Deadline windows: the share past its planned count a rank is lent from the pool, so a
     rank ahead of its plan trains on to the deadline (at most ceil(count x (1 + headroom))
-    batches; what it does not train goes back); 0 = the count is the bound; in [0, 1]."""
+    batches; what it does not train goes back); 0 = the count is the bound."""
 
     @property
     def averages_gradients(self) -> bool:
@@ -219,10 +222,10 @@ class OuterConfig:
 
     kind: OuterKind = OuterKind.none
     """none (plain averaging), slowmo, or diloco (Nesterov)."""
-    lr: float = 1.0
-    """Outer learning rate; > 0."""
-    momentum: float = 0.0
-    """Outer momentum mu; in [0, 1)."""
+    lr: float = bounded(1.0, gt=0)
+    """Outer learning rate."""
+    momentum: float = bounded(0.0, ge=0, lt=1)
+    """Outer momentum mu."""
     reset_inner_state: bool = False
     """Clear every rank's inner optimizer state after each outer step (DiLoCo's published reset)."""
 
@@ -233,7 +236,7 @@ class SshConfig:
 
     user: Optional[str] = None
     """Remote user; null = the ssh client's default."""
-    port: int = 22
+    port: int = bounded(22, ge=1, le=65535)
     """sshd port on the worker."""
     identity_file: Optional[str] = None
     """Private key file; null = the ssh client's default."""
@@ -267,8 +270,8 @@ class WorkerConfig:
 class DashboardConfig:
     """The live dashboard the launcher serves while the run goes."""
 
-    serve: Optional[int] = None
-    """TCP port to serve it on (1-65535; 0 = a free port); null = off."""
+    serve: Optional[int] = bounded(None, ge=0, le=65535)
+    """TCP port to serve it on; 0 = a free port; null = off."""
     host: str = "127.0.0.1"
     """Address it listens on; loopback by default (other machines cannot reach it)."""
 
@@ -279,7 +282,7 @@ class ControllerConfig:
 
     host: str = "127.0.0.1"
     """Address ranks reach the coordinator at; loopback for single-host runs."""
-    port: int = 0
+    port: int = bounded(0, ge=0, le=65535)
     """Control-plane TCP port; 0 = a free port."""
     path: Optional[str] = None
     """Project checkout on the controller host; null = the current directory."""
@@ -289,9 +292,9 @@ class ControllerConfig:
 class SlurmConfig:
     """The allocation `python -m flodl_run.submit` asks Slurm for (topology slurm)."""
 
-    nodes: int = 1
-    """Nodes to allocate; >= 1."""
-    gpus_per_node: int = 0
+    nodes: int = bounded(1, ge=1)
+    """Nodes to allocate."""
+    gpus_per_node: int = bounded(0, ge=0)
     """GPUs per node, one rank each; 0 = CPU ranks (cluster.num_ranks of them)."""
     time: str = "01:00:00"
     """Wall-clock limit: minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]."""
@@ -312,24 +315,24 @@ class ClusterConfig:
     topology: Topology = Topology.auto
     """auto (1 rank per visible GPU if 2+, else in-process), solo, cpu, local_gpus, hosts or
     slurm (inside an allocation: ranks as one srun step)."""
-    num_ranks: Optional[int] = None
-    """Number of CPU ranks for topology cpu; >= 1."""
-    threads_per_rank: Optional[int] = None
+    num_ranks: Optional[int] = bounded(None, ge=1)
+    """Number of CPU ranks for topology cpu."""
+    threads_per_rank: Optional[int] = bounded(None, ge=1)
     """torch intra-op threads per CPU rank; null = cores / ranks (at least 1)."""
     devices: List[str] = field(default_factory=list)
     """CUDA device indices or UUIDs for topology local_gpus."""
     emulate_slowdown: Optional[List[float]] = None
     """Per-rank slowdown factors >= 1 (rank k sleeps (f_k - 1) x step time)."""
-    emulate_jitter: float = 0.0
+    emulate_jitter: float = bounded(0.0, ge=0.0, le=0.5)
     """Relative std of each emulated step time (f_k x (1 + jitter x N(0, 1)), never below the
-    real step), drawn per step from a stream seeded by (seed, rank); in [0, 0.5]; 0 = none."""
+    real step), drawn per step from a stream seeded by (seed, rank); 0 = none."""
     backend: Backend = Backend.auto
     """Collective backend of nccl_sync and nccl_cadence: auto (NCCL on GPUs, Gloo on CPUs), nccl,
     or gloo (several ranks may then share one GPU)."""
     master_addr: str = "127.0.0.1"
     """MASTER_ADDR of the torch.distributed rendezvous (local ranks; controller-only hosts
     layouts). Ranks the launcher starts over SSH use its store at controller.host instead."""
-    master_port: int = 0
+    master_port: int = bounded(0, ge=0, le=65535)
     """MASTER_PORT of the rendezvous; 0 = a free port."""
     launch_ranks: bool = True
     """false = controller-only: start the coordinator and wait for ranks started by torchrun/srun."""
@@ -344,26 +347,26 @@ class ClusterConfig:
 class DataConfig:
     """Per-rank data-plane budgets and delivery."""
 
-    vram_max_usage: float = 0.90
-    """Share of device memory the data plane may use; in [0.50, 0.99]."""
-    ram_max_usage: float = 0.50
-    """Share of available host RAM for staging tiers; in [0.0, 0.90]; 0 disables the cache."""
-    gpu_ram_share: Optional[float] = None
-    """Share of host RAM handed to an integrated GPU; > 0; null = what the device reports."""
+    vram_max_usage: float = bounded(0.90, ge=0.50, le=0.99)
+    """Share of device memory the data plane may use."""
+    ram_max_usage: float = bounded(0.50, ge=0.0, le=0.90)
+    """Share of available host RAM for staging tiers; 0 disables the cache."""
+    gpu_ram_share: Optional[float] = bounded(None, gt=0)
+    """Share of host RAM handed to an integrated GPU; null = what the device reports."""
     sample_cache: bool = True
     """Keep samples in a pinned host-RAM cache."""
     vram_pool: bool = True
     """Keep samples in leftover device memory after the first step."""
-    disk_stage_gb: float = 0.0
-    """On-disk overflow tier under the RAM cache, in GB; >= 0; 0 = off."""
+    disk_stage_gb: float = bounded(0.0, ge=0)
+    """On-disk overflow tier under the RAM cache, in GB; 0 = off."""
     disk_stage_dir: Optional[str] = None
     """Directory of the disk-stage pack file; null = the system temp dir."""
-    prefetch: Optional[int] = None
-    """Fixed streaming prefetch depth in batches (>= 1); null = adaptive."""
-    augment: int = 1
-    """Times each sample appears per epoch; >= 1."""
-    epoch_splits: int = 1
-    """Epochs per data pass; >= 1."""
+    prefetch: Optional[int] = bounded(None, ge=1)
+    """Fixed streaming prefetch depth in batches; null = adaptive."""
+    augment: int = bounded(1, ge=1)
+    """Times each sample appears per epoch."""
+    epoch_splits: int = bounded(1, ge=1)
+    """Epochs per data pass."""
     transform: Optional[str] = None
     """Name of a deterministic transform function in the recipe module; null = none."""
 
@@ -372,10 +375,10 @@ class DataConfig:
 class MaxFailureConfig:
     """Dead-rank threshold that ends the run with a save. Set at most one."""
 
-    absolute: Optional[int] = None
-    """Stop when this many ranks are dead; >= 1."""
-    percent: Optional[float] = None
-    """Stop when ceil(percent x world_size) ranks are dead; in (0, 1]."""
+    absolute: Optional[int] = bounded(None, ge=1)
+    """Stop when this many ranks are dead."""
+    percent: Optional[float] = bounded(None, gt=0, le=1)
+    """Stop when ceil(percent x world_size) ranks are dead."""
 
 
 @dataclass
@@ -386,7 +389,7 @@ class RecipeConfig:
     """Dotted module path, importable from the current directory or the environment."""
     params: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to every recipe function."""
-    batch_size: int = 32
+    batch_size: int = bounded(32, ge=1)
     """Per-rank batch (samples) the recipe is sized for: the run's `batch_size` unless set."""
     loop: Optional[str] = None
     """The rank's own loop body, `loop(worker)`: `fn` of the module or `pkg.module.fn`; null = the
@@ -421,8 +424,8 @@ class TrackingConfig:
     """Log host and GPU figures once per node, and every host over time (MLflow's system-metrics
     collectors: CPU, memory, disk, network, each GPU's utilisation and memory; the launcher's
     host by MLflow's monitor, each other host by its lowest rank through the coordinator)."""
-    system_metrics_interval_s: float = 10.0
-    """Seconds between two samples of the system-metrics monitor; > 0."""
+    system_metrics_interval_s: float = bounded(10.0, gt=0)
+    """Seconds between two samples of the system-metrics monitor."""
 
 
 @dataclass
@@ -432,44 +435,44 @@ class DdpRunConfig:
     elche: ElCheConfig = field(default_factory=ElCheConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    checkpoint_every: Optional[int] = None
-    """Save a checkpoint bundle every n epochs; >= 1; null = only at the end."""
-    snapshot_timeout_secs: float = 5.0
-    """Coordinator-backend wait for parameter snapshots, in seconds; > 0."""
+    checkpoint_every: Optional[int] = bounded(None, ge=1)
+    """Save a checkpoint bundle every n epochs; null = only at the end."""
+    snapshot_timeout_secs: float = bounded(5.0, gt=0)
+    """Coordinator-backend wait for parameter snapshots, in seconds."""
     progressive_dispatch: Optional[bool] = None
     """Stream throughput-sized chunks; null = on for cadence/async, off for sync."""
-    max_grad_norm: Optional[float] = None
-    """Per-rank L2 gradient clip before each optimizer step; > 0; null = no clip."""
+    max_grad_norm: Optional[float] = bounded(None, gt=0)
+    """Per-rank L2 gradient clip before each optimizer step; null = no clip."""
     timeline: bool = False
     """Record a high-frequency event timeline for profiling."""
-    lr_scale_ratio: float = 1.0
-    """lr_factor = 1 + (world_size - 1) x ratio; >= 0."""
+    lr_scale_ratio: float = bounded(1.0, ge=0)
+    """lr_factor = 1 + (world_size - 1) x ratio."""
     save_path: Optional[str] = None
     """Checkpoint bundle stem; null = <run dir>/checkpoint."""
     max_failure: MaxFailureConfig = field(default_factory=MaxFailureConfig)
-    heartbeat_timeout_secs: float = 30.0
-    """A rank silent for this long, in seconds, is dead; > 0."""
-    max_nonfinite: int = 3
+    heartbeat_timeout_secs: float = bounded(30.0, gt=0)
+    """A rank silent for this long, in seconds, is dead."""
+    max_nonfinite: int = bounded(3, ge=1)
     """Reduces in a row with a non-finite rank (NaN/inf loss or parameters, given weight 0)
-    before the run stops as failed, saving the last finite consensus; >= 1."""
-    progress_timeout_secs: float = 300.0
+    before the run stops as failed, saving the last finite consensus."""
+    progress_timeout_secs: float = bounded(300.0, gt=0)
     """A rank with batches to train that finishes none for max(progress_factor x its smoothed
-    batch time, this), in seconds, is hung: declared dead and killed; > 0. The floor covers
+    batch time, this), in seconds, is hung: declared dead and killed. The floor covers
     slow first batches (autotuning, compilation); time in an ordered reduce, eval or save does
     not count. It is also the floor of an eval's or a save's deadline (progress_factor x the
     longest of that kind so far; progress_factor x this before one was timed)."""
-    progress_factor: float = 20.0
-    """Smoothed batch times a training rank may go without finishing a batch; >= 1."""
+    progress_factor: float = bounded(20.0, ge=1)
+    """Smoothed batch times a training rank may go without finishing a batch."""
     epoch_callback_policy: str = "fastest"
     """Rank that runs eval/checkpoint hooks: "fastest" or "rank:<n>"."""
-    eval_every_epochs: Optional[int] = 1
-    """Eval every n epochs (>= 1); null = only the final eval."""
-    reports_per_epoch: Optional[int] = None
-    """Sub-epoch metric reports at reduce boundaries; >= 1; null = per epoch only."""
+    eval_every_epochs: Optional[int] = bounded(1, ge=1)
+    """Eval every n epochs; null = only the final eval."""
+    reports_per_epoch: Optional[int] = bounded(None, ge=1)
+    """Sub-epoch metric reports at reduce boundaries; null = per epoch only."""
     record_log_dir: Optional[str] = None
     """Directory of the JSONL record log tree; null = off."""
-    max_log_size: int = 32 * 1024 * 1024
-    """Byte cap of each record log ring (32 MiB); >= 4096."""
+    max_log_size: int = bounded(32 * 1024 * 1024, ge=4096)
+    """Byte cap of each record log ring (32 MiB)."""
     dashboard_html: Optional[str] = None
     """Path of the self-contained HTML dashboard written at teardown; null = none."""
     dashboard_theme: Theme = Theme.auto
@@ -487,12 +490,12 @@ class DdpRunConfig:
 class ExperimentConfig(DdpRunConfig):
     """The root of the `conf/` tree: a DdpRunConfig plus what to train, where and how to log."""
 
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     """Seed of model init and the per-pass data permutation."""
-    batch_size: int = 32
-    """Samples per batch per rank; >= 1."""
-    num_epochs: int = 10
-    """Passes over the data (x epoch_splits epochs); >= 1."""
+    batch_size: int = bounded(32, ge=1)
+    """Samples per batch per rank."""
+    num_epochs: int = bounded(10, ge=1)
+    """Passes over the data (x epoch_splits epochs)."""
     run_name: Optional[str] = None
     """MLflow run name; null = <mode>-<recipe>."""
     device: str = "auto"

@@ -1,8 +1,10 @@
 """One validation pass over a typed ExperimentConfig, and the resolution of its auto values.
 
 Owns every value and cross-field rule of the config: each problem names the dotted key as a
-user types it, the bad value and the rule, and all problems are reported together. Pure: no
-Hydra, no imports of recipes (see `config.materialize` for the recipe check).
+user types it, the bad value and the rule, and all problems are reported together. A key's own
+range is not written here: each section checks the bounds its schema fields declare
+(`config.bounds`), after its explicit rules. Pure: no Hydra, no imports of recipes (see
+`config.materialize` for the recipe check).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional
 
+from flodl_run.config.bounds import allows_none, bound_of
 from flodl_run.config.schema import (
     Backend,
     EvalDirection,
@@ -116,57 +119,39 @@ def _check(fn: Check) -> Check:
     return fn
 
 
-def _at_least(key: str, value: Any, low: float, optional: bool = True) -> Iterator[Problem]:
-    if value is None and optional:
-        return
-    if value is None or value < low:
-        yield Problem(key, value, f"must be >= {low}")
-
-
-def _above(key: str, value: Any, low: float) -> Iterator[Problem]:
-    if value is not None and not value > low:
-        yield Problem(key, value, f"must be > {low}")
-
-
-def _within(key: str, value: Any, low: float, high: float) -> Iterator[Problem]:
-    if value is not None and not (low <= value <= high):
-        yield Problem(key, value, f"must be in [{low}, {high}]")
+def bound_problems(section: Any, prefix: str = "") -> Iterator[Problem]:
+    """Each field of one config object (not of the objects nested in it) against the bound its
+    schema declares, in declaration order: `<prefix>.<field>: must be >= 1, got 0`. None
+    passes where the field is Optional."""
+    for f in dataclasses.fields(section):
+        bound = bound_of(f)
+        value = getattr(section, f.name)
+        if bound is None or (value is None and allows_none(f)):
+            continue
+        if value is None or not bound.admits(value):
+            yield Problem(f"{prefix}.{f.name}" if prefix else f.name, value, bound.rule)
 
 
 @_check
 def _top_level(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
-    yield from _at_least("seed", cfg.seed, 0)
-    yield from _at_least("batch_size", cfg.batch_size, 1)
-    yield from _at_least("num_epochs", cfg.num_epochs, 1)
     if not _DEVICE.match(cfg.device):
         yield Problem("device", cfg.device, "must be auto, cpu, cuda or cuda:<index>")
+    yield from bound_problems(cfg)  # seed, batch_size, num_epochs and the run-scope numbers
 
 
 @_check
 def _elche(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     e = cfg.elche
-    yield from _at_least("elche.anchor", e.anchor, 1)
-    yield from _at_least("elche.min_anchor", e.min_anchor, 1)
-    yield from _at_least("elche.max_anchor", e.max_anchor, 1)
     floor = e.anchor if e.min_anchor is None else e.min_anchor
     if floor is not None and e.max_anchor is not None and floor > e.max_anchor:
         key = "elche.anchor" if e.min_anchor is None else "elche.min_anchor"
         yield Problem(key, floor, f"must be <= elche.max_anchor ({e.max_anchor})")
-    yield from _within("elche.overhead_target", e.overhead_target, 0.01, 0.50)
-    yield from _at_least("elche.max_batch_diff", e.max_batch_diff, 0)
-    yield from _at_least("elche.max_overshoot", e.max_overshoot, 0)
-    yield from _above("elche.divergence_threshold", e.divergence_threshold, 0)
-    yield from _at_least("elche.gamma", e.gamma, 0)
-    yield from _at_least("elche.micro_batch_size", e.micro_batch_size, 1)
-    if not 0 <= e.deadline_headroom <= 1:
-        yield Problem("elche.deadline_headroom", e.deadline_headroom, "must be in [0, 1]")
-    if e.easgd_alpha is not None and not (0 < e.easgd_alpha <= 1):
-        yield Problem("elche.easgd_alpha", e.easgd_alpha, "must be in (0, 1]")
     yield from _partition_ratios(e.partition_ratios, world_size)
     if e.reduce_optimizer_state and not e.mode.is_collective:
         yield Problem("elche.reduce_optimizer_state", True,
                       "must be false in mode " + e.mode.value + ": only the collective modes "
                       "(nccl_cadence, nccl_sync with sync_average=params) average the optimizer state")
+    yield from bound_problems(e, "elche")
     yield from _elche_warnings(cfg)
 
 
@@ -210,9 +195,7 @@ def _elche_warnings(cfg: ExperimentConfig) -> Iterator[str]:
 @_check
 def _outer(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     o = cfg.outer
-    yield from _above("outer.lr", o.lr, 0)
-    if not (0 <= o.momentum < 1):
-        yield Problem("outer.momentum", o.momentum, "must be in [0, 1)")
+    yield from bound_problems(o, "outer")
     if o.kind is OuterKind.none and (o.momentum != 0 or o.lr != 1.0):
         yield "outer.lr/outer.momentum have no effect with outer=none (plain averaging)"
     if o.kind is OuterKind.none and o.reset_inner_state:
@@ -222,15 +205,9 @@ def _outer(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
 @_check
 def _data(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     d = cfg.data
-    yield from _within("data.vram_max_usage", d.vram_max_usage, 0.50, 0.99)
-    yield from _within("data.ram_max_usage", d.ram_max_usage, 0.0, 0.90)
-    yield from _above("data.gpu_ram_share", d.gpu_ram_share, 0)
-    yield from _at_least("data.disk_stage_gb", d.disk_stage_gb, 0)
-    yield from _at_least("data.prefetch", d.prefetch, 1)
-    yield from _at_least("data.augment", d.augment, 1)
-    yield from _at_least("data.epoch_splits", d.epoch_splits, 1)
     if d.transform is not None and not d.transform.isidentifier():
         yield Problem("data.transform", d.transform, "must name a function of the recipe module")
+    yield from bound_problems(d, "data")
 
 
 def epoch_splits_problem(num_samples: int, cfg: ExperimentConfig) -> Optional[Problem]:
@@ -271,23 +248,12 @@ def batch_size_warning(num_samples: int, cfg: ExperimentConfig, world_size: int)
 
 @_check
 def _run_scope(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
-    yield from _at_least("checkpoint_every", cfg.checkpoint_every, 1)
-    yield from _above("snapshot_timeout_secs", cfg.snapshot_timeout_secs, 0)
     if cfg.progressive_dispatch is False and cfg.elche.mode is Mode.cpu_async:
         yield Problem("progressive_dispatch", False, "must be on (or null) in mode cpu_async: its "
                       "ranks stream chunks across epochs, with no fixed share to hand out up front")
-    yield from _above("max_grad_norm", cfg.max_grad_norm, 0)
-    yield from _at_least("lr_scale_ratio", cfg.lr_scale_ratio, 0)
-    yield from _above("heartbeat_timeout_secs", cfg.heartbeat_timeout_secs, 0)
-    yield from _at_least("max_nonfinite", cfg.max_nonfinite, 1)
-    yield from _above("progress_timeout_secs", cfg.progress_timeout_secs, 0)
-    yield from _at_least("progress_factor", cfg.progress_factor, 1)
-    yield from _at_least("eval_every_epochs", cfg.eval_every_epochs, 1)
-    yield from _at_least("reports_per_epoch", cfg.reports_per_epoch, 1)
-    yield from _at_least("max_log_size", cfg.max_log_size, 4096)
-    yield from _within("dashboard.serve", cfg.dashboard.serve, 0, 65535)
     if not cfg.dashboard.host.strip():
         yield Problem("dashboard.host", cfg.dashboard.host, "must be an address to listen on")
+    yield from bound_problems(cfg.dashboard, "dashboard")
     yield from _max_failure(cfg, world_size)
     yield from _callback_policy(cfg.epoch_callback_policy, world_size)
     for name in cfg.scalar_reductions:
@@ -318,9 +284,7 @@ def _max_failure(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[A
     if mf.absolute is not None and mf.percent is not None:
         yield Problem("max_failure", f"absolute={mf.absolute}, percent={mf.percent}",
                       "set at most one of max_failure.absolute and max_failure.percent")
-    yield from _at_least("max_failure.absolute", mf.absolute, 1)
-    if mf.percent is not None and not (0 < mf.percent <= 1):
-        yield Problem("max_failure.percent", mf.percent, "must be in (0, 1]")
+    yield from bound_problems(mf, "max_failure")
     if mf.absolute is not None and world_size is not None and mf.absolute > world_size:
         yield f"max_failure.absolute={mf.absolute} exceeds the world size {world_size}: it can never fire"
 
@@ -349,11 +313,6 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
     c = cfg.cluster
     if c.topology is Topology.cpu and c.num_ranks is None:
         yield Problem("cluster.num_ranks", None, "is required with cluster topology cpu")
-    yield from _at_least("cluster.num_ranks", c.num_ranks, 1)
-    yield from _at_least("cluster.threads_per_rank", c.threads_per_rank, 1)
-    for key, port in (("cluster.master_port", c.master_port),
-                      ("cluster.controller.port", c.controller.port)):
-        yield from _within(key, port, 0, 65535)
     if c.topology is Topology.cpu and c.backend is Backend.nccl:
         yield Problem("cluster.backend", c.backend.value, "must be auto or gloo with cluster "
                       "topology cpu (NCCL runs on GPUs only)")
@@ -371,7 +330,8 @@ def _cluster(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
         if world_size is not None and len(c.emulate_slowdown) != world_size:
             yield Problem("cluster.emulate_slowdown", list(c.emulate_slowdown),
                           f"must have one factor per rank (world size {world_size})")
-    yield from _within("cluster.emulate_jitter", c.emulate_jitter, 0.0, 0.5)
+    yield from bound_problems(c, "cluster")
+    yield from bound_problems(c.controller, "cluster.controller")
     if c.topology is Topology.hosts:
         yield from _placeholders(cfg)
         yield from _workers(cfg)
@@ -388,8 +348,7 @@ SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
 def _slurm(cfg: ExperimentConfig) -> Iterator[Any]:
     """The allocation block: what sbatch would refuse, said before anything is submitted."""
     c, s = cfg.cluster, cfg.cluster.slurm
-    yield from _at_least("cluster.slurm.nodes", s.nodes, 1, optional=False)
-    yield from _at_least("cluster.slurm.gpus_per_node", s.gpus_per_node, 0, optional=False)
+    yield from bound_problems(s, "cluster.slurm")
     if not SLURM_TIME.fullmatch(str(s.time)):
         yield Problem("cluster.slurm.time", s.time,
                       "must be a Slurm time limit: minutes, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
@@ -437,7 +396,7 @@ def _workers(cfg: ExperimentConfig) -> Iterator[Any]:
         if len(hosts) > 1 and not w.nccl_socket_ifname:
             yield Problem(f"{key}.nccl_socket_ifname", w.nccl_socket_ifname,
                           "is required when the workers are on different hosts")
-        yield from _within(f"{key}.ssh.port", w.ssh.port, 1, 65535)
+        yield from bound_problems(w.ssh, f"{key}.ssh")
         if w.docker is not None and not _SERVICE.match(w.docker):
             yield Problem(f"{key}.docker", w.docker, "must be a compose service name "
                           "(letters, digits, '.', '_', '-')")
@@ -464,8 +423,7 @@ def _tracking(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]
                           "(use tracking=mlflow_server for http)")
     if not t.experiment:
         yield Problem("tracking.experiment", t.experiment, "must not be empty")
-    if not t.system_metrics_interval_s > 0:
-        yield Problem("tracking.system_metrics_interval_s", t.system_metrics_interval_s, "must be > 0")
+    yield from bound_problems(t, "tracking")
 
 
 @_check
@@ -486,10 +444,10 @@ def _save_path(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any
 
 @_check
 def _recipe(cfg: ExperimentConfig, world_size: Optional[int]) -> Iterator[Any]:
-    yield from _at_least("recipe.batch_size", cfg.recipe.batch_size, 1)
     direction = cfg.recipe.eval_direction  # Python callers may pass a plain "max" / "min"
     if direction not in {d.value for d in EvalDirection}:
         yield Problem("recipe.eval_direction", direction, "must be max or min")
+    yield from bound_problems(cfg.recipe, "recipe")
 
 
 def resolve(cfg: ExperimentConfig, run_dir: Optional[str] = None,

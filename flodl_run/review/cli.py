@@ -1,5 +1,5 @@
-"""The command line of `python -m flodl_run.review`: parse it, run the review, the diff, or the
-snapshot commands, print, and choose the exit status.
+"""The command line of `python -m flodl_run.review`: parse it, run the review, the diff, the
+snapshot commands or the keys' meanings (`--explain`), print, and choose the exit status.
 
 Exit 0: valid (or, for --check, every experiment matches its snapshot). Plain review and the
 diffs exit 1 on an invalid config (the runner's messages). --check exits 1 naming each
@@ -18,6 +18,7 @@ from rich.console import Console
 
 from flodl_run.config.compose import ComposeError, compose
 from flodl_run.config.experiments import ExperimentError
+from flodl_run.config.keydocs import key_docs
 from flodl_run.config.materialize import ConfigError
 from flodl_run.report.say import labelled
 from flodl_run.review import snapshots
@@ -32,6 +33,7 @@ from flodl_run.review.table import (
     preset,
     render,
     resolved_from,
+    show,
     shown_items,
 )
 from flodl_run.review.workflow import WORKFLOW
@@ -60,6 +62,24 @@ def review(args: argparse.Namespace, console: Console) -> None:
         console.print(f"\n**Mode:** {note}\n", markup=False, highlight=False, soft_wrap=True)
     elif note:
         console.print(labelled("mode", note, "cyan"), highlight=False, soft_wrap=True)
+
+
+def explain(args: argparse.Namespace, console: Console) -> None:
+    """--explain [KEY ...]: each key's default and meaning (its schema docstring, then its
+    bound as the validator words it); a group or nest name (`elche`, `cluster.slurm`) gives
+    all of its keys, none gives every key."""
+    docs = key_docs().values()
+    asked = args.overrides or [""]
+    unknown = [k for k in asked if not any(_under(d.key, k) for d in docs)]
+    if unknown:
+        raise ReviewError(f"--explain: no config key {', '.join(unknown)} (see "
+                          "python -m flodl_run.review --explain for every key)")
+    rows = [(d.key, show(d.default), d.text) for d in docs if any(_under(d.key, k) for k in asked)]
+    render([("config keys", ("key", "default", "meaning"), rows, False)], [], args.format, console)
+
+
+def _under(key: str, asked: str) -> bool:
+    return not asked or key == asked or key.startswith(asked + ".")
 
 
 def rig_of(args: argparse.Namespace) -> Rig:
@@ -114,7 +134,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description="Print the materialized run config (marking values that differ from their "
                     "preset), a field-level diff of two configs, or check the named experiments "
                     "against their snapshots.")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m flodl_run")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m flodl_run "
+                                                     "(with --explain: config keys)")
     other = parser.add_mutually_exclusive_group()
     other.add_argument("--against", metavar="OVERRIDES",
                        help='diff against these overrides (one shell-quoted string)')
@@ -128,6 +149,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     other.add_argument("--update", metavar="DIR",
                        help="rewrite the snapshots in DIR that differ, remove those of gone "
                             "experiments")
+    other.add_argument("--explain", action="store_true",
+                       help="print what each config key named (or under a group named) means: "
+                            "its default, docstring and allowed range; none named: every key")
     other.add_argument("--print-workflow", action="store_true",
                        help="print the GitHub Actions workflow that runs the check on pull requests")
     parser.add_argument("--format", choices=("table", "markdown"), default="table")
@@ -154,6 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.print_workflow:
             console.print(WORKFLOW, end="", markup=False, highlight=False, soft_wrap=True)
+            return 0
+        if args.explain:
+            explain(args, console)
             return 0
         if args.check is not None:
             return check(args, console)
