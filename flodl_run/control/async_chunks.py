@@ -27,7 +27,7 @@ class AsyncChunks:
     and window numbers (`orders`), the window gate (this round's and the next's), the
     snapshots of the round in flight, each rank's overshoot budget, and which epochs are closed.
     Given: the run context (the balance: the plan's counts and overshoot; the holdings, reset
-    after each round; the stop request; the recorder); the membership (who is alive); the
+    after each round; the stop request); the membership (who is alive); the
     central round (its SyncNow, the snapshots, the average, its bookkeeping and the updates);
     the epochs (`close`); the bundles (`graceful_stop`); and `deadline_windows` (control.modes).
     `train` takes the epochs' spans and pools from the resume point on."""
@@ -36,6 +36,8 @@ class AsyncChunks:
     """A stop cuts the ranks' chunks after the batch in hand."""
     times_reduce = True
     """ElChe starts from the reduce the ranks timed before training, when they did."""
+    seeds_center = True
+    """Rank 0's initial weights seed the EASGD center before training."""
 
     def __init__(self, ctx: RunContext, *, members: Members, central: CentralRound, epochs: Closes,
                  bundles: Bundles, deadline_windows: bool):
@@ -44,7 +46,7 @@ class AsyncChunks:
         self.orders = Orders(ctx.config, ctx.recorder, ctx.balance, deadline_windows)
         self.world, self.config = ctx.world_size, ctx.config
         self.balance, self.holdings = ctx.balance, ctx.holdings
-        self.stop, self.recorder = ctx.stop, ctx.recorder
+        self.stop = ctx.stop
         # the epochs, from `run` on: their spans and pools, orders out, tallies, the oldest
         # epoch with work to hand out and the first not closed
         self.spans: List[EpochSpan] = []
@@ -227,10 +229,6 @@ class AsyncChunks:
         self.unfolded = {r: self.unfolded.get(r, []) if r in missing else self.unfolded_after[r]
                          for r in self.alive}
         self.unfolded_after = {r: [] for r in range(self.world)}
-        # The reduce's cost is the averaging: ranks keep training while SyncNow and their
-        # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
-        # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
-        # the fast rank idle at the round gate.
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
         closing = self.central.average_in(snapshots, self.window, epoch)
         fail_at = (self.closed, self._uncovered(self.closed)) if closing.stop else None

@@ -95,6 +95,11 @@ class CentralRound:
         if closing.stop:  # every rank has adopted the consensus by now: that is what gets saved
             self.ledger.fail(closing.epoch, uncovered)
 
+    def seed_center(self, taken: Received) -> None:
+        """cpu_async: rank 0's initial weights (a SnapshotTaken with its frames) start the
+        EASGD center."""
+        self.averager.seed_center(self.snapshot(taken).params)
+
     def open_round(self) -> None:
         """cpu_async: a round begins while the ranks keep training (the gate opened)."""
         self.book.begin_round()

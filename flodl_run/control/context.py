@@ -1,10 +1,11 @@
 """What the coordinator's parts share, and what each may ask of another.
 
 `RunContext` is built once per run by the coordinator and handed to every part: the config, the
-`link` to the ranks (`send`, and `next`, which returns a message, or with `next_with_frames` the
-message with its frames), the record of the run (observer, recorder, summary, the data-plane
-metrics) and the run's shared facts (`control.runstate`: the stop request, the balance, the holdings). The
-protocols name what a part offers the others; a part takes, by keyword, only those it uses.
+`link` to the ranks (`send`; `next`, which returns a message, and `next_with_frames`, which
+returns it with its frames), the record of the run (observer, recorder, summary, data-plane
+metrics) and the run's shared facts (`control.runstate`: the stop request, the balance, the
+holdings; the train set's size once the ranks joined). The protocols name what a part offers
+the others; a part takes, by keyword, only those it uses.
 It imports none of the coordinator's parts; they and the coordinator import it.
 """
 
@@ -42,7 +43,7 @@ class Link(Protocol):
 
 
 class Losses(Protocol):
-    """What a death does beyond the membership (the coordinator's Losses): the rank recorded
+    """What a death does beyond the membership (the coordinator's RankLosses): the rank recorded
     and killed, its work given back, its speed forgotten."""
 
     def lost(self, rank: int, reason: str) -> None: ...

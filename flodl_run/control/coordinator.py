@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -19,22 +19,15 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.recipe import Recipe, load_recipe
 from flodl_run.contracts.summary import Summary
-from flodl_run.contracts.wire import (
-    Channel,
-    Message,
-    RankFailed,
-    RankJoined,
-    SnapshotTaken,
-    Stop,
-    bind_router,
-)
+from flodl_run.contracts.wire import Channel, Message, RankFailed, Stop, bind_router
 from flodl_run.control.async_chunks import AsyncChunks
 from flodl_run.control.central import CentralRound
 from flodl_run.control.collective import CollectiveRound
 from flodl_run.control.context import RunContext
-from flodl_run.control.dispatch import Course, EpochPool
+from flodl_run.control.dispatch import Course
 from flodl_run.control.epochs import Epochs
 from flodl_run.control.exact import ExactSteps
+from flodl_run.control.joining import Joining
 from flodl_run.control.membership import Membership
 from flodl_run.control.modes import (
     Family,
@@ -44,7 +37,6 @@ from flodl_run.control.modes import (
     divergence_every,
     family_of,
     forms_groups,
-    seeds_center,
 )
 from flodl_run.control.nonfinite import NonfiniteLedger
 from flodl_run.control.pump import Pump
@@ -52,15 +44,13 @@ from flodl_run.control.rounds import RoundBook
 from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 from flodl_run.control.saving import Saving
 from flodl_run.control.windows import Windows
-from flodl_run.elche.balancer import ElChe
-from flodl_run.hardware.hostinfo import merge_nodes
 from flodl_run.observe.observer import Observer
 from flodl_run.observe.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 
-class Losses:
+class RankLosses:
     """What a death does beyond the membership: the summary records it, the launcher's
     `on_rank_dead` kills the process, the trainer takes its work back, ElChe forgets its speed.
     Given: the run context (summary, observer, holdings, balance); the `trainer` is set once
@@ -86,13 +76,14 @@ class Losses:
 class Coordinator:
     """Runs on a thread of the launcher; `run()` returns the Summary of the whole run.
 
-    Owns the control socket, where a resume starts, and the order of a run (ranks join,
-    epochs train, the run finishes or stops). It builds the run's `context` (config, the
-    `pump` as its link to the ranks, observer, recorder, summary, and the shared facts:
-    `stop`, `balance`, `holdings`) and its parts, each holding its own state and given by
-    name the parts it asks of: `members` (membership), the round `book`, the non-finite
-    `ledger`, `saving`, `epochs`, the `pump`, and `windows`: the part of the mode's family
-    (control.modes picks it) that trains the epochs, with the reduce round it uses."""
+    Owns the control socket and the order of a run (ranks join, epochs train, the run
+    finishes or stops). It builds the run's `context` (config, the `pump` as its link to the
+    ranks, observer, recorder, summary, and the shared facts: `stop`, `balance`, `holdings`)
+    and its parts, each holding its own state and given by name the parts it asks of:
+    `members` (membership, told of a death's consequences through `losses`), the round
+    `book`, the non-finite `ledger`, `saving`, `epochs`, the `central` round, the `pump`,
+    `joining` (the start and where a resume starts), and `windows`: the part of the mode's
+    family (control.modes picks it) that trains the epochs."""
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
                  bind_host: str = "127.0.0.1", port: int = 0,
@@ -108,9 +99,6 @@ class Coordinator:
         self.summary = Summary(mode=config.elche.mode.value, outer=config.outer.kind.value,
                                world_size=world_size)
         self.averager = central_averager(config)
-        self._start_epoch = 0
-        self._resume_uncovered: List[List[int]] = []
-        self._pending_events: List[tuple] = []
         self._train_started: Optional[float] = None
         recipe = None  # as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)
         if config.recipe is not None:
@@ -125,10 +113,11 @@ class Coordinator:
         self.context = ctx = RunContext(self.config, self.world_size, observer=self.observer,
                                         recorder=self.recorder, summary=self.summary)
         self.stop, self.balance, self.holdings = ctx.stop, ctx.balance, ctx.holdings
-        self.losses = Losses(ctx)
+        self.losses = RankLosses(ctx)
+        collective, every = forms_groups(self.config), divergence_every(self.config)
         members = self.members = Membership(ctx, channel=self.channel, losses=self.losses,
-                                            collective=forms_groups(self.config))
-        book = self.book = RoundBook(ctx, members=members, divergence_every=divergence_every(self.config))
+                                            collective=collective)
+        book = self.book = RoundBook(ctx, members=members, divergence_every=every)
         self.averaging_here = averages_here(self.config)  # else the ranks average among themselves
         kept_here = self.averager if self.averaging_here else None
         self.saving = Saving(ctx, members=members, averager=kept_here, trajectory=book)
@@ -137,37 +126,31 @@ class Coordinator:
                              bundles=self.saving)
         self.central = CentralRound(ctx, members=members, averager=self.averager, book=book,
                                     ledger=ledger, shm_prefix=shm_prefix)
-        self.windows = self.losses.trainer = self._BUILDERS[self.family](self)
+        self.windows = self.losses.trainer = self._trainer()
         self.pump = ctx.link = Pump(ctx, channel=self.channel, members=members, ledger=ledger,
                                     timeline=self.timeline, cuts_windows=self.windows.cuts_windows)
+        self.joining = Joining(ctx, pump=self.pump, members=members, central=self.central,
+                               saving=self.saving, book=book)
 
-    def _exact_steps(self) -> ExactSteps:
-        return ExactSteps(self.context, members=self.members, book=self.book, ledger=self.ledger,
-                          bundles=self.saving, epochs=self.epochs)
-
-    def _collective_windows(self) -> Windows:
-        self.rounds = CollectiveRound(self.context, members=self.members, book=self.book, ledger=self.ledger)
-        return self._windows()
-
-    def _central_windows(self) -> Windows:
-        self.rounds = self.central
-        return self._windows()
-
-    def _windows(self) -> Windows:
-        return Windows(self.context, members=self.members, rounds=self.rounds, bundles=self.saving,
-                       epochs=self.epochs, rules=WindowRules.of(self.config))
-
-    def _async_chunks(self) -> AsyncChunks:
-        return AsyncChunks(self.context, members=self.members, central=self.central, epochs=self.epochs,
-                           bundles=self.saving, deadline_windows=WindowRules.of(self.config).deadline_windows)
-
-    _BUILDERS: Dict[Family, Callable[["Coordinator"], object]] = {
-        Family.exact_steps: _exact_steps,
-        Family.collective_windows: _collective_windows,
-        Family.central_windows: _central_windows,
-        Family.async_chunks: _async_chunks,
-    }
-    """The part of each mode family (control.modes.family_of picks the family)."""
+    def _trainer(self) -> object:
+        """The part of the run's mode family (control.modes.family_of picked the family); the
+        windows' reduce round is the collective or the central one."""
+        ctx, members, rules = self.context, self.members, WindowRules.of(self.config)
+        if self.family is Family.collective_windows:
+            self.rounds = CollectiveRound(ctx, members=members, book=self.book, ledger=self.ledger)
+        else:
+            self.rounds = self.central
+        build = {
+            Family.exact_steps: lambda: ExactSteps(ctx, members=members, book=self.book, ledger=self.ledger,
+                                                   bundles=self.saving, epochs=self.epochs),
+            Family.collective_windows: lambda: Windows(ctx, members=members, rounds=self.rounds,
+                                                       bundles=self.saving, epochs=self.epochs, rules=rules),
+            Family.async_chunks: lambda: AsyncChunks(ctx, members=members, central=self.central,
+                                                     epochs=self.epochs, bundles=self.saving,
+                                                     deadline_windows=rules.deadline_windows),
+        }
+        build[Family.central_windows] = build[Family.collective_windows]
+        return build[self.family]()
 
     # ---- what the launcher and tests set ------------------------------------------------------
 
@@ -239,7 +222,7 @@ class Coordinator:
     def run(self) -> Summary:
         started = time.perf_counter()
         try:
-            self._await_ranks()
+            self.joining.await_ranks(self.windows.seeds_center, self.windows.times_reduce)
             self._train_all_epochs()
             self.summary.status = "completed"
             if self.members.raised:  # the survivors carried on; the outcome still says who failed
@@ -262,101 +245,26 @@ class Coordinator:
             self._finish(time.perf_counter() - started)
         return self.summary
 
-    def _await_ranks(self) -> None:
-        deadline = time.monotonic() + max(300.0, self.config.heartbeat_timeout_secs)
-        seeded = not seeds_center(self.config)
-        joined = self.pump.joined
-        while len(joined) < self.world_size or not seeded:
-            if time.monotonic() > deadline:
-                raise RunAborted("failed", f"only {len(joined)} of {self.world_size} ranks joined")
-            received = self.pump.next_with_frames(expect=(RankJoined, SnapshotTaken))
-            if received is None:
-                raise RunAborted("failed", self.members.failed_ranks(
-                    f"a rank died before all {self.world_size} joined"))
-            if isinstance(received.message, SnapshotTaken):  # cpu_async: rank 0's initial weights
-                self.averager.seed_center(self.central.snapshot(received).params)
-                seeded = True
-        sizes = {j.num_samples for j in joined.values()}
-        if len(sizes) != 1:
-            raise RunAborted("failed", f"ranks see different train set sizes: {sorted(sizes)}")
-        self.context.num_samples = sizes.pop()
-        self.summary.devices = [joined[r].device_name for r in range(self.world_size)]
-        nodes = merge_nodes(joined[r].node for r in range(self.world_size) if joined[r].node)
-        self.summary.nodes = [node.record() for node in nodes]
-        self.observer.on_nodes(nodes)
-        self.balance.elche = ElChe(self.config.elche, self.world_size,
-                                   epoch_batches=self.epoch_batches(0), reduce_ms=self._reduce_ms())
-        if self.config.resume_from:
-            self._restore(self.config.resume_from)
-        self.balance.plan = self.balance.elche.plan()
-
-    def _restore(self, stem: str) -> None:
-        """Continue a bundle's trajectory: epoch, step, round, ElChe (no warm-up re-run)."""
-        meta = self.saving.restore(stem, self.epoch_batches(0))
-        self._start_epoch, self._resume_uncovered = meta.epoch, meta.coverage.uncovered
-        self.book.resume(meta.global_step, meta.sync_round)
-        span = self.context.epoch_span(meta.epoch)  # only now known: the train set's size came with the ranks
-        for i, (pass_index, start, end) in enumerate(meta.coverage.uncovered):
-            if pass_index != span.pass_index or start < span.start or end > span.end:
-                raise RunAborted("failed", f"resume_from: coverage.uncovered.{i} "
-                                           f"{[pass_index, start, end]} is not within epoch {meta.epoch} "
-                                           f"(pass {span.pass_index}, samples {span.start}-{span.end}): "
-                                           f"an edited or damaged bundle")
-
-    def _reduce_ms(self) -> Optional[float]:
-        """The slowest rank's view of one reduce timed before training (collective modes,
-        unless the trainer's window boundary is no all-reduce: nccl_sync's exact path)."""
-        timed = [j.reduce_ms for j in self.pump.joined.values() if j.reduce_ms is not None]
-        if not timed or not self.windows.times_reduce:
-            return None
-        self._pending_events.append(("reduce_timed", f"one reduce before training: {max(timed):.1f} ms"))
-        return max(timed)
-
-    def epoch_batches(self, epoch: int) -> int:
-        """The batches of batch_size the epoch's samples make."""
-        return -(-self.context.epoch_span(epoch).size // self.config.batch_size)
-
     def _train_all_epochs(self) -> None:
         total = self.config.num_epochs * self.config.data.epoch_splits
-        self.observer.on_start(total, self.epoch_batches(0), self.world_size)
-        course = self._course(total)
+        self.observer.on_start(total, self.joining.epoch_batches(0), self.world_size)
+        course = self.joining.course(total)
         if self.config.resume_from:  # the resumed epoch's progress counts on from the bundle's
-            before = course.batches_before[self._start_epoch] = self._batches_before()
-            self.observer.on_resume(self._start_epoch, before)
-        for kind, message in self._pending_events:  # noted while the ranks joined: after the start
+            self.observer.on_resume(course.start, course.batches_before[course.start])
+        for kind, message in self.joining.pending_events:  # noted while the ranks joined
             self.observer.on_event(kind, message)
         self._train_started = time.perf_counter()
         self.windows.train(course)
-        self._stop_if_asked(total)
+        self._stop_if_asked(total, course)
         self.epochs.final_eval(total)
-        self._stop_if_asked(total)  # asked during the final eval: the run ends interrupted
+        self._stop_if_asked(total, course)  # asked during the final eval: the run ends interrupted
         self.saving.save_bundle("checkpoint", total, [])
 
-    def _course(self, total: int) -> Course:
-        """The epochs to train from the resume point on: the whole epoch, or of a resumed
-        mid-epoch bundle only what it left uncovered."""
-        spans = [self.context.epoch_span(e) for e in range(total)]
-        pools = [EpochPool(0, []) if e < self._start_epoch else EpochPool.whole(span)
-                 for e, span in enumerate(spans)]
-        if self._resume_uncovered and self._start_epoch < total:
-            pools[self._start_epoch] = EpochPool(spans[self._start_epoch].pass_index,
-                                                 [(s, e) for _, s, e in self._resume_uncovered])
-        return Course(spans, pools, self._start_epoch, self._resume_uncovered)
-
-    def _stop_if_asked(self, epoch: int) -> None:
+    def _stop_if_asked(self, epoch: int, course: Course) -> None:
         """A stop asked before `epoch` began (while the one before it closed, or at its last
         reduce): save with none of `epoch` trained (of a resumed one, what the bundle lacked)."""
         if self.stop.is_set():
-            self.saving.graceful_stop(epoch, self._resume_uncovered if epoch == self._start_epoch else [])
-
-    def _batches_before(self) -> int:
-        """The batches of the resumed epoch the bundle holds (none when it resumes an epoch
-        whole); the progress of that epoch counts on from them."""
-        if not self._resume_uncovered:
-            return 0
-        size = self.config.batch_size
-        left = sum(-(-(end - start) // size) for _, start, end in self._resume_uncovered)
-        return max(0, self.epoch_batches(self._start_epoch) - left)
+            self.saving.graceful_stop(epoch, course.left_before(epoch))
 
     # ---- messaging --------------------------------------------------------------------------
 

@@ -40,6 +40,8 @@ class ExactSteps:
     """A stop does not cut the windows: the steps are collective, and the windows short."""
     times_reduce = False
     """The window boundary is no all-reduce: the ranks time none before training."""
+    seeds_center = False
+    """No center to seed before training: the ranks start from their own weights."""
 
     def __init__(self, ctx: RunContext, *, members: Members, book: RoundBook, ledger: NonfiniteLedger,
                  bundles: Bundles, epochs: Closes):

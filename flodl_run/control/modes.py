@@ -87,11 +87,6 @@ def averages_here(config: ExperimentConfig) -> bool:
     return not config.elche.mode.is_collective
 
 
-def seeds_center(config: ExperimentConfig) -> bool:
-    """cpu_async: rank 0's initial weights seed the EASGD center before training."""
-    return config.elche.mode is Mode.cpu_async
-
-
 def forms_groups(config: ExperimentConfig) -> bool:
     """The ranks form a process group and average among themselves (a death regroups them)."""
     return config.elche.mode.is_collective

@@ -67,6 +67,8 @@ class Windows:
     """A stop cuts the ranks' windows after the batch in hand."""
     times_reduce = True
     """ElChe starts from the reduce the ranks timed before training (collective modes)."""
+    seeds_center = False
+    """No center to seed before training: the ranks start from their own weights."""
 
     def __init__(self, ctx: RunContext, *, members: Members, rounds: Rounds, bundles: Bundles,
                  epochs: Closes, rules: WindowRules):
@@ -81,10 +83,6 @@ class Windows:
         # nccl_sync on an even rig: each rank's next order, sent ahead of the reduce it follows
         # (rank -> (when sent, the pool it came from, the order))
         self._ahead: Dict[int, Tuple[float, EpochPool, Train]] = {}
-
-    @property
-    def alive(self) -> Set[int]:
-        return self.members.alive
 
     @property
     def window(self) -> int:
@@ -172,7 +170,7 @@ class Windows:
             folded = all(order.then_sync is not None for order in trains.values())
             more = self._pools_remaining() and not self.stop.is_set()
             trains = self._reduce(window, epoch_tally, epoch, final=self._is_last_round(epoch),
-                                  sync_sent=folded and self.alive <= set(trains),
+                                  sync_sent=folded and self.members.alive <= set(trains),
                                   parts=parts if more else None)
             reduces += 1
             in_flight = [s for order in trains.values() for s in order.slices]
@@ -187,19 +185,19 @@ class Windows:
         """A cadence window's orders: each live rank's planned count (a deadline window lends
         past it), cut from the whole epoch (progressive) or from the rank's own share."""
         window_ms = self.orders.deadline_ms()
-        counts = [self.orders.deadlines.loan(c, window_ms) if r in self.alive else 0
+        counts = [self.orders.deadlines.loan(c, window_ms) if r in self.members.alive else 0
                   for r, c in enumerate(self.balance.plan.batch_counts)]
         if self.rules.progressive:
             pool = parts[0]
             sizes = window_samples(pool.remaining, counts, self.config.batch_size)
-            cut = [pool.take(size) if rank in self.alive else [] for rank, size in enumerate(sizes)]
+            cut = [pool.take(size) if rank in self.members.alive else [] for rank, size in enumerate(sizes)]
         else:
-            rehome_parts(parts, self.alive, self.config.batch_size)
+            rehome_parts(parts, self.members.alive, self.config.batch_size)
             cut = [parts[r].take(c * self.config.batch_size) for r, c in enumerate(counts)]
         # Collective cadence: when every live rank has work, each order carries its reduce,
         # so a rank enters the collective the moment its count is done (no coordinator
         # round trip between the window and the reduce; the collective waits for the last).
-        fold = self.rules.folds_sync and all(cut[r] for r in self.alive)
+        fold = self.rules.folds_sync and all(cut[r] for r in self.members.alive)
         then_sync = self._sync_after(1) if fold else None
         at = None if window_ms is None else self.orders.deadlines.window_ns(self.orders.window, window_ms)
         return {rank: self.orders.train_order(epoch, slices, then_sync=then_sync, deadline_ns=at)
@@ -224,7 +222,7 @@ class Windows:
         self.pools, self.pool_epoch = ([pool] if shared else parts), epoch
         while any(part.remaining for part in parts) or self._ahead:
             if not shared and not self._ahead:
-                rehome_parts(parts, self.alive, self.config.batch_size)
+                rehome_parts(parts, self.members.alive, self.config.batch_size)
             window = WindowTally.empty(self.world_size)
             folded = self._sync_window(epoch, parts, window, epoch_tally)
             final = self._is_last_round(epoch) and not self._ahead
@@ -260,12 +258,12 @@ class Windows:
         in_flight = {rank: sent for rank, (sent, _, _) in ahead.items()}  # rank -> when sent
         fold = bool(ahead) or (self.rules.folds_sync and self._folds(parts))
         then_sync = self._sync_after(1) if fold else None
-        for rank in sorted(self.alive) if not ahead else ():
+        for rank in sorted(self.members.alive) if not ahead else ():
             if parts[rank].remaining:
                 self._give(epoch, parts[rank], rank, then_sync, in_flight)
         given, queue = len(in_flight), None
         while True:
-            for rank in [r for r in in_flight if r not in self.alive]:
+            for rank in [r for r in in_flight if r not in self.members.alive]:
                 del in_flight[rank]
             if not in_flight:
                 break
@@ -311,7 +309,7 @@ class Windows:
         self._ahead[rank] = (time.perf_counter(), part, order)
 
     def _folds(self, parts: List[EpochPool]) -> bool:
-        return folds(parts, self.alive, self.balance.smoothed_ms(), self.config.batch_size)
+        return folds(parts, self.members.alive, self.balance.smoothed_ms(), self.config.batch_size)
 
     def cancel_ahead(self) -> None:
         """A regroup voids the orders sent ahead (the ranks drop those whose reduce failed, and
@@ -321,7 +319,7 @@ class Windows:
         if not self._ahead:
             return
         for rank, (_, part, order) in self._ahead.items():
-            if rank in self.alive:  # a dead rank's share went back with its death
+            if rank in self.members.alive:  # a dead rank's share went back with its death
                 part.give_back(order.slices)
                 self.holdings.forget(rank, order.epoch, order.slices)
         self._ahead = {}
@@ -333,7 +331,7 @@ class Windows:
         back to the rank's pool (`parts`: each rank's) before the reduce."""
         waiting = set(trains)
         while True:
-            waiting &= self.alive
+            waiting &= self.members.alive
             if not waiting:
                 break
             done = self.ctx.next(expect=WindowDone)
@@ -341,7 +339,7 @@ class Windows:
                 continue
             waiting.discard(done.rank)
             self.orders.deadlines.began(done)
-            take_back(done, trains[done.rank].slices, parts[done.rank], self.alive, self.holdings,
+            take_back(done, trains[done.rank].slices, parts[done.rank], self.members.alive, self.holdings,
                       self.config.batch_size)
             window.add(done)
             self.orders.progress(self.observer, epoch, epoch_tally, window, done)
