@@ -131,7 +131,7 @@ class Bundles(Protocol):
 
 
 class Trajectory(Protocol):
-    """What the reduces offer saving: where the run stands, as a bundle records it."""
+    """What the round book offers saving: where the run stands, as a bundle records it."""
 
     def trajectory(self) -> Tuple[int, int]: ...
 

@@ -46,7 +46,7 @@ class Saving:
     restored ElChe there; its stop request: a deadline waits for a save); the membership (who
     is alive, the callback rank that writes the model, the save's deadline); the central
     averager whose outer state and EASGD center are kept here (None: the ranks average among
-    themselves); and the reduces' `trajectory()` (global step and
+    themselves); and the round book's `trajectory()` (global step and
     round)."""
 
     def __init__(self, ctx: RunContext, *, members: Members, averager: Optional[CentralAverager],
