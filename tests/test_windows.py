@@ -92,7 +92,7 @@ def test_a_regroup_voids_the_orders_sent_ahead_and_their_batches_are_trained_onc
     reduces = _Reduces(ranks)
     ctx = RunContext(config, 2, link=ranks, holdings=holdings)
     windows = Windows(ctx, members=members, rounds=reduces, bundles=None, epochs=None,
-                      rules=WindowRules.of(config))
+                      rules=WindowRules.of(config.elche, config.progressive_dispatch))
 
     def regroup():  # the round regroups: what the windows hold before they act on it
         return windows.orders_ahead(), windows.window, sum(p.remaining for p in windows.pools)

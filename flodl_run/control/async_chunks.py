@@ -43,7 +43,8 @@ class AsyncChunks:
                  bundles: Bundles, deadline_windows: bool):
         self.ctx, self.members, self.central = ctx, members, central
         self.epochs, self.bundles = epochs, bundles
-        self.orders = Orders(ctx.config, ctx.recorder, ctx.balance, deadline_windows)
+        headroom = ctx.config.elche.deadline_headroom if deadline_windows else None
+        self.orders = Orders(ctx.config.batch_size, ctx.recorder, ctx.balance, headroom)
         self.world, self.config = ctx.world_size, ctx.config
         self.balance, self.holdings = ctx.balance, ctx.holdings
         self.stop = ctx.stop

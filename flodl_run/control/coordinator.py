@@ -98,13 +98,13 @@ class Coordinator:
         self.channel = Channel(sock, secret, admitted=self._gate.cap.admitted)
         self.summary = Summary(mode=config.elche.mode.value, outer=config.outer.kind.value,
                                world_size=world_size)
-        self.averager = central_averager(config)
+        self.averager = central_averager(config.elche, config.outer)
         self._train_started: Optional[float] = None
         recipe = None  # as the launcher imports it, for its callbacks (metrics_fn, eval_result_fn)
         if config.recipe is not None:
             recipe = load_recipe(config.recipe.module, config.recipe.params, config.data.transform,
                                  config.recipe.loop)
-        self.family = family_of(config, recipe)
+        self.family = family_of(config.elche, recipe)
         self._compose(shm_prefix, recipe)
 
     def _compose(self, shm_prefix: Optional[str], recipe: Optional[Recipe]) -> None:
@@ -114,11 +114,12 @@ class Coordinator:
                                         recorder=self.recorder, summary=self.summary)
         self.stop, self.balance, self.holdings = ctx.stop, ctx.balance, ctx.holdings
         self.losses = RankLosses(ctx)
-        collective, every = forms_groups(self.config), divergence_every(self.config)
+        mode = self.config.elche.mode
+        collective, every = forms_groups(mode), divergence_every(mode)
         members = self.members = Membership(ctx, channel=self.channel, losses=self.losses,
                                             collective=collective)
         book = self.book = RoundBook(ctx, members=members, divergence_every=every)
-        self.averaging_here = averages_here(self.config)  # else the ranks average among themselves
+        self.averaging_here = averages_here(mode)  # else the ranks average among themselves
         kept_here = self.averager if self.averaging_here else None
         self.saving = Saving(ctx, members=members, averager=kept_here, trajectory=book)
         ledger = self.ledger = NonfiniteLedger(ctx, members=members, book=book, bundles=self.saving)
@@ -135,7 +136,8 @@ class Coordinator:
     def _trainer(self) -> object:
         """The part of the run's mode family (control.modes.family_of picked the family); the
         windows' reduce round is the collective or the central one."""
-        ctx, members, rules = self.context, self.members, WindowRules.of(self.config)
+        ctx, members = self.context, self.members
+        rules = WindowRules.of(self.config.elche, self.config.progressive_dispatch)
         if self.family is Family.collective_windows:
             self.rounds = CollectiveRound(ctx, members=members, book=self.book, ledger=self.ledger)
         else:

@@ -48,7 +48,7 @@ class ExactSteps:
         self.ctx, self.members, self.book, self.ledger = ctx, members, book, ledger
         self.bundles, self.epochs = bundles, epochs
         self.config, self.world_size = ctx.config, ctx.world_size
-        self.orders = Orders(ctx.config, ctx.recorder, ctx.balance, deadline_windows=False)
+        self.orders = Orders(ctx.config.batch_size, ctx.recorder, ctx.balance, deadline_headroom=None)
         self.pool = EpochPool(0, [])
         self.pool_epoch = 0
         self._began = False  # an epoch began: a save with nothing uncovered names the next one

@@ -16,7 +16,7 @@ from typing import Optional
 
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.outer import OuterOptimizer
-from flodl_run.config.schema import ExperimentConfig, Mode, WindowEnd
+from flodl_run.config.schema import ElCheConfig, Mode, OuterConfig, WindowEnd
 from flodl_run.contracts.recipe import Recipe
 
 DIVERGENCE_EVERY = 16
@@ -32,12 +32,12 @@ class Family(enum.Enum):
     async_chunks = "async_chunks"  # cpu_async: training overlapped with the reduce
 
 
-def family_of(config: ExperimentConfig, recipe: Optional[Recipe]) -> Family:
+def family_of(elche: ElCheConfig, recipe: Optional[Recipe]) -> Family:
     """nccl_sync's exact path averages gradients inside backward; a recipe with its own loop
     steps its optimizers itself, so it averages parameters (the ranks decide alike)."""
-    mode = config.elche.mode
+    mode = elche.mode
     has_loop = recipe is not None and recipe.loop is not None
-    if config.elche.averages_gradients and not has_loop:
+    if elche.averages_gradients and not has_loop:
         return Family.exact_steps
     if mode is Mode.cpu_async:
         return Family.async_chunks
@@ -60,36 +60,38 @@ class WindowRules:
     """elche.window_end=deadline: a window ends on the plan's duration (cadence and async)."""
 
     @classmethod
-    def of(cls, config: ExperimentConfig) -> "WindowRules":
-        mode, chosen = config.elche.mode, config.progressive_dispatch
+    def of(cls, elche: ElCheConfig, progressive_dispatch: Optional[bool]) -> "WindowRules":
+        """`progressive_dispatch`: the config's, its auto default (None) resolved by mode: on
+        for cadence and async, off for sync."""
+        mode, chosen = elche.mode, progressive_dispatch
         return cls(sync_epochs=mode.is_sync,
                    progressive=mode.is_progressive if chosen is None else bool(chosen),
                    folds_sync=mode.is_collective,
                    sends_ahead=mode is Mode.nccl_sync,
-                   deadline_windows=config.elche.window_end is WindowEnd.deadline and not mode.is_sync)
+                   deadline_windows=elche.window_end is WindowEnd.deadline and not mode.is_sync)
 
 
-def divergence_every(config: ExperimentConfig) -> int:
+def divergence_every(mode: Mode) -> int:
     """nccl_sync reduces after every step and takes no verdicts: the divergence is measured at
     one reduce in DIVERGENCE_EVERY; every other mode measures it at each."""
-    return DIVERGENCE_EVERY if config.elche.mode is Mode.nccl_sync else 1
+    return DIVERGENCE_EVERY if mode is Mode.nccl_sync else 1
 
 
-def central_averager(config: ExperimentConfig) -> CentralAverager:
+def central_averager(elche: ElCheConfig, outer: OuterConfig) -> CentralAverager:
     """The coordinator's averager: the outer optimizer, and EASGD's center in cpu_async."""
-    alpha = config.elche.easgd_alpha if config.elche.mode is Mode.cpu_async else None
-    return CentralAverager(OuterOptimizer(config.outer), config.elche.gamma, alpha)
+    alpha = elche.easgd_alpha if elche.mode is Mode.cpu_async else None
+    return CentralAverager(OuterOptimizer(outer), elche.gamma, alpha)
 
 
-def averages_here(config: ExperimentConfig) -> bool:
+def averages_here(mode: Mode) -> bool:
     """The coordinator averages (its outer state is saved and restored here), or the ranks
     average among themselves."""
-    return not config.elche.mode.is_collective
+    return not mode.is_collective
 
 
-def forms_groups(config: ExperimentConfig) -> bool:
+def forms_groups(mode: Mode) -> bool:
     """The ranks form a process group and average among themselves (a death regroups them)."""
-    return config.elche.mode.is_collective
+    return mode.is_collective
 
 
 def easgd_center(averager: Optional[CentralAverager]) -> Optional[list]:

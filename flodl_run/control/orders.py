@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set
 
-from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
 from flodl_run.control.deadlines import Deadlines
 from flodl_run.control.dispatch import EpochPool, SliceT, split_trained
@@ -20,14 +19,16 @@ from flodl_run.observe.timeline import Recorder
 class Orders:
     """Owns the window number Train orders carry (`window`), the deadlines of a deadline
     window, and a resumed epoch's batches the bundle holds (`batches_before`, for progress).
-    Given: the config (batch_size, the deadline headroom), the recorder (the coordinator's
-    clock), the balance (the plan's window duration) and `deadline_windows` (control.modes)."""
+    Given: batch_size, the recorder (the coordinator's clock), the balance (the plan's window
+    duration), and `deadline_headroom` when windows end on a deadline (None: on their counts;
+    control.modes decides)."""
 
-    def __init__(self, config: ExperimentConfig, recorder: Recorder, balance: Balance,
-                 deadline_windows: bool):
-        self.batch_size, self.balance, self.deadline_windows = config.batch_size, balance, deadline_windows
+    def __init__(self, batch_size: int, recorder: Recorder, balance: Balance,
+                 deadline_headroom: Optional[float]):
+        self.batch_size, self.balance = batch_size, balance
+        self.deadline_windows = deadline_headroom is not None
         self.window = 0
-        self.deadlines = Deadlines(recorder, config.elche.deadline_headroom)
+        self.deadlines = Deadlines(recorder, deadline_headroom or 0.0)
         self.batches_before: Dict[int, int] = {}  # a resumed epoch's batches the bundle holds
 
     def next_window(self) -> None:

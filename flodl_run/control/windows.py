@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Protocol, Set, Tuple
 
-from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
 from flodl_run.control.context import Bundles, Closes, Members, RunContext
 from flodl_run.control.dispatch import (
@@ -77,7 +76,8 @@ class Windows:
         self.world_size, self.config = ctx.world_size, ctx.config
         self.balance, self.stop = ctx.balance, ctx.stop
         self.holdings, self.observer = ctx.holdings, ctx.observer
-        self.orders = Orders(ctx.config, ctx.recorder, ctx.balance, rules.deadline_windows)
+        headroom = ctx.config.elche.deadline_headroom if rules.deadline_windows else None
+        self.orders = Orders(ctx.config.batch_size, ctx.recorder, ctx.balance, headroom)
         self.pools: List[EpochPool] = []  # where work of a dead rank goes back
         self.pool_epoch = 0
         # nccl_sync on an even rig: each rank's next order, sent ahead of the reduce it follows
@@ -154,7 +154,8 @@ class Windows:
         with progressive_dispatch off every rank's share is fixed up front (equal, or by
         partition_ratios) and a rank whose share ran out sits the rest of the epoch out."""
         shared = self.rules.progressive
-        parts = [pool] * self.world_size if shared else partition(pool, self.world_size, self.config)
+        parts = [pool] * self.world_size if shared else partition(
+            pool, self.world_size, self.config.elche.partition_ratios, self.config.batch_size)
         self.pools, self.pool_epoch = ([pool] if shared else parts), epoch
         trains = self._plan_window(epoch, parts)
         for rank, order in trains.items():
@@ -218,7 +219,8 @@ class Windows:
         on, every rank takes its next batch from the whole epoch instead, so a fast rank does
         more of it."""
         shared = self.rules.progressive
-        parts = [pool] * self.world_size if shared else partition(pool, self.world_size, self.config)
+        parts = [pool] * self.world_size if shared else partition(
+            pool, self.world_size, self.config.elche.partition_ratios, self.config.batch_size)
         self.pools, self.pool_epoch = ([pool] if shared else parts), epoch
         while any(part.remaining for part in parts) or self._ahead:
             if not shared and not self._ahead:
@@ -345,10 +347,10 @@ class Windows:
             self.orders.progress(self.observer, epoch, epoch_tally, window, done)
 
 
-def partition(pool: EpochPool, world_size: int, config: ExperimentConfig) -> List[EpochPool]:
+def partition(pool: EpochPool, world_size: int, ratios: Optional[List[float]],
+              batch_size: int) -> List[EpochPool]:
     """Per-rank shares of the epoch, fixed up front: equal, or by partition_ratios."""
-    return pool.split(equal_split(pool.remaining, world_size, config.elche.partition_ratios,
-                                  config.batch_size))
+    return pool.split(equal_split(pool.remaining, world_size, ratios, batch_size))
 
 
 def rehome_parts(parts: List[EpochPool], alive: Set[int], batch_size: int) -> None:
