@@ -53,7 +53,7 @@ def _membership(on_lost, smoothed=lambda: [2000.0, None], world=2, **limits):
                               progress_factor=limits["progress_factor"],
                               progress_timeout_secs=limits["progress_floor_s"])
     ctx = RunContext(config, world, balance=SimpleNamespace(smoothed_ms=smoothed))
-    return Membership(ctx, channel=None, on_lost=on_lost)
+    return Membership(ctx, channel=None, losses=SimpleNamespace(lost=on_lost), collective=False)
 
 
 def test_the_hung_limit_is_a_multiple_of_the_batch_time_with_a_floor():

@@ -11,9 +11,11 @@ import torch
 from flodl_run.averaging.frames import as_frame
 from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.contracts.summary import Summary
-from flodl_run.contracts.wire import SnapshotTaken, WindowDone
+from flodl_run.contracts.wire import Received, SnapshotTaken, WindowDone
+from flodl_run.control.central import CentralRound
 from flodl_run.control.context import RunContext
-from flodl_run.control.reduces import Reduces
+from flodl_run.control.nonfinite import NonfiniteLedger
+from flodl_run.control.rounds import RoundBook
 from flodl_run.control.runstate import RunAborted
 from flodl_run.observe.observer import Observer
 
@@ -26,19 +28,33 @@ class _Events(Observer):
         self.events.append(kind)
 
 
+class _Reduces:
+    """The central round of a cpu_cadence pair with its round book and non-finite ledger,
+    asked as one (each name from the part that holds it)."""
+
+    def __init__(self, *parts):
+        self._parts = parts
+
+    def __getattr__(self, name):
+        return getattr(next(p for p in self._parts if hasattr(p, name)), name)
+
+
 def _reduces(**config):
-    """Reduces of a cpu_cadence pair, with the frames of one small snapshot as `payloads()`."""
-    frames = [as_frame(torch.ones(3)), as_frame(torch.zeros(1))]  # parameters, float buffers
+    """The reduce parts of a cpu_cadence pair."""
     observer = _Events()
     ctx = RunContext(ExperimentConfig(elche=ElCheConfig.preset("cpu_cadence"), **config), 2,
-                     payloads=lambda: frames, observer=observer, summary=Summary())
-    reduces = Reduces(ctx, members=SimpleNamespace(alive={0, 1}, regroup_needed=False),
-                      averager=None, shm_prefix=None, run=None)
-    return reduces, observer
+                     observer=observer, summary=Summary())
+    members = SimpleNamespace(alive={0, 1}, regroup_needed=False)
+    book = RoundBook(ctx, members=members, divergence_every=1)
+    ledger = NonfiniteLedger(ctx, members=members, book=book, bundles=None)
+    central = CentralRound(ctx, members=members, averager=None, book=book, ledger=ledger, shm_prefix=None)
+    return _Reduces(central, book, ledger), observer
 
 
 def _taken(rank, round_, steps):
-    return SnapshotTaken(rank, round_, steps, ["torch.float32"])
+    """A snapshot with the frames of one small one (parameters, float buffers)."""
+    frames = [as_frame(torch.ones(3)), as_frame(torch.zeros(1))]
+    return Received(SnapshotTaken(rank, round_, steps, ["torch.float32"]), frames)
 
 
 def test_a_rank_left_out_of_a_round_folds_its_late_steps_into_its_next_snapshot():

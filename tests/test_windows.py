@@ -11,6 +11,8 @@ from flodl_run.config.schema import ElCheConfig, ExperimentConfig
 from flodl_run.contracts.wire import SyncNow, Train, WindowDone
 from flodl_run.control.context import RunContext
 from flodl_run.control.dispatch import EpochPool
+from flodl_run.control.modes import WindowRules
+from flodl_run.control.rounds import Closing
 from flodl_run.control.runstate import Holdings
 from flodl_run.control.windows import Windows
 from flodl_run.observe.timeline import Recorder
@@ -51,8 +53,8 @@ class _Reduces:
 
     def __init__(self, ranks: _Ranks):
         self.round, self.global_step, self.ranks = 0, 0, ranks
-        self.regroup = None
-        self.seen_after_regroup = None
+        self.regroup = self.after_regroup = None
+        self.before_regroup = self.seen_after_regroup = None
 
     def sync_now(self, round_, global_step):
         return SyncNow(round_, global_step, 1.0, True)
@@ -60,18 +62,22 @@ class _Reduces:
     def nonfinite_pending(self):
         return False
 
-    def reduce(self, window, epoch_tally, epoch, plan_next=None, sync_sent=False, final=False,
-               ahead=dict):
+    def reduce(self, window, epoch_tally, epoch, *, ahead, sync_sent=False, final=False, fill=False):
         self.round += 1
-        if self.round == 1:
+        regrouped = self.round == 1
+        if regrouped:
             self.ranks.held = []  # their reduce failed: the ranks drop the orders sent ahead
-            self.seen_after_regroup = self.regroup()
+            self.before_regroup = self.regroup()
         else:  # the reduce completed: the orders sent ahead are trained now
             self.ranks.answers += self.ranks.held
             self.ranks.held = []
         self.global_step += sum(window.batches)
         epoch_tally.add(window)
-        return {}
+        return Closing(epoch, window, epoch_tally, 0.0, None, regrouped=regrouped)
+
+    def release(self, closing, trains, uncovered=None):
+        if closing.regrouped:  # the windows acted on the regroup the round returned
+            self.seen_after_regroup = self.after_regroup(self.before_regroup)
 
 
 @pytest.mark.parametrize("samples", [32, 30])
@@ -84,20 +90,22 @@ def test_a_regroup_voids_the_orders_sent_ahead_and_their_batches_are_trained_onc
     holdings = Holdings(2)
     ranks, members = _Ranks(holdings), SimpleNamespace(alive={0, 1}, regroup_needed=False)
     reduces = _Reduces(ranks)
-    ctx = RunContext(config, 2, send=ranks.send, next=ranks.next, holdings=holdings)
-    windows = Windows(ctx, members=members, reduces=reduces, bundles=None)
+    ctx = RunContext(config, 2, link=ranks, holdings=holdings)
+    windows = Windows(ctx, members=members, rounds=reduces, bundles=None, epochs=None,
+                      rules=WindowRules.of(config.elche, config.progressive_dispatch))
 
-    def regroup():
-        voided = windows.orders_ahead()
-        window, left = windows.window, sum(p.remaining for p in windows.pools)
-        windows.cancel_ahead()
+    def regroup():  # the round regroups: what the windows hold before they act on it
+        return windows.orders_ahead(), windows.window, sum(p.remaining for p in windows.pools)
+
+    def after_regroup(before):  # once the windows voided the orders sent ahead
+        voided, window, left = before
         back = sum(s[2] for order in voided.values() for s in order.slices)
         held = [s for chunks in holdings.chunks.values() for _, slices in chunks for s in slices]
         return (sorted(voided), windows.orders_ahead(), windows.window - window,
                 sum(p.remaining for p in windows.pools) - left, back,
                 [s for o in voided.values() for s in o.slices if s in held])
 
-    reduces.regroup = regroup
+    reduces.regroup, reduces.after_regroup = regroup, after_regroup
     tally = windows.run_epoch(0, EpochPool(0, [(0, samples)]))
     voided, after, window_step, returned, back, still_held = reduces.seen_after_regroup
     assert voided == [0, 1] and after == {}

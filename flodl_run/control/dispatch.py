@@ -6,8 +6,8 @@ state and sends the orders; ranks turn slices into batches with the shared permu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from flodl_run.elche.shares import largest_remainder
 
@@ -171,3 +171,24 @@ class EpochPool:
 
     def uncovered(self) -> List[List[int]]:
         return [[self.pass_index, s, e] for s, e in self.ranges]
+
+
+@dataclass
+class Course:
+    """The epochs a run trains, from `start` on: each one's span, and its pool (the whole
+    epoch, or of the resumed one what the bundle left `resumed_uncovered`)."""
+
+    spans: List[EpochSpan]
+    pools: List[EpochPool]
+    start: int = 0
+    resumed_uncovered: Optional[List[List[int]]] = None
+    batches_before: Dict[int, int] = field(default_factory=dict)
+    """A resumed epoch's batches the bundle holds (its progress counts on from them)."""
+
+    def epochs(self) -> range:
+        return range(self.start, len(self.spans))
+
+    def left_before(self, epoch: int) -> List[List[int]]:
+        """What a save before `epoch` began lacks of it: of the resumed epoch, what the bundle
+        lacked; of any other, nothing (an empty list names the whole epoch)."""
+        return list(self.resumed_uncovered or []) if epoch == self.start else []

@@ -11,14 +11,13 @@ from typing import List, Optional, Set
 
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
-from flodl_run.config.schema import Mode
 from flodl_run.contracts.recipe import CallbackFailed, Recipe
 from flodl_run.contracts.scalars import roll_up
 from flodl_run.contracts.summary import EpochRecord
 from flodl_run.contracts.wire import Evaluate, Evaluated
 from flodl_run.control.context import Bundles, Members, RunContext
+from flodl_run.control.modes import easgd_center
 from flodl_run.control.tallies import EpochTally
-from flodl_run.data.datametrics import DataTally
 
 
 class Epochs:
@@ -36,10 +35,10 @@ class Epochs:
                  averager: CentralAverager, bundles: Bundles):
         self.ctx, self.recipe, self.members = ctx, recipe, members
         self.averager, self.bundles = averager, bundles
-        self.config, self.mode, self.world_size = ctx.config, ctx.mode, ctx.world_size
+        self.config, self.world_size = ctx.config, ctx.world_size
         self.summary, self.observer = ctx.summary, ctx.observer
         self.compute_ms = [0.0] * self.world_size
-        self.data = DataTally(self.world_size)  # per-rank data-plane metrics, per epoch
+        self.data = ctx.data  # per-rank data-plane metrics, per epoch (the pump feeds it)
 
     @property
     def alive(self) -> Set[int]:
@@ -115,7 +114,7 @@ class Epochs:
         A callback rank lost meanwhile (dead, or hung: past the eval's limit, or past a stop's
         grace) hands the eval to another, unless the run is stopping: then no eval (None)."""
         rank = self.callback_rank()
-        center = self.averager.center if self.mode is Mode.cpu_async else None
+        center = easgd_center(self.averager)
         if center is not None:  # under EASGD, eval scores the center, not a replica
             self.ctx.send(rank, Evaluate(epoch, dtype_names(center), score, epoch_fn),
                        [as_frame(p) for p in center])

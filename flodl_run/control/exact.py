@@ -5,8 +5,8 @@ all-reduce inside backward synchronises them) and report once per window.
 Owns the cut of a window into steps and shares, the collection of a window's answers, and what
 a death inside a window means: the survivors regroup, adopt the state of the one that completed
 the most steps, and the rest of the window is re-planned among them (the dead rank's samples of
-the steps not completed included). The reduce bookkeeping (round, steps, ElChe's report, the
-observers) is the reduces' part; the pool and the window numbers are the windows'.
+the steps not completed included). The round's counters, ElChe's report and the observers
+are the round book's; the skipped steps the non-finite ledger's.
 """
 
 from __future__ import annotations
@@ -15,47 +15,96 @@ import time
 from typing import Dict, List, Set, Tuple
 
 from flodl_run.contracts.wire import Train, WindowDone, WindowFailed
-from flodl_run.control.context import Group, RunContext
-from flodl_run.control.dispatch import EpochPool, SliceT, cut_step
-from flodl_run.control.reduces import Reduces
+from flodl_run.control.context import Bundles, Closes, Members, RunContext
+from flodl_run.control.dispatch import Course, EpochPool, SliceT, cut_step
+from flodl_run.control.nonfinite import NonfiniteLedger
+from flodl_run.control.orders import Orders
+from flodl_run.control.rounds import RoundBook
 from flodl_run.control.tallies import EpochTally, WindowTally
-from flodl_run.control.windows import Windows
 from flodl_run.elche.shares import SharePlanner, window_steps
 
 Step = List[SliceT]  # the samples of one global step
 
 
-class ExactWindows:
-    """Trains the epochs of nccl_sync's exact path. Given: the run context (`send`/`next`),
-    the windows (the pool, window numbers, the stop request, progress), the reduces (round and
-    step counters, ElChe's report, the non-finite streak, the observers), and the `group`,
-    whose `regroup(source)` rebuilds the survivors' group and has them adopt member `source`'s
-    state (-1: none)."""
+class ExactSteps:
+    """Trains the epochs of nccl_sync's exact path.
 
-    def __init__(self, ctx: RunContext, *, windows: Windows, reduces: Reduces, group: Group):
-        self.ctx, self.windows, self.reduces, self.group = ctx, windows, reduces, group
+    Owns: the epoch's pool, the window numbers (`orders`), the share planner fitted to each
+    rank's step times, and the window boundary's clock. Given: the run context (link, stop
+    request, holdings, balance: ElChe's plan and speeds); the membership (who is alive, a
+    regroup due, the regroup itself: the survivors adopt member `source`'s state); the round
+    book (counters, ElChe's report, the observers); the non-finite ledger (skipped steps);
+    the bundles (a stop's save); and the epochs (`close`)."""
+
+    cuts_windows = False
+    """A stop does not cut the windows: the steps are collective, and the windows short."""
+    times_reduce = False
+    """The window boundary is no all-reduce: the ranks time none before training."""
+    seeds_center = False
+    """No center to seed before training: the ranks start from their own weights."""
+
+    def __init__(self, ctx: RunContext, *, members: Members, book: RoundBook, ledger: NonfiniteLedger,
+                 bundles: Bundles, epochs: Closes):
+        self.ctx, self.members, self.book, self.ledger = ctx, members, book, ledger
+        self.bundles, self.epochs = bundles, epochs
+        self.config, self.world_size = ctx.config, ctx.world_size
+        self.orders = Orders(ctx.config.batch_size, ctx.recorder, ctx.balance, deadline_headroom=None)
+        self.pool = EpochPool(0, [])
+        self.pool_epoch = 0
+        self._began = False  # an epoch began: a save with nothing uncovered names the next one
         # the global batch DDP would use, fixed for the run: a death moves the dead rank's
         # samples of each step to the survivors, so the trajectory (and the LR) stay the same
         self.global_batch = ctx.world_size * ctx.config.batch_size
         self._boundary = time.perf_counter()
         self._walls: Dict[int, float] = {}  # each rank's window wall (steps, all-reduces included)
-        self.shares = SharePlanner(self.windows.config.elche.partition_ratios)
+        self.shares = SharePlanner(ctx.config.elche.partition_ratios)
         self._timed: Set[int] = set()  # ranks whose first window (one-time costs) is behind them
 
-    @property
-    def members(self):
-        return self.windows.members
+    def train(self, course: Course) -> None:
+        """Every epoch of the course, each closed once its last window is in."""
+        self.orders.batches_before = course.batches_before
+        for epoch in course.epochs():
+            if self.ctx.stop.is_set():  # asked while the epoch before closed, or at its last window
+                self.bundles.graceful_stop(epoch, course.left_before(epoch))
+            self.epochs.close(epoch, self.run_epoch(epoch, course.pools[epoch]))
 
-    def run_epoch(self, epoch: int, pool: EpochPool, epoch_tally: EpochTally) -> None:
-        windows = self.windows
-        windows.pools, windows.pool_epoch = [pool], epoch
+    def give_back(self, epoch: int, slices: list) -> bool:
+        """A dead rank's work: the windows re-plan a broken window's steps themselves."""
+        return True
+
+    def save_point(self) -> Tuple[int, List[List[int]]]:
+        """Where a bundle saved now resumes, and what of that epoch the weights lack."""
+        uncovered = self.uncovered_now()
+        return (self.pool_epoch + 1 if not uncovered and self._began else self.pool_epoch), uncovered
+
+    def uncovered(self) -> List[List[int]]:
+        """What of the epoch under way is not handed out yet."""
+        return self.pool.uncovered()
+
+    def uncovered_now(self) -> List[List[int]]:
+        """What of the epoch under way the survivors' weights may not include."""
+        return self.uncovered() + self.ctx.holdings.uncovered(self.pool_epoch)
+
+    def run_epoch(self, epoch: int, pool: EpochPool) -> EpochTally:
+        epoch_tally = EpochTally.empty(self.world_size)
+        self.pool, self.pool_epoch, self._began = pool, epoch, True
         self._boundary = time.perf_counter()
         while pool.remaining:
             steps = self._cut_window(pool)
             window = self._train_window(epoch, steps, epoch_tally)
             self._close_window(epoch, len(steps), window, epoch_tally)
-            windows.stop_if_asked(epoch)
+            self._stop_if_asked(epoch)
         self._say_costs(epoch)
+        return epoch_tally
+
+    def _stop_if_asked(self, epoch: int) -> None:
+        """A stop was asked for: save what the consensus holds and stop, unless the epoch is
+        held whole (it closes first; the next epoch's start saves)."""
+        if not self.ctx.stop.is_set():
+            return
+        uncovered = self.uncovered() + self.ctx.holdings.uncovered(epoch)
+        if uncovered:
+            self.bundles.graceful_stop(epoch, uncovered)
 
     def _say_costs(self, epoch: int) -> None:
         """Once an epoch, what the shares come from: each rank's fitted step (fixed cost plus a
@@ -69,13 +118,13 @@ class ExactWindows:
         steps = ", ".join(f"rank {r} {c.fixed_ms:.3f} ms + {c.per_sample_ms:.4f} ms a sample"
                           for r, c in zip(members, costs))
         shares = " / ".join(f"{split.get(r, 0.0) * self.global_batch:.0f}" for r in members)
-        self.reduces.observer.on_event(
+        self.ctx.observer.on_event(
             "step_costs", f"epoch {epoch + 1}: {steps}; a step of {self.global_batch} split {shares}")
 
     def _cut_window(self, pool: EpochPool) -> List[Step]:
         """ElChe's anchor of global steps, at most WINDOW_CAP_MS of compute (fewer at the epoch's
         end); a last step too small to give every member a sample joins the one before it."""
-        balance = self.reduces.balance
+        balance = self.ctx.balance
         count = window_steps(balance.plan.anchor, balance.smoothed_ms(), self.members.alive)
         steps = [pool.take(self.global_batch) for _ in range(count) if pool.remaining]
         if len(steps) > 1 and sum(s[2] for s in steps[-1]) < len(self.members.alive):
@@ -85,13 +134,13 @@ class ExactWindows:
     def _train_window(self, epoch: int, steps: List[Step], epoch_tally: EpochTally) -> WindowTally:
         """Until every step of the window is done: orders to the members alive, their answers,
         and after a death the regroup (and a re-plan of the steps not completed)."""
-        window = WindowTally.empty(self.windows.world_size)
+        window = WindowTally.empty(self.world_size)
         done = 0
         while done < len(steps):
             if self.members.regroup_needed:
-                self.group.regroup(-1)
+                self._regroup(-1)
             asked = set(self.members.alive)
-            self.windows.next_window()
+            self.orders.next_window()
             orders = self._orders(epoch, steps[done:], sorted(asked))
             for rank, order in orders.items():
                 self.ctx.send(rank, order)
@@ -102,7 +151,7 @@ class ExactWindows:
             most = max(completed.values(), default=0)
             leader = min((r for r, n in completed.items() if n == most), default=-1)
             behind = any(n < most for n in completed.values())
-            self.group.regroup(leader if behind else -1)
+            self._regroup(leader if behind else -1)
             _credit(epoch_tally, orders, completed, most, len(steps) - done)
             done += most
         return window
@@ -112,14 +161,14 @@ class ExactWindows:
         the speeds ElChe has smoothed until each has one; by partition_ratios when stated),
         cut from the step's samples in rank order."""
         totals = [sum(s[2] for s in step) for step in steps]
-        splits = self.shares.plan(totals, members, self.reduces.balance.smoothed_ms())
+        splits = self.shares.plan(totals, members, self.ctx.balance.smoothed_ms())
         slices: Dict[int, List[SliceT]] = {r: [] for r in members}
         shares: Dict[int, List[int]] = {r: [] for r in members}
         for step, split in zip(steps, splits):
             for rank, piece in zip(members, cut_step(step, [split[r] for r in members])):
                 slices[rank] += piece
                 shares[rank].append(split[rank])
-        window = self.windows.window
+        window = self.orders.window
         return {rank: Train(window, epoch, slices[rank], len(steps), shares=shares[rank], totals=totals)
                 for rank in members}
 
@@ -128,7 +177,7 @@ class ExactWindows:
         """Each asked member's answer to this attempt: the steps it completed (all of them on
         WindowDone). A member that died meanwhile gives none."""
         completed: Dict[int, int] = {}
-        number = self.windows.window
+        number = self.orders.window
         while asked & self.members.alive - set(completed):
             answer = self.ctx.next(expect=(WindowDone, WindowFailed), accept=lambda m: m.window == number)
             if answer is None or answer.window != number:
@@ -141,8 +190,8 @@ class ExactWindows:
             window.add(answer)
             self._observe(answer)
             self._walls[answer.rank] = answer.window_wall_ms
-            self.reduces.note_skipped(answer.rank, answer.skipped)
-            self.windows.progress(epoch, epoch_tally, window, answer)
+            self.ledger.note_skipped(answer.rank, answer.skipped)
+            self.orders.progress(self.ctx.observer, epoch, epoch_tally, window, answer)
         return {r: n for r, n in completed.items() if r in self.members.alive}
 
     def _observe(self, answer: WindowDone) -> None:
@@ -161,9 +210,30 @@ class ExactWindows:
         elapsed_ms, self._boundary = (now - self._boundary) * 1000.0, now
         compute_ms = max(self._walls.values(), default=0.0)
         self._walls = {}
-        self.reduces.close_exact_window(window, epoch_tally, epoch, steps,
-                                        per_batch(window, self.windows.config.batch_size),
-                                        max(0.0, elapsed_ms - compute_ms))
+        self._fold(window, epoch_tally, epoch, steps, max(0.0, elapsed_ms - compute_ms))
+
+    def _fold(self, window: WindowTally, epoch_tally: EpochTally, epoch: int, steps: int,
+              sync_ms: float) -> None:
+        """A window of `steps` global steps is in every survivor's state. One round of
+        bookkeeping: the counters, the holdings folded, ElChe's report (the timing in its
+        unit), the skipped steps and the observers."""
+        book = self.book
+        book.begin_round()
+        self.ctx.holdings.reset({rank: [] for rank in self.members.alive})
+        book.add_steps(steps)
+        epoch_tally.add(window)
+        book.report(window, sync_ms, None, per_batch=per_batch(window, self.config.batch_size))
+        stop = self.ledger.tally_skipped()
+        book.observe(epoch, sync_ms, None)
+        book.maybe_report(epoch, epoch_tally)
+        if stop:
+            self.ledger.fail(epoch, self.uncovered_now())
+
+    def _regroup(self, source: int) -> None:
+        """Rebuild the survivors' group, member `source`'s state adopted by all (-1: none),
+        then drop the answers the old group sent."""
+        self.members.regroup(source)
+        self.ctx.link.drop_reduce_answers()
 
 
 def _credit(epoch_tally: EpochTally, orders: Dict[int, Train], completed: Dict[int, int], most: int,

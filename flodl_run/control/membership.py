@@ -1,7 +1,7 @@
 """Membership of a distributed run: who is alive, how a rank is found dead (heartbeat timeout,
 hung while training, its exit or exception), what a death does (the cohort shrinks, the
 survivors' process group is aborted and later rebuilt), and the failure policy that may end
-the run with a save. What the dead rank's work becomes is the caller's (`on_lost`).
+the run with a save. What the dead rank's work becomes is the caller's (`losses`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import zmq
 
 from flodl_run.contracts.wire import AbortGroup, Channel, Heartbeat, RankFailed, Regroup, Regrouped
-from flodl_run.control.context import OnLost, RunContext
+from flodl_run.control.context import Losses, RunContext
 from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 
 __all__ = ["Membership", "OrderClock", "RunAborted", "ShutdownWithSave", "hung_limit_s"]
@@ -73,14 +73,14 @@ class Membership:
     regroup is due (`regroup_needed`), and the choice of the callback rank.
     Given: the run context (the limits: heartbeat timeout, progress factor and floor,
     max_failure; `send`/`next` to order a regroup; the balance's smoothed batch times), the
-    channel (abort notices go straight to listeners), and `on_lost(rank, reason)`, called for
-    each death before the failure policy is applied (the caller gives the rank's work back
-    and re-plans)."""
+    channel (abort notices go straight to listeners), the `losses`, told of each death before
+    the failure policy is applied (the rank's work given back, a re-plan), and whether the
+    ranks form a process group (`collective`: a death regroups the survivors)."""
 
-    def __init__(self, ctx: RunContext, *, channel: Optional[Channel], on_lost: OnLost):
+    def __init__(self, ctx: RunContext, *, channel: Optional[Channel], losses: Losses, collective: bool):
         config = ctx.config
-        self.ctx, self.channel, self._on_lost = ctx, channel, on_lost
-        self.world_size, self.collective = ctx.world_size, ctx.mode.is_collective
+        self.ctx, self.channel, self.losses = ctx, channel, losses
+        self.world_size, self.collective = ctx.world_size, collective
         self.heartbeat_timeout_s = config.heartbeat_timeout_secs
         self.progress_factor, self.progress_floor_s = config.progress_factor, config.progress_timeout_secs
         self.max_failure = config.max_failure
@@ -233,7 +233,7 @@ class Membership:
     # ---- deaths ------------------------------------------------------------------------------
 
     def absorb(self) -> bool:
-        """Turn reported deaths into a smaller membership (`on_lost` for each), abort the
+        """Turn reported deaths into a smaller membership (`losses` for each), abort the
         survivors' group, then apply the failure policy. True when the membership changed."""
         dead: List[int] = []
         reason = ""
@@ -244,7 +244,7 @@ class Membership:
             self.alive.discard(rank)
             self.orders.answered(rank)
             dead.append(rank)
-            self._on_lost(rank, reason)
+            self.losses.lost(rank, reason)
             self.regroup_needed = self.collective
         if dead and self.collective:
             self._abort_groups(dead)

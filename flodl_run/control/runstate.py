@@ -152,7 +152,7 @@ class Holdings:
     """What each rank trained or was handed since its work last folded into the consensus:
     lost with the rank if it dies (its chunks are then given back and redone), and what a
     save records as uncovered. Owns that ledger; the coordinator notes every Train order
-    sent, and the reduces reset it after each round."""
+    sent, and each reduce round resets it."""
 
     def __init__(self, world_size: int):
         self.chunks: Dict[int, List[Chunk]] = {r: [] for r in range(world_size)}

@@ -14,7 +14,6 @@ import zmq
 from flodl_run.averaging.central import CentralAverager
 from flodl_run.averaging.frames import as_frame, dtype_names
 from flodl_run.config.compose import dotted_items
-from flodl_run.config.schema import Mode
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.checkpoint import (
     BundleMeta,
@@ -28,6 +27,7 @@ from flodl_run.contracts.recipe import CallbackFailed
 from flodl_run.contracts.summary import CHECKPOINT_FAILED
 from flodl_run.contracts.wire import CheckpointSaved, SaveCheckpoint
 from flodl_run.control.context import Members, RunContext, Trajectory
+from flodl_run.control.modes import easgd_center
 from flodl_run.control.runstate import RunAborted
 from flodl_run.elche.balancer import ElChe
 
@@ -43,13 +43,14 @@ class Saving:
     Given: the run context (its balance: ElChe's state goes into the meta, a restore seats a
     restored ElChe there; its stop request: a deadline waits for a save); the membership (who
     is alive, the callback rank that writes the model, the save's deadline); the central
-    averager (outer state, EASGD center); and the reduces' `trajectory()` (global step and
+    averager whose outer state and EASGD center are kept here (None: the ranks average among
+    themselves); and the round book's `trajectory()` (global step and
     round)."""
 
-    def __init__(self, ctx: RunContext, *, members: Members, averager: CentralAverager,
+    def __init__(self, ctx: RunContext, *, members: Members, averager: Optional[CentralAverager],
                  trajectory: Trajectory):
         self.ctx, self.members, self.averager, self._trajectory = ctx, members, averager, trajectory
-        self.config, self.mode, self.world_size = ctx.config, ctx.mode, ctx.world_size
+        self.config, self.world_size = ctx.config, ctx.world_size
         self.balance, self.stop = ctx.balance, ctx.stop
         self.summary, self.observer = ctx.summary, ctx.observer
         self.run_id: Optional[str] = None
@@ -98,8 +99,8 @@ class Saving:
     def _write_outer(self, stem: str, generation: int, files: Dict[str, str]) -> None:
         """The outer state this process keeps, when there is one, into `generation` (its
         checksum added to `files`)."""
-        center = self.averager.center if self.mode is Mode.cpu_async else None
-        if not self.mode.is_collective and self.averager.outer.active or center is not None:
+        center = easgd_center(self.averager)
+        if self.averager is not None and self.averager.outer.active or center is not None:
             writer = checkpoint.BundleWriter(checkpoint.generation_stem(stem, generation))
             writer.write_outer(dict(self.averager.outer.state_dict(), center=center))
             files.update(writer.files)
@@ -130,7 +131,7 @@ class Saving:
 
     def _ranks_save(self, data: str, writer: int, hook: Optional[int] = None) -> Dict[str, str]:
         """Order the save of generation stem `data`; the files the survivors wrote, by name."""
-        center = self.averager.center if self.mode is Mode.cpu_async else None
+        center = easgd_center(self.averager)
         for rank in sorted(self.alive):
             if rank != writer:  # the others keep their own optimizer state (momentum differs)
                 self.ctx.send(rank, SaveCheckpoint(data, write_model=False))
@@ -181,7 +182,7 @@ class Saving:
                                               world_size=self.world_size, epoch_batches=epoch_batches)
         self.balance.elche.rejoin_all()  # a rank the saved run lost is a fresh one now
         outer_file = checkpoint.bundle_files(stem, meta)["outer"]
-        if not self.mode.is_collective and outer_file.is_file():
+        if self.averager is not None and outer_file.is_file():
             state = load_tensors(outer_file)
             self.averager.outer.load_state_dict(state)
             if state.get("center") is not None:

@@ -1,5 +1,5 @@
 """What the ranks did, tallied: per window (since the last reduce) and per epoch, from the
-ranks' WindowDone reports. Plain values; the windows, the reduces and the async loop fill them.
+ranks' WindowDone reports. Plain values; the windows, the exact steps and the async chunks fill them.
 """
 
 from __future__ import annotations

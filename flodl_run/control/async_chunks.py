@@ -1,4 +1,4 @@
-"""cpu_async: training overlapped with the reduce round trip.
+"""cpu_async's async chunks: training overlapped with the reduce round trip.
 
 Owns the event loop of the async mode: each rank gets its next chunk the moment it finishes
 a window (so it may run up to `max_overshoot` batches ahead, across epoch boundaries), a
@@ -12,33 +12,42 @@ import time
 from typing import Dict, List, Optional, Set, Tuple
 
 from flodl_run.averaging.central import Snapshot
-from flodl_run.contracts.wire import SnapshotTaken, WindowDone
+from flodl_run.contracts.wire import Received, SnapshotTaken, WindowDone
+from flodl_run.control.central import CentralRound
 from flodl_run.control.context import Bundles, Closes, Members, RunContext
-from flodl_run.control.dispatch import EpochPool, EpochSpan
-from flodl_run.control.reduces import Reduces
+from flodl_run.control.dispatch import Course, EpochPool, EpochSpan
+from flodl_run.control.orders import Orders, take_back
 from flodl_run.control.tallies import EpochTally, WindowTally
-from flodl_run.control.windows import Windows
 
 
-class AsyncLoop:
+class AsyncChunks:
     """The cpu_async event loop, from the first chunk to the last epoch closed.
 
-    Owns: the epochs' pools and tallies, the chunks each rank has in hand, the window gate
-    (this round's and the next's), the snapshots of the round in flight, each rank's overshoot
-    budget, and which epochs are closed.
+    Owns: the epochs' pools and tallies, the chunks each rank has in hand, their Train orders
+    and window numbers (`orders`), the window gate (this round's and the next's), the
+    snapshots of the round in flight, each rank's overshoot budget, and which epochs are closed.
     Given: the run context (the balance: the plan's counts and overshoot; the holdings, reset
-    after each round; the stop request; the recorder); the membership (who is alive); the
-    windows (Train orders, the window number, deadlines, progress); the reduces (round,
-    snapshots, the average and its bookkeeping); the epochs (`close`); and the bundles
-    (`graceful_stop`). `run` takes the epochs' spans and pools from the resume point on."""
+    after each round; the stop request); the membership (who is alive); the
+    central round (its SyncNow, the snapshots, the average, its bookkeeping and the updates);
+    the epochs (`close`); the bundles (`graceful_stop`); and `deadline_windows` (control.modes).
+    `train` takes the epochs' spans and pools from the resume point on."""
 
-    def __init__(self, ctx: RunContext, *, members: Members, windows: Windows, reduces: Reduces,
-                 epochs: Closes, bundles: Bundles):
-        self.ctx, self.members, self.windows, self.reduces = ctx, members, windows, reduces
+    cuts_windows = True
+    """A stop cuts the ranks' chunks after the batch in hand."""
+    times_reduce = True
+    """ElChe starts from the reduce the ranks timed before training, when they did."""
+    seeds_center = True
+    """Rank 0's initial weights seed the EASGD center before training."""
+
+    def __init__(self, ctx: RunContext, *, members: Members, central: CentralRound, epochs: Closes,
+                 bundles: Bundles, deadline_windows: bool):
+        self.ctx, self.members, self.central = ctx, members, central
         self.epochs, self.bundles = epochs, bundles
+        headroom = ctx.config.elche.deadline_headroom if deadline_windows else None
+        self.orders = Orders(ctx.config.batch_size, ctx.recorder, ctx.balance, headroom)
         self.world, self.config = ctx.world_size, ctx.config
         self.balance, self.holdings = ctx.balance, ctx.holdings
-        self.stop, self.recorder = ctx.stop, ctx.recorder
+        self.stop = ctx.stop
         # the epochs, from `run` on: their spans and pools, orders out, tallies, the oldest
         # epoch with work to hand out and the first not closed
         self.spans: List[EpochSpan] = []
@@ -72,11 +81,12 @@ class AsyncLoop:
     def alive(self) -> Set[int]:
         return self.members.alive
 
-    def give_back(self, epoch: int, slices: list) -> None:
+    def give_back(self, epoch: int, slices: list) -> bool:
         """A dead rank's chunks (since its last snapshot) go back to their epoch's pool, which
         is then the first place new chunks come from."""
         self.pools[epoch].give_back(slices)
         self.dispatch_epoch = min(self.dispatch_epoch, epoch)
+        return True
 
     def _forget_dead(self) -> None:
         for rank in [r for r in range(self.world) if r not in self.alive and self.unfolded.get(r)]:
@@ -94,21 +104,23 @@ class AsyncLoop:
                 self.dispatch_epoch = min(e for e, p in enumerate(self.pools) if p.remaining)
                 self._give(rank)
 
-    def run(self, spans: List[EpochSpan], pools: List[EpochPool], start_epoch: int) -> None:
-        """Train every epoch of `spans` from `start_epoch` on (`pools`: what each hands out)."""
-        self.spans, self.pools = spans, pools
-        self.outstanding = [0] * len(spans)
-        self.tallies = [EpochTally.empty(self.world) for _ in spans]
-        self.dispatch_epoch = self.closed = start_epoch
+    def train(self, course: Course) -> None:
+        """Train every epoch of the course from its start on (its pools: what each hands out)."""
+        self.spans, self.pools = course.spans, course.pools
+        self.orders.batches_before = course.batches_before
+        self.outstanding = [0] * len(self.spans)
+        self.tallies = [EpochTally.empty(self.world) for _ in self.spans]
+        self.dispatch_epoch = self.closed = course.start
         for rank in range(self.world):
             self._give(rank)
         while self.closed < len(self.spans):
-            message = self.ctx.next(expect=(WindowDone, SnapshotTaken), deadline=self._deadline())
+            received = self.ctx.link.next_with_frames(expect=(WindowDone, SnapshotTaken),
+                                                      deadline=self._deadline())
             self._forget_dead()
-            if isinstance(message, WindowDone):
-                self._on_window_done(message)
-            elif message is not None:
-                self._on_snapshot(message)
+            if received is not None and isinstance(received.message, WindowDone):
+                self._on_window_done(received.message)
+            elif received is not None:
+                self._on_snapshot(received)
             self._forget_dead()
             self._maybe_finish_round()
             self._maybe_start_round()
@@ -125,14 +137,14 @@ class AsyncLoop:
             return
         epoch = self.dispatch_epoch
         count = max(1, self.balance.plan.batch_counts[rank])
-        loan = self.windows.deadlines.loan(count, self.windows.deadline_ms())
+        loan = self.orders.deadlines.loan(count, self.orders.deadline_ms())
         slices = self.pools[epoch].take(loan * self.config.batch_size)
         self.outstanding[epoch] += 1
         self.in_hand[rank].append((epoch, slices))
         if self.tallies[epoch].batches == [0] * self.world and self.outstanding[epoch] == 1:
             self.tallies[epoch].started = time.perf_counter()
         self.overshoot[rank] = self._overshoot(count)
-        self.ctx.send(rank, self.windows.train_order(epoch, slices, self.overshoot[rank]))
+        self.ctx.send(rank, self.orders.train_order(epoch, slices, self.overshoot[rank]))
 
     def _overshoot(self, count: int) -> int:
         """Batches past the window a rank may run before SyncNow; below its next count so a
@@ -159,7 +171,7 @@ class AsyncLoop:
             self.after_snapshot[done.rank].append(chunk)
             self.unfolded_after[done.rank].append(done)
         self.unfolded.setdefault(done.rank, []).append(done)
-        self.windows.progress(done.epoch, self.tallies[done.epoch], self.new_window(), done)
+        self.orders.progress(self.ctx.observer, done.epoch, self.tallies[done.epoch], self.new_window(), done)
         self._give(done.rank)
         self._maybe_start_round()
 
@@ -168,7 +180,7 @@ class AsyncLoop:
         epoch's pool (handed out first) and out of the rank's holdings."""
         if done.left:
             self.dispatch_epoch = min(self.dispatch_epoch, epoch)
-        return self.windows.take_back(done, slices, self.pools[epoch])
+        return take_back(done, slices, self.pools[epoch], self.alive, self.holdings, self.config.batch_size)
 
     def _maybe_start_round(self) -> None:
         """Reduce once every rank reached its count (ranks without data count as done)."""
@@ -176,11 +188,9 @@ class AsyncLoop:
             return
         if any(r not in self.window_done and r not in self.idle for r in self.alive):
             return
-        self.windows.next_window()
-        self.reduces.begin_round()
+        self.orders.next_window()
+        self.central.open_round()
         self.rounds_started += 1
-        for rank in sorted(self.alive):
-            self.ctx.send(rank, self.reduces.sync_now(self.reduces.round, self.reduces.global_step))
         self.snapshots = []
         self.round_began = time.monotonic()
 
@@ -192,8 +202,9 @@ class AsyncLoop:
             return None
         return self.round_began + self.config.snapshot_timeout_secs
 
-    def _on_snapshot(self, taken: SnapshotTaken) -> None:
-        snap = self.reduces.take_snapshot(taken, self.window.batches[taken.rank], self.overshoot[taken.rank])
+    def _on_snapshot(self, taken: Received) -> None:
+        rank = taken.message.rank
+        snap = self.central.take_snapshot(taken, self.window.batches[rank], self.overshoot[rank])
         if snap is not None:  # None: the late snapshot of a round that left its rank out
             self.snapshots.append(snap)
 
@@ -207,7 +218,7 @@ class AsyncLoop:
         if missing and (deadline is None or time.monotonic() < deadline):
             return
         if missing:
-            self.reduces.leave_out(missing)
+            self.central.leave_out(missing)
         snapshots = sorted((s for s in self.snapshots if s.rank in self.alive), key=lambda s: s.rank)
         # What the center now holds is forgotten; what a rank trained or holds beyond its
         # snapshot (finished after it, or still in hand) stays owed if the rank dies. Resetting
@@ -219,25 +230,10 @@ class AsyncLoop:
         self.unfolded = {r: self.unfolded.get(r, []) if r in missing else self.unfolded_after[r]
                          for r in self.alive}
         self.unfolded_after = {r: [] for r in range(self.world)}
-        # The reduce's cost is the averaging: ranks keep training while SyncNow and their
-        # snapshots travel, so that latency (up to a slow batch) is not overhead. Counting it let
-        # Warmup double the anchor on noisy rounds (10 -> 80), and the big windows then left
-        # the fast rank idle at the round gate.
-        began, began_ns = time.perf_counter(), self.recorder.now()
-        result = self.reduces.average(snapshots)
-        sync_ms = (time.perf_counter() - began) * 1000.0
-        self.recorder.span("reduce.average", began_ns, self.reduces.round)
-        self.reduces.add_steps(sum(s.steps for s in snapshots))
         epoch = max(self.closed, min(self.dispatch_epoch, len(self.spans) - 1))
-        divergence = result.divergence if result else 0.0
-        self.reduces.after_reduce(self.window, epoch, sync_ms, divergence)
-        stop = self.reduces.tally_nonfinite()
-        self.reduces.send_updates(result, {})
-        self.reduces.note_alignment()  # off the round trip the ranks wait for
-        self.reduces.observe_reduce(epoch, sync_ms, divergence, self.window)
-        self.reduces.clear_late()
-        if stop:
-            self.reduces.fail_nonfinite(self.closed, self._uncovered(self.closed))
+        closing = self.central.average_in(snapshots, self.window, epoch)
+        fail_at = (self.closed, self._uncovered(self.closed)) if closing.stop else None
+        self.central.release_async(closing, fail_at)
         self.window, self.window_done = self.next_window, self.next_done
         self.next_window, self.next_done, self.snapshots = self.new_window(), set(), None
         if self.stop.is_set() and not any(self.in_hand.values()):  # cut windows still out: their round first
