@@ -447,6 +447,16 @@ closed: a rank's takes milliseconds; idle connections without the secret used to
 until they used up the launcher's file descriptors."""
 
 
+@dataclass(frozen=True)
+class ControlEndpoint:
+    """Where the coordinator's ROUTER binds, and the largest frame it accepts (-1: no cap)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: a free port, picked at bind."""
+    max_frame_bytes: int = -1
+
+
 def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
                 secret: bytes, handshake_ms: int = HANDSHAKE_DEADLINE_MS) -> Tuple[zmq.Socket, str, _Gate]:
     """The coordinator's ROUTER, bound to `host` (random port when 0), behind a handshake that

@@ -19,7 +19,7 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts import checkpoint
 from flodl_run.contracts.recipe import Recipe, load_recipe
 from flodl_run.contracts.summary import Summary
-from flodl_run.contracts.wire import Channel, Message, RankFailed, Stop, bind_router
+from flodl_run.contracts.wire import Channel, ControlEndpoint, Message, RankFailed, Stop, bind_router
 from flodl_run.control.async_chunks import AsyncChunks
 from flodl_run.control.central import CentralRound
 from flodl_run.control.collective import CollectiveRound
@@ -86,15 +86,15 @@ class Coordinator:
     family (control.modes picks it) that trains the epochs."""
 
     def __init__(self, config: ExperimentConfig, world_size: int, secret: bytes,
-                 bind_host: str = "127.0.0.1", port: int = 0,
-                 observer: Optional[Observer] = None, shm_prefix: Optional[str] = None,
-                 max_frame_bytes: int = -1, timeline: Optional[Timeline] = None):
+                 endpoint: ControlEndpoint = ControlEndpoint(), observer: Optional[Observer] = None,
+                 shm_prefix: Optional[str] = None, timeline: Optional[Timeline] = None):
         self.config, self.world_size = config, world_size
         self.timeline = timeline or Timeline()
         self.recorder = self.timeline.recorder  # the coordinator's own spans
         self.observer = observer or Observer()
         self._zmq = zmq.Context()  # its own: the handshake gate is one per context
-        sock, self.address, self._gate = bind_router(self._zmq, bind_host, port, max_frame_bytes, secret)
+        sock, self.address, self._gate = bind_router(self._zmq, endpoint.host, endpoint.port,
+                                                       endpoint.max_frame_bytes, secret)
         self.channel = Channel(sock, secret, admitted=self._gate.cap.admitted)
         self.summary = Summary(mode=config.elche.mode.value, outer=config.outer.kind.value,
                                world_size=world_size)

@@ -30,7 +30,7 @@ from flodl_run.config.schema import ClusterConfig, ExperimentConfig, Mode, Recip
 from flodl_run.contracts.rankenv import COORD_ENV, RUN_FILE_ENV, SECRET_ENV, RankEnvironment
 from flodl_run.contracts.signals import KILL_GRACE_S, stop_signal
 from flodl_run.contracts.summary import Summary
-from flodl_run.contracts.wire import frame_limit, new_secret
+from flodl_run.contracts.wire import ControlEndpoint, frame_limit, new_secret
 from flodl_run.control.coordinator import Coordinator
 from flodl_run.control.runstate import STOP_GRACE_S
 from flodl_run.launch.rankproc import RankProcess, forward, host_store
@@ -351,9 +351,10 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
     local = config.cluster.launch_ranks and plan.hosts is None and slurm is None
     shm_prefix = run_prefix() if local else None  # ranks on this host: parameters via /dev/shm
     param_bytes = _param_bytes(config.elche.mode, config.recipe, config.data.transform)
-    coordinator = Coordinator(config, plan.world_size, secret, *_control_address(config.cluster, plan),
-                              observer=observer, shm_prefix=shm_prefix,
-                              max_frame_bytes=frame_limit(param_bytes), timeline=timeline)
+    endpoint = ControlEndpoint(*_control_address(config.cluster, plan),
+                               max_frame_bytes=frame_limit(param_bytes))
+    coordinator = Coordinator(config, plan.world_size, secret, endpoint, observer=observer,
+                              shm_prefix=shm_prefix, timeline=timeline)
     coordinator.mlflow_run_id = mlflow_run_id
     summary_box: List[Summary] = []
     thread = threading.Thread(target=lambda: summary_box.append(coordinator.run()),
