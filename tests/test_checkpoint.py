@@ -91,6 +91,11 @@ def test_resume_continues_the_trajectory_and_matches_an_uninterrupted_run(tmp_pa
         read_meta(tmp_path / "c" / "run" / "checkpoint").global_step == 46
     assert read_meta(tmp_path / "b" / "run" / "checkpoint").sync_round == \
         read_meta(stem).sync_round + resumed["syncs"]
+    # the split planner's fit is saved and restored: the resumed run's first epoch plans from
+    # both ranks' step costs (a fresh planner has none until a window past its first is timed)
+    assert sorted(read_meta(stem).elche_state["shares"]["fit"]["points"]) == ["0", "1"]
+    said = [json.loads(line) for line in (tmp_path / "b" / "run" / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "step_costs" and e["message"].startswith("epoch 2:") for e in said), said
 
 
 def test_resume_keeps_the_elche_phase_and_links_the_mlflow_runs(tmp_path, cadence_pair):

@@ -149,3 +149,44 @@ def test_a_tail_step_is_solved_on_its_own_and_a_new_membership_unbounded():
     full, tail = planner.plan([64, 10], [0, 1], [None, None])
     assert full == [50, 14] and tail == [9, 1]
     assert planner.plan([64], [0], [None, None]) == [[64, 0]]
+
+
+def test_a_planner_saved_in_a_bundle_plans_on_where_it_left_off():
+    """Pins the planner's state through a bundle's JSON: a planner restored from a saved one
+    (mid-way, the split still moving) plans the next windows exactly as the saved one would,
+    where a fresh one starts over from an equal split. Before, a resumed nccl_sync run
+    re-learned its shares from 50/50."""
+    import json
+
+    planner, ms = SharePlanner(), [None, None]
+    for _ in range(3):
+        split = planner.plan([64, 64], [0, 1], ms)[0]
+        for rank in (0, 1):
+            step_ms = _rig_step_ms(rank, split[rank])
+            planner.observe(rank, steps=2, samples=2 * split[rank], compute_ms=2 * step_ms)
+        ms = [_rig_step_ms(r, split[r]) * 32 / split[r] for r in (0, 1)]
+    restored = SharePlanner()
+    restored.load_state(json.loads(json.dumps(planner.export_state())))
+    assert restored.last_split() == planner.last_split() and restored.fit.points(1) == planner.fit.points(1)
+    for _ in range(3):
+        ahead, again = planner.plan([64, 64], [0, 1], ms)[0], restored.plan([64, 64], [0, 1], ms)[0]
+        assert again == ahead
+        for plan in (planner, restored):
+            for rank in (0, 1):
+                plan.observe(rank, 2, 2 * ahead[rank], 2 * _rig_step_ms(rank, ahead[rank]))
+    assert SharePlanner().plan([64], [0, 1], [None, None]) == [[32, 32]]
+    assert ahead == [50, 14]
+
+
+def test_a_slope_read_from_points_close_together_through_noise_is_no_line():
+    """Pins MAX_SLOPE_ERROR: bench=lm_cpu's slow rank at a settled share (15-18 samples a step)
+    gave lines whose fixed cost swung between 0 and 166 ms, and its share between 8 and 18
+    samples of 64. Points like those (6% of noise, under MAX_SCATTER) read 92 ms + 3.2 ms a
+    sample for a device of 5 ms + 8.4 ms, and now read no line; the same noise over shares that
+    differ (10-40 samples) still reads the per-sample cost within 10%."""
+    noise = [1.06, 1.06, 0.94, 0.94, 1.05, 1.03, 1.02, 0.97]
+    settled = [(s, (5.0 + 8.4 * s) * k) for s, k in zip([15, 16, 17, 18, 15, 16, 17, 18], noise)]
+    assert fit_line(settled) is None
+    spread = [(s, (5.0 + 8.4 * s) * k) for s, k in zip([10, 20, 30, 40, 10, 20, 30, 40], noise)]
+    line = fit_line(spread)
+    assert line is not None and line.per_sample_ms == pytest.approx(8.4, rel=0.1)

@@ -57,7 +57,7 @@ class ExactSteps:
         self.global_batch = ctx.world_size * ctx.config.batch_size
         self._boundary = time.perf_counter()
         self._walls: Dict[int, float] = {}  # each rank's window wall (steps, all-reduces included)
-        self.shares = SharePlanner(ctx.config.elche.partition_ratios)
+        self.shares = ctx.balance.shares = SharePlanner(ctx.config.elche.partition_ratios)  # saved
         self._timed: Set[int] = set()  # ranks whose first window (one-time costs) is behind them
 
     def train(self, course: Course) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, NoReturn, Optional, Sequence
+from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence
 
 from flodl_run.control.dispatch import SliceT, as_range
 from flodl_run.elche.balancer import ElChe, Plan, ReduceReport
+from flodl_run.elche.shares import SharePlanner
 
 POLL_MS = 200
 """How long the coordinator waits on its socket before it checks deaths, liveness and stops."""
@@ -127,6 +128,20 @@ class Balance:
     def __init__(self) -> None:
         self.elche: Optional[ElChe] = None
         self.plan: Optional[Plan] = None
+        self.shares: Optional[SharePlanner] = None
+        """nccl_sync's exact steps' split planner (set by that part), saved beside ElChe."""
+
+    def export_state(self) -> Dict[str, Any]:
+        """A bundle's `elche_state`: ElChe's, and the split planner's under `shares`."""
+        state = self.elche.export_state()
+        if self.shares is not None:
+            state["shares"] = self.shares.export_state()
+        return state
+
+    def restore_shares(self, state: Dict[str, Any]) -> None:
+        """The split planner as a bundle left it (a bundle of another mode, or older, has none)."""
+        if self.shares is not None and isinstance(state.get("shares"), dict):
+            self.shares.load_state(state["shares"])
 
     def smoothed_ms(self) -> List[Optional[float]]:
         return self.elche.smoothed_ms() if self.elche is not None else []

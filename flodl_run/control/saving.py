@@ -169,7 +169,7 @@ class Saving:
         return BundleMeta(
             schema_version=checkpoint.SCHEMA_VERSION, epoch=epoch, global_step=global_step,
             sync_round=round_, world_size_at_save=self.world_size, save_reason=reason,
-            elche_state=self.balance.elche.export_state(),
+            elche_state=self.balance.export_state(),
             coverage=Coverage.of_run(self.config, epoch, uncovered),
             config=checkpoint.config_record(dotted_items(self.config)),
             mlflow_run_id=self.run_id, generation=generation, files=files)
@@ -181,6 +181,7 @@ class Saving:
         self.balance.elche = ElChe.from_state(self.config.elche, meta.elche_state,
                                               world_size=self.world_size, epoch_batches=epoch_batches)
         self.balance.elche.rejoin_all()  # a rank the saved run lost is a fresh one now
+        self.balance.restore_shares(meta.elche_state)
         outer_file = checkpoint.bundle_files(stem, meta)["outer"]
         if self.averager is not None and outer_file.is_file():
             state = load_tensors(outer_file)

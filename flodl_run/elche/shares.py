@@ -9,7 +9,7 @@ window length is ElChe's anchor.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from flodl_run.elche.batch_counts import MAX_SPEED_RATIO
 from flodl_run.elche.stepfit import StepCost, StepFit
@@ -156,6 +156,17 @@ class SharePlanner:
         no ratios are stated); else None."""
         costs = [self.fit.cost(r) for r in members]
         return None if self.ratios or not costs or any(c is None for c in costs) else costs
+
+    def export_state(self) -> Dict[str, Any]:
+        """JSON-ready, for a bundle: the fit's points and the last split, so a resumed run plans
+        its first window where the saved one left off instead of from an equal split."""
+        last = None if self._last is None else {str(r): f for r, f in self._last.items()}
+        return {"fit": self.fit.export_state(), "last": last}
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        self.fit.load_state(state.get("fit", {}))
+        last = state.get("last")
+        self._last = None if last is None else {int(r): float(f) for r, f in last.items()}
 
     def last_split(self) -> Dict[int, float]:
         """Each rank's fraction of the last full step planned (empty before the first)."""

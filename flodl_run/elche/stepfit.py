@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 KEEP_POINTS = 8
 """Windows of a rank kept for its line: at the 2 s window cap, the last ~16 s of its compute,
@@ -29,6 +29,12 @@ MAX_SCATTER = 0.10
 step time (root mean square). A loaded machine's windows vary by 30% or more: a line through
 them says nothing of a fixed cost, and the last trusted shape (or the speed rule) plans."""
 
+MAX_SLOPE_ERROR = 0.15
+"""A line is trusted when its slope's standard error, times the mean samples a step, is at
+most this share of the mean step time: points close together (a settled split) with a few
+percent of noise give slopes that swing the fixed cost from 0 to the whole step. Measured on
+bench=lm_cpu's 2.5x-slowed rank (16 samples a step, 140 ms): such lines moved its share
+between 8 and 18 samples of 64 from one epoch to the next, where its speed says 18."""
 MIN_PER_SAMPLE = 0.05
 """The per-sample cost is at least this share of the rank's mean ms per sample: a step whose
 time does not grow with its samples would take the whole batch (a slope at or below zero is a
@@ -52,7 +58,8 @@ def fit_line(points: Sequence[Point]) -> Optional[StepCost]:
     """Least squares `t = a + b s` through the points, clamped: b at least MIN_PER_SAMPLE of
     the mean ms per sample, a at least 0 (each clamp refits the other term). None when there
     is no slope to read: fewer than MIN_POINTS points, samples per step spread less than
-    MIN_SPREAD of their mean, or points scattered more than MAX_SCATTER around the line."""
+    MIN_SPREAD of their mean, points scattered more than MAX_SCATTER around the line, or a
+    slope too uncertain for the spread of the points (MAX_SLOPE_ERROR)."""
     usable = [(s, t) for s, t in points if s > 0 and t > 0]
     n = len(usable)
     if n < MIN_POINTS:
@@ -66,6 +73,9 @@ def fit_line(points: Sequence[Point]) -> Optional[StepCost]:
     slope = sum((s - mean_s) * (t - mean_t) for s, t in usable) / var
     scatter = (sum((t - mean_t - slope * (s - mean_s)) ** 2 for s, t in usable) / n) ** 0.5
     if scatter > MAX_SCATTER * mean_t:
+        return None
+    slope_error = scatter * (n / max(n - 2, 1)) ** 0.5 / var ** 0.5  # the slope's standard error
+    if slope_error * mean_s > MAX_SLOPE_ERROR * mean_t:
         return None
     floor = MIN_PER_SAMPLE * mean_t / mean_s
     slope = max(slope, floor)
@@ -122,3 +132,14 @@ class StepFit:
 
     def points(self, rank: int) -> List[Point]:
         return list(self._points.get(rank, ()))
+
+    def export_state(self) -> Dict[str, Any]:
+        """JSON-ready: each rank's points and last line's shape (ranks as strings)."""
+        return {"points": {str(r): [list(p) for p in pts] for r, pts in self._points.items()},
+                "fixed_samples": {str(r): f for r, f in self._fixed_samples.items()}}
+
+    def load_state(self, state: Dict[str, Any]) -> None:
+        """What `export_state` wrote; the newest KEEP_POINTS points of a rank are kept."""
+        self._points = {int(r): deque(((float(s), float(t)) for s, t in pts), maxlen=KEEP_POINTS)
+                        for r, pts in state.get("points", {}).items()}
+        self._fixed_samples = {int(r): float(f) for r, f in state.get("fixed_samples", {}).items()}
