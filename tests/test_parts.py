@@ -86,9 +86,13 @@ def protocols(found: dict[str, ast.ClassDef]) -> set[str]:
             if any(ast.unparse(b) == "Protocol" for b in cls.bases)}
 
 
-def offers(cls: ast.ClassDef) -> set[str]:
-    """What a class offers: its methods and properties, and the attributes its __init__ sets."""
+def offers(cls: ast.ClassDef, found: dict[str, ast.ClassDef] | None = None) -> set[str]:
+    """What a class offers: its methods and properties, and the attributes its __init__ sets;
+    with `found`, what its base classes among them offer too."""
     names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    for base in cls.bases if found is not None else ():
+        if isinstance(base, ast.Name) and base.id in found:
+            names |= offers(found[base.id], found)
     init = init_of(cls)
     for node in ast.walk(init) if init is not None else ():
         targets = node.targets if isinstance(node, ast.Assign) else \
@@ -187,7 +191,8 @@ def test_every_protocol_is_documented_and_offered(found, doc) -> None:
     assert set(documented) == protocols(found)
     for name, (offerer, names) in documented.items():
         assert names == protocol_members(found, name), name
-        assert names <= offers(found[offerer]), f"{offerer} lacks {sorted(names - offers(found[offerer]))}"
+        assert names <= offers(found[offerer], found), \
+            f"{offerer} lacks {sorted(names - offers(found[offerer], found))}"
 
 
 def test_a_part_asks_a_protocol_only_what_it_names(found) -> None:

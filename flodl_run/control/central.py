@@ -11,15 +11,15 @@ from typing import Dict, List, Optional, Set, Tuple
 from flodl_run.averaging.central import CentralAverager, CentralResult, Snapshot
 from flodl_run.averaging.frames import as_frame, dtype_names, from_frames
 from flodl_run.averaging.shm import Mapper, Slab
-from flodl_run.contracts.wire import Received, SnapshotTaken, SyncNow, Train, Update
+from flodl_run.contracts.wire import Received, SnapshotTaken, Train, Update
 from flodl_run.control.context import Members, RunContext
 from flodl_run.control.nonfinite import NonfiniteLedger
-from flodl_run.control.rounds import Closing, RoundBook
+from flodl_run.control.rounds import BookedRound, Closing, RoundBook
 from flodl_run.control.runstate import RunAborted, ShutdownWithSave
 from flodl_run.control.tallies import EpochTally, WindowTally
 
 
-class CentralRound:
+class CentralRound(BookedRound):
     """Owns: the snapshot-timeout state (ranks left out of a round, the steps they owe, the
     ranks `late` this round) and the shared-memory state (the mapper of the ranks' slabs,
     which ranks use it, the update slab). Given: the run context (link, recorder, config);
@@ -42,22 +42,6 @@ class CentralRound:
         self._left_out: Dict[int, int] = {}
         self._owed: Dict[int, int] = {}
         self.late: Set[int] = set()
-
-    @property
-    def round(self) -> int:
-        return self.book.round
-
-    @property
-    def global_step(self) -> int:
-        return self.book.global_step
-
-    def sync_now(self, round_: int, global_step: int) -> SyncNow:
-        """The reduce order of `round_` (the round book's)."""
-        return self.book.sync_now(round_, global_step)
-
-    def nonfinite_pending(self) -> bool:
-        """A rank was found non-finite since the last reduce (the ledger's news)."""
-        return self.ledger.nonfinite_pending()
 
     @property
     def alive(self) -> Set[int]:

@@ -8,15 +8,15 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from flodl_run.contracts.wire import Reduced, ReduceFailed, SyncNow, Train
+from flodl_run.contracts.wire import Reduced, ReduceFailed, Train
 from flodl_run.control.context import Members, RunContext
 from flodl_run.control.nonfinite import NonfiniteLedger
-from flodl_run.control.rounds import Closing, RoundBook
+from flodl_run.control.rounds import BookedRound, Closing, RoundBook
 from flodl_run.control.runstate import ShutdownWithSave
 from flodl_run.control.tallies import EpochTally, WindowTally
 
 
-class CollectiveRound:
+class CollectiveRound(BookedRound):
     """One consensus round among the ranks, then ElChe's report; `release` sends the next
     orders. Given: the run context (link, recorder); the membership (who is alive, whether a
     regroup is due, the regroup itself); the round book; the non-finite ledger."""
@@ -24,22 +24,6 @@ class CollectiveRound:
     def __init__(self, ctx: RunContext, *, members: Members, book: RoundBook, ledger: NonfiniteLedger):
         self.ctx, self.members, self.book, self.ledger = ctx, members, book, ledger
         self.recorder = ctx.recorder
-
-    @property
-    def round(self) -> int:
-        return self.book.round
-
-    @property
-    def global_step(self) -> int:
-        return self.book.global_step
-
-    def sync_now(self, round_: int, global_step: int) -> SyncNow:
-        """The reduce order of `round_` (the round book's)."""
-        return self.book.sync_now(round_, global_step)
-
-    def nonfinite_pending(self) -> bool:
-        """A rank was found non-finite since the last reduce (the ledger's news)."""
-        return self.ledger.nonfinite_pending()
 
     def reduce(self, window: WindowTally, epoch_tally: EpochTally, epoch: int, *,
                ahead: Dict[int, Train], sync_sent: bool = False, final: bool = False,

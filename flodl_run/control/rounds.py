@@ -146,3 +146,27 @@ class RoundBook:
         self.observer.on_report(ReportRecord(
             epoch, tally.reports, fraction, self.global_step, loss / max(counted, 1),
             roll_up(tally.scalars, self.config.scalar_reductions)))
+
+
+class BookedRound:
+    """What a reduce round (collective or central) answers from its round book and non-finite
+    ledger, the `Rounds` protocol's counters and news: a subclass sets `book` (a RoundBook) and
+    `ledger` (the run's NonfiniteLedger, which imports this module)."""
+
+    book: RoundBook
+
+    @property
+    def round(self) -> int:
+        return self.book.round
+
+    @property
+    def global_step(self) -> int:
+        return self.book.global_step
+
+    def sync_now(self, round_: int, global_step: int) -> SyncNow:
+        """The reduce order of `round_` (the round book's)."""
+        return self.book.sync_now(round_, global_step)
+
+    def nonfinite_pending(self) -> bool:
+        """A rank was found non-finite since the last reduce (the ledger's news)."""
+        return self.ledger.nonfinite_pending()
