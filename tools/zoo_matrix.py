@@ -75,87 +75,14 @@ def _error_lines(log: Path) -> str:
     return f"\n{log.name}: " + "\n".join(hits[-6:])
 
 
-SPEED = """
-import json, statistics, sys, time, torch
-from omegaconf import OmegaConf
-import flodl_run
-from flodl_run.config.compose import compose, to_experiment
-from flodl_run.contracts.recipe import import_recipe
-
-name, device, epochs, compile_backend, rounds, out = json.loads(sys.argv[1])
-device = torch.device(device)
-overrides = [f"recipe={name}", f"num_epochs={epochs}", "tracking=off", "cluster=solo",
-             f"device={device.type}"] + ([f"recipe.compile={compile_backend}"] if compile_backend else [])
-config, problems = to_experiment(compose(overrides))
-assert not problems, problems
-cfg = config.recipe
-
-
-def own_loop():
-    # a careful user's loop: the recipe's model, optimizer and train_step, every sample on the
-    # device once, batches by index, autocast and a GradScaler as recipe.amp asks
-    recipe = import_recipe(cfg.module, cfg.params)
-    torch.manual_seed(config.seed)
-    model = recipe.call("build_model", device)
-    if compile_backend and not hasattr(model, "_orig_mod"):
-        model = torch.compile(model, backend=compile_backend)
-    optimizer = recipe.call("build_optimizer", model.parameters(), model=model)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.amp.value)
-    scaler = torch.amp.GradScaler(device.type) if cfg.amp.value == "fp16" else None
-    data = recipe.call("train_dataset")
-    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
-    if isinstance(rows, dict):
-        rows = {k: v.to(device) for k, v in rows.items()}
-        take = lambda i: {k: v[i] for k, v in rows.items()}
-    else:
-        rows = [v.to(device) for v in rows]
-        take = lambda i: [v[i] for v in rows]
-    times = []
-    for epoch in range(epochs):
-        order = torch.randperm(len(data), device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        for start in range(0, len(data), config.batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = recipe.train_step(model, take(order[start:start + config.batch_size]))
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) * 1000.0)
-    return statistics.median(times[1:] or times)
-
-
-def ours(k):
-    result = flodl_run.train(config, run_dir=f"{out}/{k}")
-    times = [e.epoch_ms - (e.eval_ms or 0.0) for e in result.summary.epochs]
-    return statistics.median(times[1:] or times)
-
-
-mine, theirs = [], []
-for k in range(rounds):  # A B A B: the machine's speed drifts within a call
-    theirs.append(own_loop())
-    mine.append(ours(k))
-print(json.dumps({"ours_ms": statistics.median(mine), "own_loop_ms": statistics.median(theirs),
-                  "ratio": statistics.median(theirs) / statistics.median(mine),
-                  "ours_all": mine, "own_all": theirs}))
-"""
-
-
 def speed_rounds(name: str, device: str, epochs: int, compiled: bool, rounds: int, out: Path) -> Dict:
     """The solo path (flodl_run.train, in-process) and a careful user's own loop, alternated
     `rounds` times in one process: each one's median training ms per epoch (the first epoch,
     warm-up and compile, left out; our eval left out), and own / ours."""
-    backend = ("inductor" if device == "cuda" else "aot_eager") if compiled else None
-    args = json.dumps([name, device, epochs, backend, rounds, str(out / f"speed-{name}-{compiled:d}")])
-    proc = subprocess.run([sys.executable, "-c", SPEED, args], cwd=REPO, capture_output=True, text=True)
+    cmd = [sys.executable, str(REPO / "tools" / "zoo_speed.py"), name, "--device", device,
+           "--epochs", str(epochs), "--rounds", str(rounds), "--out", str(out / "speed")]
+    proc = subprocess.run(cmd + (["--compiled"] if compiled else []), cwd=REPO, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         return {"ours_ms": None, "own_loop_ms": None, "ratio": None, "error": proc.stderr[-600:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])

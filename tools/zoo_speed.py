@@ -1,0 +1,185 @@
+"""The solo path (`flodl_run.train`, `cluster=solo`, in this process) against a careful user's
+own loop over the same zoo recipe: the same model, optimizer, train_step and autocast, every
+sample on the device once, batches by index. The two alternate (A B A B ...) in one process,
+since a machine's speed drifts within a call, and each one's median training ms per epoch is
+compared (the first epoch, warm-up and compile, left out; our eval left out).
+
+    python3 tools/zoo_speed.py zoo_frozen --device cuda --epochs 6 --rounds 3 [--compiled] [--profile]
+
+Prints one JSON line last: ours_ms, own_loop_ms, ratio (own / ours: 1.0 is as fast as the own
+loop), every round's figures, and Python's collections during each loop. With --profile, one
+more epoch-run of each under cProfile first prints where the host's time went in each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import flodl_run
+from flodl_run.config.compose import compose, to_experiment
+from flodl_run.config.schema import ExperimentConfig
+from flodl_run.contracts.recipe import import_recipe
+
+
+def experiment(name: str, device: torch.device, epochs: int, backend: Optional[str]) -> ExperimentConfig:
+    overrides = [f"recipe={name}", f"num_epochs={epochs}", "tracking=off", "cluster=solo",
+                 f"device={device.type}"] + ([f"recipe.compile={backend}"] if backend else [])
+    config, problems = to_experiment(compose(overrides))
+    if problems:
+        raise SystemExit(f"bad overrides {overrides}: {problems}")
+    return config
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[str]) -> List[float]:
+    """A careful user's loop over the recipe; its ms per epoch (training only)."""
+    cfg = config.recipe
+    recipe = import_recipe(cfg.module, cfg.params)
+    torch.manual_seed(config.seed)
+    model = recipe.call("build_model", device)
+    if backend and not hasattr(model, "_orig_mod"):
+        model = torch.compile(model, backend=backend)
+    optimizer = recipe.call("build_optimizer", model.parameters(), model=model)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.amp.value)
+    scaler = torch.amp.GradScaler(device.type) if cfg.amp.value == "fp16" else None
+    data = recipe.call("train_dataset")
+    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
+    if isinstance(rows, dict):
+        rows = {k: v.to(device) for k, v in rows.items()}
+
+        def take(i):
+            return {k: v[i] for k, v in rows.items()}
+    else:
+        rows = [v.to(device) for v in rows]
+
+        def take(i):
+            return [v[i] for v in rows]
+    model.train()
+    times = []
+    for _ in range(config.num_epochs):
+        order = torch.randperm(len(data), device=device)
+        _sync(device)
+        began = time.perf_counter()
+        for start in range(0, len(data), config.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = recipe.train_step(model, take(order[start:start + config.batch_size]))
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+        _sync(device)
+        times.append((time.perf_counter() - began) * 1000.0)
+    return times
+
+
+DELIVERY: List[str] = []
+"""The solo path's delivery and data wait per epoch, last run (resident after the first step)."""
+
+
+def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
+    """The solo path's ms per epoch (its training, its eval left out)."""
+    result = flodl_run.train(config, run_dir=run_dir)
+    DELIVERY[:] = [f"{e.per_rank_delivery[0]} {e.per_rank_data_starve_ms[0]:.1f} ms"
+                   for e in result.summary.epochs]
+    return [e.epoch_ms - (e.eval_ms or 0.0) for e in result.summary.epochs]
+
+
+class Collections:
+    """Python's garbage collections while it is on: count and ms by generation."""
+
+    def __init__(self):
+        self.count = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: Dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._began) * 1000.0
+
+    def during(self, fn: Callable[[], List[float]]) -> List[float]:
+        gc.callbacks.append(self)
+        try:
+            return fn()
+        finally:
+            gc.callbacks.remove(self)
+
+
+def profiled(label: str, fn: Callable[[], List[float]]) -> None:
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"---- {label}: where the host's time went (cProfile, tottime) ----\n{text.getvalue()}")
+
+
+def traced(label: str, fn: Callable[[], List[float]], device: torch.device) -> None:
+    """torch.profiler over one run: host time by op, and the device's busy time, so a loop
+    that is host-bound (the device idles between launches) shows against one that is not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        epochs = fn()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48)
+    print(f"---- {label}: torch.profiler, epochs {[round(t, 1) for t in epochs]} ----\n{table}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--out", default="outputs/zoo_speed")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--trace", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    backend = ("inductor" if device.type == "cuda" else "aot_eager") if args.compiled else None
+    config = experiment(args.name, device, args.epochs, backend)
+    run_dir = f"{args.out}/{args.name}-{int(args.compiled)}"
+    if args.profile:
+        profiled("own loop", lambda: own_loop(config, device, backend))
+        profiled("solo path", lambda: ours(config, f"{run_dir}/profile"))
+    if args.trace:
+        traced("own loop", lambda: own_loop(config, device, backend), device)
+        traced("solo path", lambda: ours(config, f"{run_dir}/trace"), device)
+    mine, theirs = [], []
+    gc_ours, gc_own = Collections(), Collections()
+    for k in range(args.rounds):  # A B A B: the machine's speed drifts within a call
+        theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
+        mine.append(gc_ours.during(lambda: ours(config, f"{run_dir}/{k}")))
+    med_ours = statistics.median(t for run in mine for t in run[1:] or run)
+    med_own = statistics.median(t for run in theirs for t in run[1:] or run)
+    print(json.dumps({"ours_ms": med_ours, "own_loop_ms": med_own, "ratio": med_own / med_ours,
+                      "ours_all": mine, "own_all": theirs, "delivery": DELIVERY,
+                      "gc_ours": {"count": gc_ours.count, "ms": gc_ours.ms},
+                      "gc_own": {"count": gc_own.count, "ms": gc_own.ms}}))
+
+
+if __name__ == "__main__":
+    main()
