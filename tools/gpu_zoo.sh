@@ -3,7 +3,7 @@
 #   bash tools/device_run.sh bash tools/gpu_zoo.sh [speed] [profile] [matrix] [compiled] [unused]
 # speed:    the solo path against a careful user's own loop, every zoo model, eager (and compiled
 #           with `compiled`), 6 epochs x 3 alternated rounds each
-# profile:  where the host's time goes in both loops (cProfile), zoo_frozen and zoo_amp, eager
+# profile:  where the host's time goes in both loops (torch.profiler), zoo_frozen and zoo_gpt2, eager
 # matrix:   every zoo model in solo and the five modes, two ranks sharing GPU 0, eager (and
 #           compiled with `compiled`)
 # unused:   zoo_unused compiled in the five two-rank modes, every failure's log kept
@@ -33,8 +33,8 @@ PY
 }
 
 if [[ $ARGS == *" profile "* ]]; then
-  for m in zoo_frozen zoo_amp; do
-    python3 tools/zoo_speed.py "$m" --device cuda --epochs 6 --rounds 1 --profile --out /tmp/zs \
+  for m in zoo_frozen zoo_gpt2; do
+    python3 tools/zoo_speed.py "$m" --device cuda --epochs 6 --rounds 1 --trace --out /tmp/zs \
       > "$OUT/profile-$m.txt" 2>&1
     tail -1 "$OUT/profile-$m.txt"
   done

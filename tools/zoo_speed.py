@@ -6,8 +6,9 @@ compared (the first epoch, warm-up and compile, left out; our eval left out).
 
     python3 tools/zoo_speed.py zoo_frozen --device cuda --epochs 6 --rounds 3 [--compiled] [--profile]
 
-Prints one JSON line last: ours_ms, own_loop_ms, ratio (own / ours: 1.0 is as fast as the own
-loop), every round's figures, and Python's collections during each loop. With --profile, one
+Prints one JSON line last: ours_ms and own_loop_ms (medians of the rounds' median epochs), ratio
+(own / ours, the median of the rounds' ratios: 1.0 is as fast as the own loop), every round's
+figures, and Python's collections during each loop. With --profile, one
 more epoch-run of each under cProfile first prints where the host's time went in each.
 """
 
@@ -31,9 +32,11 @@ from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts.recipe import import_recipe
 
 
-def experiment(name: str, device: torch.device, epochs: int, backend: Optional[str]) -> ExperimentConfig:
+def experiment(name: str, device: torch.device, epochs: int, backend: Optional[str],
+               extra: List[str] = ()) -> ExperimentConfig:
     overrides = [f"recipe={name}", f"num_epochs={epochs}", "tracking=off", "cluster=solo",
                  f"device={device.type}"] + ([f"recipe.compile={backend}"] if backend else [])
+    overrides += list(extra)
     config, problems = to_experiment(compose(overrides))
     if problems:
         raise SystemExit(f"bad overrides {overrides}: {problems}")
@@ -157,10 +160,11 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/zoo_speed")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--trace", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("overrides", nargs="*", help="more overrides (recipe.params.hidden=8)")
+    args = parser.parse_intermixed_args()
     device = torch.device(args.device)
     backend = ("inductor" if device.type == "cuda" else "aot_eager") if args.compiled else None
-    config = experiment(args.name, device, args.epochs, backend)
+    config = experiment(args.name, device, args.epochs, backend, args.overrides)
     run_dir = f"{args.out}/{args.name}-{int(args.compiled)}"
     if args.profile:
         profiled("own loop", lambda: own_loop(config, device, backend))
@@ -173,12 +177,22 @@ def main() -> None:
     for k in range(args.rounds):  # A B A B: the machine's speed drifts within a call
         theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
         mine.append(gc_ours.during(lambda: ours(config, f"{run_dir}/{k}")))
-    med_ours = statistics.median(t for run in mine for t in run[1:] or run)
-    med_own = statistics.median(t for run in theirs for t in run[1:] or run)
-    print(json.dumps({"ours_ms": med_ours, "own_loop_ms": med_own, "ratio": med_own / med_ours,
-                      "ours_all": mine, "own_all": theirs, "delivery": DELIVERY,
-                      "gc_ours": {"count": gc_ours.count, "ms": gc_ours.ms},
-                      "gc_own": {"count": gc_own.count, "ms": gc_own.ms}}))
+    print(json.dumps(summary(mine, theirs) | {
+        "delivery": DELIVERY, "gc_ours": {"count": gc_ours.count, "ms": gc_ours.ms},
+        "gc_own": {"count": gc_own.count, "ms": gc_own.ms}}))
+
+
+def summary(mine: List[List[float]], theirs: List[List[float]]) -> Dict:
+    """Each round's median epoch (its first left out) for both loops, and own / ours as the
+    median of the rounds' ratios: a round's two runs ran next to each other, so the machine's
+    drift over the call falls out of each ratio."""
+    ours_by_round = [statistics.median(run[1:] or run) for run in mine]
+    own_by_round = [statistics.median(run[1:] or run) for run in theirs]
+    ratios = [own / ours for own, ours in zip(own_by_round, ours_by_round)]
+    return {"ours_ms": statistics.median(ours_by_round), "own_loop_ms": statistics.median(own_by_round),
+            "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios],
+            "ours_rounds_ms": [round(t, 1) for t in ours_by_round],
+            "own_rounds_ms": [round(t, 1) for t in own_by_round]}
 
 
 if __name__ == "__main__":

@@ -63,7 +63,10 @@ class Worker:
         """Add `loss` (a tensor on the device, or a float) to the current batch's loss. It is
         summed on the device and read once per window, so reporting costs no device sync;
         several reports in one batch add up."""
-        self._report(loss.detach() if isinstance(loss, torch.Tensor) else float(loss))
+        if isinstance(loss, torch.Tensor):
+            self._report(loss.detach() if loss.requires_grad else loss)
+        else:
+            self._report(float(loss))
 
     def step(self, batch: Any) -> torch.Tensor:
         """The built-in step on `batch` (see Replica.step; under nccl_sync's exact path one

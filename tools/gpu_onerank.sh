@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# nccl_sync with one rank on one H200 against the solo path, compiled byte_lm (bf16, fused AdamW,
+# batch 256), for the device tool (carry .whl):
+#   bash tools/device_run.sh bash tools/gpu_onerank.sh
+# The bench runs the bare loop (solo@1.0), flodl_run's in-process path (runner_solo@1.0) and the
+# one-rank nccl_sync run, 3 rounds each (the first one compiles on a cold inductor cache; the
+# median drops it). Run dirs stay in /tmp; bench.json and bench.md go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m flodl_run.bench tracking=off hydra.run.dir=/tmp/onerank \
+  cluster=local_gpus 'cluster.devices=[0]' 'bench.modes=[nccl_sync]' \
+  "bench.recipes=[{name:byte_lm,overrides:['recipe.params.max_bytes=${MAX_BYTES:-10000000}']}]" \
+  bench.torch_ddp=false bench.torch_localsgd=false bench.batch_size=256 bench.epochs=3 \
+  bench.repeats=3 bench.timeout_s=400
+status=$?
+cp /tmp/onerank/bench.json /tmp/onerank/bench.md "$OUT/" 2>/dev/null
+exit $status
