@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The zoo on one H200, for the device tool (carry .whl):
 #   bash tools/device_run.sh bash tools/gpu_zoo.sh [speed] [profile] [matrix] [compiled] [unused]
-# speed:    the solo path against a careful user's own loop, every zoo model, eager (and compiled
-#           with `compiled`), 6 epochs x 3 alternated rounds each
+# speed:    the solo path against a careful user's own loop, 4 epochs x 8 paired rounds each;
+#           every zoo model (or $SPEED_MODELS), each build of $SPEED_BUILDS (default eager)
 # profile:  where the host's time goes in both loops (torch.profiler), zoo_frozen and zoo_gpt2, eager
 # matrix:   every zoo model in solo and the five modes, two ranks sharing GPU 0, eager (and
 #           compiled with `compiled`)
@@ -41,13 +41,13 @@ if [[ $ARGS == *" profile "* ]]; then
 fi
 
 if [[ $ARGS == *" speed "* ]]; then
-  builds="eager"
-  [[ $ARGS == *" compiled "* ]] && builds="eager compiled"
-  for m in $MODELS; do
-    for b in $builds; do
+  for m in ${SPEED_MODELS:-$MODELS}; do
+    for b in ${SPEED_BUILDS:-eager}; do
       flag=""; [ "$b" = compiled ] && flag="--compiled"
-      line=$(python3 tools/zoo_speed.py "$m" --device cuda --epochs 6 --rounds 3 $flag --out /tmp/zs 2>"$OUT/speed-$m-$b.err" | tail -1)
-      echo "{\"model\": \"$m\", \"build\": \"$b\", \"result\": ${line:-null}}" | tee -a "$OUT/speed.jsonl" | cut -c1-200
+      line=$(python3 tools/zoo_speed.py "$m" --device cuda --epochs 4 --rounds 8 $flag --out /tmp/zs 2>/tmp/zs.err | tail -1)
+      [ -n "$line" ] || { line=null; tail -5 /tmp/zs.err; }
+      echo "{\"model\": \"$m\", \"build\": \"$b\", \"result\": $line}" >> "$OUT/speed.jsonl"
+      python3 -c "import json,sys; d=json.loads(sys.argv[1]); r=d['result'] or {}; print(d['model'], d['build'], 'ratio', r.get('ratio'), r.get('ratios'))" "$(tail -1 "$OUT/speed.jsonl")"
     done
   done
 fi
@@ -59,7 +59,7 @@ if [[ $ARGS == *" unused "* ]]; then
 fi
 
 if [[ $ARGS == *" matrix "* ]]; then
-  python3 tools/zoo_matrix.py --device cuda --epochs 2 --jobs 6 --out /tmp/matrix 2>&1 | tail -14
+  python3 tools/zoo_matrix.py --device cuda --epochs ${MATRIX_EPOCHS:-2} --jobs 8 --out /tmp/matrix 2>&1 | tail -14
   keep /tmp/matrix matrix
   if [[ $ARGS == *" compiled "* ]]; then
     python3 tools/zoo_matrix.py --device cuda --epochs 1 --jobs 8 --compiled --out /tmp/matrix_c 2>&1 | tail -24
