@@ -445,10 +445,10 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
 
     sweep_dir = tmp_path / "multirun"
     launcher = start_cli("-m", "hydra/launcher=slurm", "elche=nccl_sync,nccl_cadence", "cluster=slurm",
-                         "cluster.num_ranks=1", "cluster.threads_per_rank=1", "num_epochs=20",
+                         "cluster.num_ranks=1", "cluster.threads_per_rank=1", "num_epochs=30",
                          f"tracking.uri=sqlite:///{mlflow_db}", f"hydra.sweep.dir={sweep_dir}",
                          env=slurm)
-    wait_for("job 0 trained an epoch", lambda: "epoch 2/20" in text_of(sweep_dir / "0" / "cli.log"))
+    wait_for("job 0 trained an epoch", lambda: "epoch 2/30" in text_of(sweep_dir / "0" / "cli.log"))
     task, _ = _array_task(slurm, 0)
     assert task is not None
     subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
