@@ -47,6 +47,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -77,10 +78,27 @@ def _compile_the_package() -> None:
     (2.7 CPU-s without the caches, 2.4 with). An editable install has no caches until a run
     writes them; a wheel's install compiles them, as this does."""
     import compileall
+    import re
 
     root = Path(__file__).resolve().parents[1]
     for package in ("flodl_run", "hydra_plugins", "recipes"):
         compileall.compile_dir(root / package, quiet=1)
+    # the tests' helpers (support, fakes, the test recipes) too; test modules are pytest's to cache
+    compileall.compile_dir(root / "tests", quiet=1, rx=re.compile(r"(^|/)test_[^/]*\.py$"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Let pytest keep the test modules it rewrote (their asserts) in tests/__pycache__ even
+    under PYTHONDONTWRITEBYTECODE=1: every worker collects the whole suite, and rewrote and
+    compiled each of ~100 modules again, every run (`pytest --collect-only`: 9.1 CPU-seconds
+    without the cache, 7.1 with it, for each worker). Only while collecting: what the tests
+    import later writes nothing, as before."""
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, False
+    try:
+        return (yield)
+    finally:
+        sys.dont_write_bytecode = before
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups to schedule

@@ -96,12 +96,16 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
 
 _server: Optional[LaunchServer] = None
 
+TRACKED_PRELOAD = ["mlflow", "matplotlib.figure"]
+"""What the suite's runs import beyond a bench's (bench.run.PRELOAD): a tracked run's launcher
+MLflow, a sweep's comparison matplotlib."""
+
 
 def launch_server() -> LaunchServer:
     """This worker's launch server (flodl_run/launch/launchserver.py), started on first use."""
     global _server
     if _server is None or not _server.alive():
-        _server = LaunchServer.spawn(str(REPO), [*PRELOAD, "flodl_run.bench.run"])
+        _server = LaunchServer.spawn(str(REPO), [*PRELOAD, *TRACKED_PRELOAD, "flodl_run.bench.run"])
     return _server
 
 

@@ -126,10 +126,11 @@ def test_sigint_stops_every_rank_within_10_seconds(tmp_path):
 def test_ranks_started_by_torchrun_join_a_controller_only_launcher(tmp_path):
     """Pins the torchrun contract: `cluster.launch_ranks=false` starts only the coordinator and
     `torchrun -m flodl_run.rank` with the announced environment completes the run. The secret's
-    file goes with the run (it stayed in the run dir after it)."""
+    file goes with the run (it stayed in the run dir after it). One rank: several, numbered by
+    torchrun across its agents, are test_torchrun_multinode's; each is a fresh interpreter."""
     run_dir = tmp_path / "run"
-    launcher, env = start_controller(run_dir, 2, "num_epochs=1")
-    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+    launcher, env = start_controller(run_dir, 1, "num_epochs=1")
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
                             f"--master-port={_free_port()}", "-m", "flodl_run.rank"],
                            cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=120)

@@ -174,11 +174,12 @@ class Job:
         return [sys.executable, "-m", "flodl_run", *self.overrides, f"hydra.run.dir={run_dir}"]
 
 
-PRELOAD = ["hydra", "mlflow", "matplotlib.figure", "flodl_run.cli", "flodl_run.launch.launcher",
-           "flodl_run.launch.supervisor", "flodl_run.bench.peers"]
-"""What the bench's launch server imports before it forks the runs: a tracked run's launcher
-imports MLflow, a sweep's comparison and the bench's plot matplotlib, the coordinator zmq and
-the averaging; the peers their own module."""
+PRELOAD = ["hydra", "flodl_run.cli", "flodl_run.launch.launcher", "flodl_run.launch.supervisor",
+           "flodl_run.bench.peers"]
+"""What the bench's launch server imports before it forks the runs: the coordinator zmq and the
+averaging; the peers their own module. Not MLflow (1.5 CPU-s) nor matplotlib (0.5): every run
+is given tracking=off (the bench logs them from its own process) and none is a sweep, so no
+run draws a comparison; a run whose bench.overrides turn tracking back on imports MLflow itself."""
 
 PEER_KINDS = ("solo", "torch_ddp", "torch_localsgd")
 
