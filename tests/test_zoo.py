@@ -40,7 +40,11 @@ BATCH = 16  # per rank; a global step is 32 samples
 # the global batch (the LR scaled by 2), and the averaging modes average replicas: not the same
 # trajectory. None: no bound holds that early (ResNet's BatchNorm under parameter averaging sat
 # at 0.15-0.6 where solo reached 0.84; docs/benchmarks.md has the GPU's figures).
-TOLERANCE = {"zoo_gpt2": 0.6, "zoo_bert_cls": 0.25, "zoo_resnet": None, "zoo_amp": 0.3}
+# zoo_compiled is the digits CNN with BatchNorm: with shares 3:1 and twice the batch, its
+# nccl_sync run read 0.753 where solo read 0.967, the same as the eager CNN in that cell and
+# near solo's own 0.792 at the global batch of 32 with the scaled LR (half the steps).
+TOLERANCE = {"zoo_gpt2": 0.6, "zoo_bert_cls": 0.25, "zoo_resnet": None, "zoo_amp": 0.3,
+             "zoo_compiled": 0.3}
 DEFAULT_TOLERANCE = 0.2
 # Small data sets: the cells check correctness, not learning (params the recipes take).
 SIZES = {"zoo_gpt2": [f"recipe.params.max_bytes={12000 if FULL else 5000}"],
