@@ -153,16 +153,29 @@ def _batch(data, rows: torch.Tensor):
 
 
 def _weighted_step(replica: Replica, batches: List, weights: List[float]) -> None:
+    """One global step as torch DDP takes it: each rank's part backward on its own (scaled) loss,
+    its gradient weighted after backward as the reducer's hook weighs a bucket, the weighted
+    gradients summed, then one optimizer step. (Weighting the loss before backward is the same
+    in exact arithmetic but not under fp16: the smaller backward overflows on other steps than
+    DDP's, and the GradScaler skips others.)"""
     model = replica.model
     model.train()
     replica.optimizer.zero_grad(set_to_none=True)
+    summed: Dict[str, torch.Tensor] = {}
     kept = None
     for k, (batch, weight) in enumerate(zip(batches, weights)):
+        for p in model.parameters():
+            p.grad = None
         with replica.precision.autocast():
             loss = replica.recipe.train_step(model, batch)
-        replica.precision.backward(loss * weight)
+        replica.precision.backward(loss)
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                summed[n] = summed[n] + p.grad * weight if n in summed else p.grad * weight
         if k == 0:
             kept = {n: b.clone() for n, b in model.named_buffers()}
+    for n, p in model.named_parameters():
+        p.grad = summed.get(n)
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(kept[n])
