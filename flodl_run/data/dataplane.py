@@ -120,7 +120,7 @@ class DataPlane:
             works = [Work(rows) for rows in indices.split(batch_size)]
         else:
             works = list(self.picks.epoch_works(epoch, indices, batch_size))
-        order = _OrderOnDevice(indices, self.device)
+        order = _OrderOnDevice(indices, self._upload)
         for i, work in enumerate(works):
             yield self._deliver(work, works[i + 1:i + 1 + mb.MAX_DEPTH], order, i * batch_size)
 
@@ -400,19 +400,15 @@ def _merge(hit: torch.Tensor, pooled: Rows, moved: Rows, device: torch.device) -
 
 
 class _OrderOnDevice:
-    """An epoch's order of rows, copied to the device once, at its first resident batch: a
-    batch's indices are then a slice of it, not a copy each step (on a GPU, one host-to-device
-    copy and its bookkeeping per step is host time a small model's step feels). On a CPU
-    device the order is the host tensor itself."""
+    """An epoch's order of rows, moved to the device once (through the plane's IndexUpload), at
+    its first resident batch: a batch's indices are then a slice of it, not an upload each step
+    (on a GPU, a copy and its bookkeeping per step is host time a small model's step feels)."""
 
-    def __init__(self, order: torch.Tensor, device: torch.device):
-        self.order, self.device = order, device
+    def __init__(self, order: torch.Tensor, upload: IndexUpload):
+        self.order, self.upload = order, upload
         self._on_device: Optional[torch.Tensor] = None
 
     def rows(self, start: int, count: int) -> torch.Tensor:
         if self._on_device is None:
-            order = self.order
-            if self.device.type == "cuda":  # pinned: the copy does not wait for the stream
-                order = order.pin_memory().to(self.device, non_blocking=True)
-            self._on_device = order
+            self._on_device = self.upload(self.order)
         return self._on_device[start:start + count]
