@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
-from tests.support import REPO, _run, start_cli, user_recipe
+from tests.support import REPO, _run, run_cli, start_cli, user_recipe
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -264,3 +264,39 @@ def test_a_zygote_killed_alone_is_reported_and_its_ranks_train_on(tmp_path):
     assert summary["dead_ranks"] == [] and "the launcher is gone" not in out, out
     assert f"the rank zygote (pid {zygote}) is gone" in out, out
     assert summary["checkpoint"] == str(run_dir / "checkpoint"), out
+
+
+PARENT_RECIPE = '''
+import json, os
+if "RANK" in os.environ:  # the ranks; the launcher imports this recipe too
+    parent = f"/proc/{os.getppid()}/"
+    with open(os.environ["SEEN_FILE"], "a") as seen:
+        seen.write(json.dumps({"run": os.environ["FLODL_RUN_FILE"], "rank": os.environ["RANK"],
+                               "zygote": os.getppid(),
+                               "comm": open(parent + "comm").read().strip()}) + "\\n")
+from recipes.digits_mlp import *  # noqa: F401,F403  (the contract, from the default recipe)
+'''
+
+
+@pytest.mark.e2e
+def test_a_sweeps_later_jobs_fork_their_ranks_from_the_first_jobs_zygote(tmp_path):
+    """Pins the zygote kept between runs of one process: the jobs of a local multirun sweep run
+    one after another in the sweep's process, and each later job used to start a new
+    interpreter as its zygote (about 4 CPU-seconds of imports for a job that trains in a tenth
+    of a second). Now the ranks of all three jobs are children of one flodl_zygote, each job's
+    ranks see that job's own environment, each job has its zygote log, and the zygote does not
+    outlive the sweep."""
+    seen = tmp_path / "seen.jsonl"
+    env = user_recipe(tmp_path, "parent_recipe", PARENT_RECIPE, SEEN_FILE=str(seen))
+    sweep_dir = tmp_path / "multirun"
+    done = run_cli("-m", "seed=1,2,3", "tracking=off", "cluster=cpu_pair", "num_epochs=1",
+                   "recipe=custom", "recipe.module=parent_recipe", f"hydra.sweep.dir={sweep_dir}",
+                   env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    views = [json.loads(line) for line in seen.read_text().splitlines()]
+    runs = [str(sweep_dir / job / "run.yaml") for job in ("0", "1", "2")]
+    assert sorted((v["run"], v["rank"]) for v in views) == [(r, k) for r in runs for k in ("0", "1")]
+    assert {v["comm"] for v in views} == {"flodl_zygote"}
+    (zygote,) = {v["zygote"] for v in views}  # one zygote for the three jobs
+    assert all((sweep_dir / job / "ranks" / "zygote.log").exists() for job in ("0", "1", "2"))
+    assert _until(lambda: not Path(f"/proc/{zygote}").exists(), 10.0)

@@ -90,8 +90,6 @@ def spawn_ranks(cluster: ClusterConfig, world_size: int, coord: str, secret: byt
                                           daemon=True)
         proc.forwarder.start()
         procs.append(proc)
-    if zygote is not None:
-        zygote.seal()
     return procs
 
 
@@ -218,7 +216,7 @@ def _watch(coordinator: Coordinator, thread: threading.Thread, procs: List[RankP
     noted meanwhile into a stop request, and say what happens next (the screen would not
     change while the ranks finish their batch in hand, then for up to STOP_GRACE_S)."""
     reported = set()
-    zygotes = list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
+    zygotes = _zygotes(procs)
     while thread.is_alive():
         time.sleep(0.2)  # signals are noted, never raised: nothing here can be cut short
         zygotes = [z for z in zygotes if not _said_lost(z)]
@@ -268,6 +266,11 @@ def _report_exits(coordinator: Coordinator, procs: List[RankProcess], reported: 
                 coordinator.report_recipe_exit(p.rank, _self_exit(p, code))
             else:
                 coordinator.report_death(p.rank, _exit_reason(p, code, procs))
+
+
+def _zygotes(procs: List[RankProcess]) -> List[Zygote]:
+    """The zygotes the ranks were forked from (one per host, here at most one)."""
+    return list({id(z): z for z in (getattr(p.process, "zygote", None) for p in procs) if z}.values())
 
 
 def _said_lost(zygote: Zygote) -> bool:
@@ -391,6 +394,8 @@ def launch_ranks(config: ExperimentConfig, plan, run_dir: Path, console: Console
         _watch(coordinator, thread, procs, console)
     finally:
         stop_ranks(procs, hurry=_took_signal)
+        for zygote in _zygotes(procs):
+            zygote.park()  # the process's next run forks from it
         signal.signal(signal.SIGTERM, previous)
         if previous_int is not None:
             signal.signal(signal.SIGINT, previous_int)

@@ -31,9 +31,14 @@ The spare: `python -m flodl_run` forks a zygote from itself before it does anyth
 a new interpreter's. The first run of local ranks takes that spare instead of starting an
 interpreter: the launcher hands it the run's log as soon as the plan says ranks will fork here
 (`ready_spare`), and it imports torch and the rank while the launcher starts the tracker, the
-dashboard and the coordinator. A run that forks no ranks here dismisses it. Runs after the
-first (a multirun sweep, `flodl_run.train` from a script) start a new interpreter as before.
-A rank forked from the spare shows the launcher's command line and /proc environ instead.
+dashboard and the coordinator. A run that forks no ranks here dismisses it. A rank forked
+from the spare shows the launcher's command line and /proc environ instead.
+
+Kept for the next run: once a run's ranks have all exited, its zygote (the spare, or one
+started as a new interpreter) becomes the process's spare again (`park`), already imported,
+and the next run of the same process (a multirun sweep's next job, `flodl_run.train` called
+again from a script) sends it its own log and forks from it. A sweep's later jobs used to
+start a new interpreter each: about 4 CPU-seconds and 2 s before the first batch.
 
 `FLODL_RUN_RANK_START=spawn` in the launcher's environment turns this off (one interpreter per
 rank, as on platforms without fork and SCM_RIGHTS). Ranks on GPUs spawn unless
@@ -92,6 +97,8 @@ class Zygote:
         self.exits: Dict[int, int] = {}
         self.closed = False
         self.warmed = False
+        self.log_path: Optional[Path] = None  # where its output goes now
+        self.forked: List[int] = []  # every rank it forked, for `park`
 
     @classmethod
     def start(cls, env: Dict[str, str], log_path: Path) -> "Zygote":
@@ -108,30 +115,49 @@ class Zygote:
                 pass_fds=(theirs.fileno(),), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # Ctrl-C reaches the launcher only, as for ranks
         theirs.close()
-        return cls(ours, process)
+        zygote = cls(ours, process)
+        zygote.warmed, zygote.log_path = True, log_path
+        return zygote
 
     def warm(self, log_path: Path) -> bool:
-        """The spare only: send it the run's log (its stdout and stderr from now on), upon
-        which it imports torch and the rank. Once; False when the spare is gone."""
-        if self.warmed:
+        """The spare: send it the run's log (its stdout and stderr from now on). The first time,
+        it then imports torch and the rank; a zygote kept from an earlier run just takes the
+        new log. False when it is gone (killed from outside): the caller starts an interpreter."""
+        if self.log_path == log_path:
             return True
         log_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            socket.send_fds(self.sock, [b'{"log": true}'], [fd])
-        except OSError:  # it exited (killed from outside): start an interpreter instead
+            with self.lock:
+                socket.send_fds(self.sock, [b'{"log": true}'], [fd])
+        except OSError:
             self.dismiss()
             return False
         finally:
             os.close(fd)
-        self.warmed = True
+        self.warmed, self.log_path = True, log_path
         return True
 
     def dismiss(self) -> None:
-        """The spare only, before it is warmed: close our end; it exits, and we reap it."""
+        """The spare, unused: close our end; it exits, and we reap it."""
         self.sock.close()
         self.closed = True
         self.process.wait()
+
+    def park(self) -> None:
+        """The run is over and its ranks were reaped: keep this zygote as the process's spare
+        for its next run when it is whole (every rank it forked reported, nothing else kept);
+        otherwise seal it, and it exits once its last child is reaped."""
+        global _spare
+        with self.lock:
+            while not self.closed and self._take(block=False):
+                pass
+            whole = not self.closed and all(pid in self.exits for pid in self.forked)
+        if whole and _spare is None:
+            self.forked, self.exits = [], {}
+            _spare = self
+        else:
+            self.seal()
 
     def spawn(self, env: Dict[str, str]) -> "ForkedRank":
         """Fork one rank with `env`; its stdout and stderr go to the returned handle's pipe."""
@@ -146,6 +172,7 @@ class Zygote:
                     raise RuntimeError(f"the rank zygote (pid {self.process.pid}) exited with "
                                        f"code {self.process.wait()}: see ranks/zygote.log")
                 pid = self.started.pop(0)
+                self.forked.append(pid)
         finally:
             os.close(write_end)  # the child holds it now: EOF on read_end when it exits
         return ForkedRank(self, pid, open(read_end, "r", buffering=1))
@@ -282,7 +309,7 @@ def ready_spare(log_path: Optional[Path]) -> None:
     rest), with None when they do not (the spare exits)."""
     if _spare is None:
         return
-    if log_path is None or _spare.warmed:  # warmed for an earlier run that never got to ranks
+    if log_path is None:
         _take_spare().dismiss()
     elif not _spare.warm(log_path):
         _take_spare()
@@ -317,11 +344,18 @@ def _spare_main(sock: socket.socket) -> int:
     data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
     if not data:
         return 0  # dismissed, or the launcher exited
-    for fd in (1, 2):
-        os.dup2(fds[0], fd)
-    os.close(fds[0])
+    _take_output(fds[0])
     fresh_stdio(unbuffered=True)  # ranks run with PYTHONUNBUFFERED: output forwarded as it comes
     return _zygote(sock)
+
+
+def _take_output(fd: int) -> None:
+    """Make `fd` (a run's zygote log) this process's stdout and stderr."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
 
 
 def fresh_stdio(unbuffered: bool) -> None:
@@ -378,6 +412,9 @@ def _serve(sock: socket.socket) -> Optional[dict]:
             request = json.loads(data)
             if request.get("seal"):
                 sealed = True
+                continue
+            if request.get("log"):  # kept for another run: its output goes to that run's log
+                _take_output(fds_in[0])
                 continue
             pid = os.fork()
             if pid == 0:
