@@ -20,7 +20,7 @@ import zmq
 import zmq.utils.monitor
 
 from flodl_run.config.schema import Mode
-from flodl_run.contracts.admission import MAX_PENDING
+from flodl_run.contracts.admission import MAX_PENDING, PendingCap
 from flodl_run.contracts.wire import (
     Channel,
     Heartbeat,
@@ -198,6 +198,41 @@ def test_past_the_cap_the_oldest_connections_still_in_their_handshake_are_closed
 
 
 @pytest.mark.e2e
+def test_a_stale_disconnect_of_an_earlier_connection_does_not_undo_a_ranks_admission():
+    """Pins the cap's bookkeeping against its own lag: a rank's message is read (and its
+    connection admitted) as it arrives, while the monitor's events are applied later. Under a
+    flood, a rank's new connection took the number of a flood connection just shut down, spoke,
+    and then that old connection's DISCONNECTED, still queued, erased the admission: the rank's
+    main channel, idle while the coordinator regrouped, became the oldest pending connection and
+    was shut down, and the Regroup sent meanwhile was lost (the run hung, test_flood). Here the
+    same order of calls on real sockets: the rank's connection survives the cap, the oldest
+    flood connection is shut down."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    cap = PendingCap(router, max_pending=1)  # not started: the calls below are its thread's
+    pairs = [socket.socketpair() for _ in range(3)]
+    (rank, rank_peer), (oldest, oldest_peer), (newest, _) = pairs
+    try:
+        cap.admitted(rank.fileno())  # the rank's hello, read at once
+        cap._forget(rank.fileno())  # a DISCONNECTED queued for the number's previous connection
+        for conn in (rank, oldest, newest):  # then the ACCEPTED events, the rank's first
+            cap._pending[conn.fileno()] = os.fstat(conn.fileno()).st_ino
+        cap._settle()
+        for peer in (rank_peer, oldest_peer):
+            peer.settimeout(5)  # a bound on a failure, not a synchronization
+        rank.sendall(b"x")
+        assert rank_peer.recv(1) == b"x"  # still connected
+        assert oldest_peer.recv(1) == b""  # shut down
+        assert cap.shut_down == 1 and list(cap._pending) == [newest.fileno()]
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+        cap._monitor.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
 def test_replayed_stripped_and_reflected_frames_are_rejected():
     """Pins freshness, frame-count binding and direction: a RankJoined replayed from another
     socket, a SnapshotTaken stripped of its tensor frames (tag kept whole, or cut to the header

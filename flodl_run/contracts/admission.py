@@ -17,7 +17,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional
 
 import zmq
 
@@ -53,7 +53,7 @@ class PendingCap:
         self._pending: "OrderedDict[int, int]" = OrderedDict()  # fd -> inode, oldest first
         self._unverified: Dict[int, int] = {}  # inodes read after the last drain of events
         self._accepted: List[int] = []
-        self._admitted: Set[int] = set()
+        self._admitted: Dict[int, int] = {}  # fd -> inode of the connection that spoke there
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pending-cap", daemon=True)
         self.shut_down = 0
@@ -69,9 +69,15 @@ class PendingCap:
         self._thread.join()
 
     def admitted(self, fd: Optional[int]) -> None:
-        """The connection on `fd` delivered an authentic message (thread-safe)."""
+        """The connection on `fd` delivered an authentic message (thread-safe). Noted with the
+        inode of the socket `fd` names now: this runs as the message is read, while the events
+        this thread applies lag behind, and a DISCONNECTED still queued for an earlier
+        connection with the same number must not undo it (under a flood, that left a rank's
+        idle main channel pending: the cap shut it down, and the order sent meanwhile was lost)."""
         if fd is not None and fd >= 0:
-            self._admitted.add(fd)
+            inode = _socket_inode(fd)
+            if inode is not None:
+                self._admitted[fd] = inode
 
     def _watch(self) -> None:
         try:
@@ -121,13 +127,14 @@ class PendingCap:
         """The connection on `fd` is closed (its number may come back for another)."""
         self._pending.pop(fd, None)
         self._unverified.pop(fd, None)
-        self._admitted.discard(fd)
         if fd in self._accepted:
             self._accepted.remove(fd)
 
     def _settle(self) -> None:
-        """Shut down the oldest connections that have not spoken while too many are pending."""
-        for fd in [fd for fd in self._pending if fd in self._admitted]:
+        """Shut down the oldest connections that have not spoken while too many are pending. A
+        pending connection has spoken when its own inode was noted for its number: an admission
+        left by a closed connection does not cover the next one to get the number."""
+        for fd in [fd for fd, inode in self._pending.items() if self._admitted.get(fd) == inode]:
             del self._pending[fd]
         self.most_pending = max(self.most_pending, len(self._pending) + len(self._unverified))
         while len(self._pending) > self.max_pending:
