@@ -233,6 +233,44 @@ def test_a_stale_disconnect_of_an_earlier_connection_does_not_undo_a_ranks_admis
         ctx.term()
 
 
+def test_a_rank_that_speaks_while_the_cap_shuts_a_flood_down_is_spared(monkeypatch):
+    """Pins the second half of that race: the cap looks at which pending connections spoke, then
+    shuts the oldest down one by one, which takes milliseconds for a flood's hundreds. A rank
+    whose message was read and noted meanwhile is spared: each shutdown looks again, under the
+    lock the admission takes (a debug log of the flood test's runs showed a connection shut
+    down 4.6 ms after it was admitted)."""
+    from flodl_run.contracts import admission
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    cap = PendingCap(router, max_pending=1)
+    pairs = [socket.socketpair() for _ in range(4)]
+    (first, _), (rank, rank_peer), (second, _), (newest, _) = pairs
+    real_shut_down = admission._shut_down
+
+    def shut_down_while_the_rank_speaks(fd, inode):
+        if fd == first.fileno():  # meanwhile the pump thread read the rank's hello and noted it
+            cap._admitted[rank.fileno()] = os.fstat(rank.fileno()).st_ino
+        return real_shut_down(fd, inode)
+
+    monkeypatch.setattr(admission, "_shut_down", shut_down_while_the_rank_speaks)
+    try:
+        for conn in (first, rank, second, newest):
+            cap._pending[conn.fileno()] = os.fstat(conn.fileno()).st_ino
+        cap._settle()
+        rank.sendall(b"x")
+        rank_peer.settimeout(5)  # a bound on a failure, not a synchronization
+        assert rank_peer.recv(1) == b"x"  # still connected
+        assert cap.shut_down == 2 and list(cap._pending) == [newest.fileno()]
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+        cap._monitor.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
 def test_replayed_stripped_and_reflected_frames_are_rejected():
     """Pins freshness, frame-count binding and direction: a RankJoined replayed from another
     socket, a SnapshotTaken stripped of its tensor frames (tag kept whole, or cut to the header

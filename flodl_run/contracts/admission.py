@@ -54,6 +54,7 @@ class PendingCap:
         self._unverified: Dict[int, int] = {}  # inodes read after the last drain of events
         self._accepted: List[int] = []
         self._admitted: Dict[int, int] = {}  # fd -> inode of the connection that spoke there
+        self._admitting = threading.Lock()  # an admission and a shutdown of its fd never cross
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pending-cap", daemon=True)
         self.shut_down = 0
@@ -77,7 +78,8 @@ class PendingCap:
         if fd is not None and fd >= 0:
             inode = _socket_inode(fd)
             if inode is not None:
-                self._admitted[fd] = inode
+                with self._admitting:
+                    self._admitted[fd] = inode
 
     def _watch(self) -> None:
         try:
@@ -139,11 +141,13 @@ class PendingCap:
         self.most_pending = max(self.most_pending, len(self._pending) + len(self._unverified))
         while len(self._pending) > self.max_pending:
             fd, inode = self._pending.popitem(last=False)
-            if _shut_down(fd, inode):
-                if not self.shut_down:
-                    log.warning("control plane: more than %d connections have not passed the "
-                                "handshake; closing the oldest (a connection flood?)", self.max_pending)
-                self.shut_down += 1
+            with self._admitting:  # it may have spoken since the look above: a flood takes a while
+                if self._admitted.get(fd) == inode or not _shut_down(fd, inode):
+                    continue
+            if not self.shut_down:
+                log.warning("control plane: more than %d connections have not passed the "
+                            "handshake; closing the oldest (a connection flood?)", self.max_pending)
+            self.shut_down += 1
 
 
 def _socket_inode(fd: int) -> Optional[int]:
