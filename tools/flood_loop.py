@@ -1,0 +1,99 @@
+"""Run tests/test_flood.py's flooded run in a loop to catch its rare hang, and dump where it hangs.
+
+  PYTHONFAULTHANDLER=1 .venv/bin/python tools/flood_loop.py 30 [--out /tmp/flood_loop]
+
+Each run: a 3-rank cpu run of the test's length, its control port and rendezvous store flooded as
+the test floods them, rank 2 SIGKILLed once the store flood is up. A run that has not ended 60 s
+after the kill is taken as hung: the launcher gets SIGABRT, so under PYTHONFAULTHANDLER=1 every
+thread's Python stack goes to <out>/<run>/launcher_out.txt (the ranks, left without a launcher,
+exit). Beside two CPU hogs (`python3 -c "while True: pass"`) a hang came about once in 20-60
+runs (docs/decisions.md, "Still open: the flood test can hang")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support import Flood, _free_port, start_cli  # noqa: E402
+from tests.test_flood import (  # noqa: E402
+    CONTROL_FLOOD,
+    EPOCHS,
+    FILES,
+    STORE_FLOOD,
+    _await,
+    _listening_ports,
+    _rank_pid,
+    _started,
+)
+
+HUNG_AFTER_S = 60.0
+
+
+def one_run(folder: Path) -> str:
+    """'completed' (or the run's other status), 'hung' (stacks dumped) or 'ended before the kill'."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    run_dir, store_port = folder / "run", _free_port()
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu", "cluster.num_ranks=3",
+                     "cluster.threads_per_rank=1", f"cluster.master_port={store_port}",
+                     f"num_epochs={EPOCHS}", "checkpoint_every=1", f"save_path={folder / 'bundle'}")
+    flood = Flood()
+    try:
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILES, FILES))
+        (control_port,) = _await("control port", lambda: _listening_ports(proc.pid) - {store_port}, proc)
+        flood.aim(control_port, CONTROL_FLOOD)
+        _await("start event", lambda: _started(run_dir / "events.jsonl"), proc)
+        flood.aim(store_port, STORE_FLOOD)
+        _await("store flood", lambda: flood.live[store_port] >= STORE_FLOOD, proc)
+        try:
+            os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)
+        except ProcessLookupError:
+            proc.communicate(timeout=120)
+            return "ended before the kill"
+        deadline = time.monotonic() + HUNG_AFTER_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGABRT)
+            out, _ = proc.communicate(timeout=30)
+            (folder / "launcher_out.txt").write_text(out)
+            return "hung"
+        proc.communicate(timeout=30)
+        return json.loads((run_dir / "summary.json").read_text())["status"]
+    finally:
+        flood.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=int)
+    parser.add_argument("--out", default="/tmp/flood_loop")
+    args = parser.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    tally: dict = {}
+    for i in range(args.runs):
+        outcome = one_run(Path(args.out) / str(i))
+        tally[outcome] = tally.get(outcome, 0) + 1
+        print(f"run {i}: {outcome}", flush=True)
+        if outcome == "hung":
+            print(f"stacks: {Path(args.out) / str(i) / 'launcher_out.txt'}")
+            break
+    print(json.dumps(tally))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
