@@ -96,8 +96,7 @@ class Zygote:
         self.started: List[int] = []
         self.exits: Dict[int, int] = {}
         self.closed = False
-        self.warmed = False
-        self.log_path: Optional[Path] = None  # where its output goes now
+        self.log_path: Optional[Path] = None  # where its output goes now (None: the spare, unwarmed)
         self.forked: List[int] = []  # every rank it forked, for `park`
 
     @classmethod
@@ -116,7 +115,7 @@ class Zygote:
                 start_new_session=True)  # Ctrl-C reaches the launcher only, as for ranks
         theirs.close()
         zygote = cls(ours, process)
-        zygote.warmed, zygote.log_path = True, log_path
+        zygote.log_path = log_path
         return zygote
 
     def warm(self, log_path: Path) -> bool:
@@ -135,7 +134,7 @@ class Zygote:
             return False
         finally:
             os.close(fd)
-        self.warmed, self.log_path = True, log_path
+        self.log_path = log_path
         return True
 
     def dismiss(self) -> None:
