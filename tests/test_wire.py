@@ -198,43 +198,61 @@ def test_past_the_cap_the_oldest_connections_still_in_their_handshake_are_closed
         gate.stop()
 
 
-@pytest.mark.e2e
-def test_a_stale_disconnect_of_an_earlier_connection_does_not_undo_a_ranks_admission():
+@pytest.fixture
+def idle_cap():
+    """A PendingCap with max_pending=1 whose thread is not started (the test makes its calls),
+    and `connections(n)`: n connected socket pairs (ours, theirs), closed at the end."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    cap = PendingCap(router, max_pending=1)
+    pairs: list = []
+
+    def connections(n: int) -> list:
+        pairs.extend(socket.socketpair() for _ in range(n))
+        return pairs[-n:]
+
+    yield cap, connections
+    for ours, theirs in pairs:
+        ours.close()
+        theirs.close()
+    cap._monitor.close(linger=0)
+    router.close(linger=0)
+    ctx.term()
+
+
+def _accepted(cap: PendingCap, *conns: socket.socket) -> None:
+    """What the cap's thread notes for connections whose ACCEPTED it applied: pending, by inode."""
+    for conn in conns:
+        cap._pending[conn.fileno()] = os.fstat(conn.fileno()).st_ino
+
+
+def _still_connected(ours: socket.socket, theirs: socket.socket) -> bool:
+    ours.sendall(b"x")
+    theirs.settimeout(5)  # a bound on a failure, not a synchronization
+    return theirs.recv(1) == b"x"
+
+
+def test_a_stale_disconnect_of_an_earlier_connection_does_not_undo_a_ranks_admission(idle_cap):
     """Pins the cap's bookkeeping against its own lag: a rank's message is read (and its
     connection admitted) as it arrives, while the monitor's events are applied later. Under a
     flood, a rank's new connection took the number of a flood connection just shut down, spoke,
     and then that old connection's DISCONNECTED, still queued, erased the admission: the rank's
-    main channel, idle while the coordinator regrouped, became the oldest pending connection and
-    was shut down, and the Regroup sent meanwhile was lost (the run hung, test_flood). Here the
-    same order of calls on real sockets: the rank's connection survives the cap, the oldest
-    flood connection is shut down."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    cap = PendingCap(router, max_pending=1)  # not started: the calls below are its thread's
-    pairs = [socket.socketpair() for _ in range(3)]
-    (rank, rank_peer), (oldest, oldest_peer), (newest, _) = pairs
-    try:
-        cap.admitted(rank.fileno())  # the rank's hello, read at once
-        cap._forget(rank.fileno())  # a DISCONNECTED queued for the number's previous connection
-        for conn in (rank, oldest, newest):  # then the ACCEPTED events, the rank's first
-            cap._pending[conn.fileno()] = os.fstat(conn.fileno()).st_ino
-        cap._settle()
-        for peer in (rank_peer, oldest_peer):
-            peer.settimeout(5)  # a bound on a failure, not a synchronization
-        rank.sendall(b"x")
-        assert rank_peer.recv(1) == b"x"  # still connected
-        assert oldest_peer.recv(1) == b""  # shut down
-        assert cap.shut_down == 1 and list(cap._pending) == [newest.fileno()]
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
-        cap._monitor.close(linger=0)
-        router.close(linger=0)
-        ctx.term()
+    connection could become the oldest pending one and be shut down. Here the same order of
+    calls on real sockets: the rank's connection survives the cap, the oldest flood connection
+    is shut down."""
+    cap, connections = idle_cap
+    (rank, rank_peer), (oldest, oldest_peer), (newest, _) = connections(3)
+    cap.admitted(rank.fileno())  # the rank's hello, read at once
+    cap._forget(rank.fileno())  # a DISCONNECTED queued for the number's previous connection
+    _accepted(cap, rank, oldest, newest)  # then the ACCEPTED events, the rank's first
+    cap._settle()
+    assert _still_connected(rank, rank_peer)
+    oldest_peer.settimeout(5)
+    assert oldest_peer.recv(1) == b""  # shut down
+    assert cap.shut_down == 1 and list(cap._pending) == [newest.fileno()]
 
 
-def test_a_rank_that_speaks_while_the_cap_shuts_a_flood_down_is_spared(monkeypatch):
+def test_a_rank_that_speaks_while_the_cap_shuts_a_flood_down_is_spared(idle_cap, monkeypatch):
     """Pins the second half of that race: the cap looks at which pending connections spoke, then
     shuts the oldest down one by one, which takes milliseconds for a flood's hundreds. A rank
     whose message was read and noted meanwhile is spared: each shutdown looks again, under the
@@ -242,11 +260,8 @@ def test_a_rank_that_speaks_while_the_cap_shuts_a_flood_down_is_spared(monkeypat
     down 4.6 ms after it was admitted)."""
     from flodl_run.contracts import admission
 
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    cap = PendingCap(router, max_pending=1)
-    pairs = [socket.socketpair() for _ in range(4)]
-    (first, _), (rank, rank_peer), (second, _), (newest, _) = pairs
+    cap, connections = idle_cap
+    (first, _), (rank, rank_peer), (second, _), (newest, _) = connections(4)
     real_shut_down = admission._shut_down
 
     def shut_down_while_the_rank_speaks(fd, inode):
@@ -255,23 +270,13 @@ def test_a_rank_that_speaks_while_the_cap_shuts_a_flood_down_is_spared(monkeypat
         return real_shut_down(fd, inode)
 
     monkeypatch.setattr(admission, "_shut_down", shut_down_while_the_rank_speaks)
-    try:
-        for conn in (first, rank, second, newest):
-            cap._pending[conn.fileno()] = os.fstat(conn.fileno()).st_ino
-        cap._settle()
-        rank.sendall(b"x")
-        rank_peer.settimeout(5)  # a bound on a failure, not a synchronization
-        assert rank_peer.recv(1) == b"x"  # still connected
-        assert cap.shut_down == 2 and list(cap._pending) == [newest.fileno()]
-    finally:
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
-        cap._monitor.close(linger=0)
-        router.close(linger=0)
-        ctx.term()
+    _accepted(cap, first, rank, second, newest)
+    cap._settle()
+    assert _still_connected(rank, rank_peer)
+    assert cap.shut_down == 2 and list(cap._pending) == [newest.fileno()]
 
 
+@pytest.mark.e2e
 def test_an_order_to_a_rank_whose_connection_was_shut_down_reaches_it_on_its_reconnection():
     """Pins that a rank keeps its address across reconnections: the coordinator learns each
     rank's routing id once (its join) and sends orders there, and the cap may shut a rank's
@@ -288,7 +293,8 @@ def test_an_order_to_a_rank_whose_connection_was_shut_down_reaches_it_on_its_rec
         sock.poll(20_000)
         frames = sock.recv_multipart(copy=False)
         identity, fd = frames[0].bytes, frames[1].get(zmq.SRCFD)
-        socket.socket(fileno=os.dup(fd)).shutdown(socket.SHUT_RDWR)  # as the cap shuts one down
+        with socket.socket(fileno=os.dup(fd)) as ours:
+            ours.shutdown(socket.SHUT_RDWR)  # as the cap shuts one down
         sent = False
         deadline = time.monotonic() + 20  # a bound on a failure, not a synchronization
         while not sent and time.monotonic() < deadline:
@@ -306,6 +312,7 @@ def test_an_order_to_a_rank_whose_connection_was_shut_down_reaches_it_on_its_rec
         gate.stop()
 
 
+@pytest.mark.e2e
 def test_replayed_stripped_and_reflected_frames_are_rejected():
     """Pins freshness, frame-count binding and direction: a RankJoined replayed from another
     socket, a SnapshotTaken stripped of its tensor frames (tag kept whole, or cut to the header
