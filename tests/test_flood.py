@@ -73,6 +73,38 @@ def _rank_pid(run_dir: Path, rank: int) -> int:
     return int(re.search(r"pid (\d+)", (run_dir / "ranks" / f"rank{rank}.log").read_text())[1])
 
 
+@contextlib.contextmanager
+def flooded_run_without_rank_2(folder: Path):
+    """The run of the test below, in `folder`: a 3-rank CPU run of a 1,024-file launcher (run
+    dir `folder/run`, bundle `folder/bundle`), its control port flooded from before the ranks
+    join and its rendezvous store once they have, then rank 2 SIGKILLed (the survivors regroup
+    on the flooded store). Yields (the launcher, the Flood, the control port) while the run goes
+    on; the flood stops and a launcher still running is killed on leaving. ProcessLookupError:
+    rank 2 had already ended (the run outran the flood). tools/flood_loop.py runs it in a loop."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    run_dir, store_port = folder / "run", _free_port()
+    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu", "cluster.num_ranks=3",
+                     "cluster.threads_per_rank=1", f"cluster.master_port={store_port}",
+                     f"num_epochs={EPOCHS}", "checkpoint_every=1", f"save_path={folder / 'bundle'}")
+    flood = Flood()
+    try:
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILES, FILES))
+        (control_port,) = _await("control port", lambda: _listening_ports(proc.pid) - {store_port}, proc)
+        flood.aim(control_port, CONTROL_FLOOD)
+        _await("start event", lambda: _started(run_dir / "events.jsonl"), proc)
+        flood.aim(store_port, STORE_FLOOD)
+        _await("store flood", lambda: flood.live[store_port] >= STORE_FLOOD, proc)
+        os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)
+        yield proc, flood, control_port
+    finally:
+        flood.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_a_connection_flood_without_the_secret_does_not_end_the_run(tmp_path):
     """Pins: 1,100 idle connections kept open against the control port (from before the ranks
     join) and 1,000 against the rendezvous store (once they have) ended a 1,024-file launcher's
@@ -85,27 +117,9 @@ def test_a_connection_flood_without_the_secret_does_not_end_the_run(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < CONTROL_FLOOD + STORE_FLOOD + 200:
         pytest.skip(f"the flood needs {CONTROL_FLOOD + STORE_FLOOD + 200} open files here")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    run_dir, store_port = tmp_path / "run", _free_port()
-    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu", "cluster.num_ranks=3",
-                     "cluster.threads_per_rank=1", f"cluster.master_port={store_port}",
-                     f"num_epochs={EPOCHS}", "checkpoint_every=1", f"save_path={tmp_path / 'bundle'}")
-    flood = Flood()
-    try:
-        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILES, FILES))
-        (control_port,) = _await("control port", lambda: _listening_ports(proc.pid) - {store_port}, proc)
-        flood.aim(control_port, CONTROL_FLOOD)
-        _await("start event", lambda: _started(run_dir / "events.jsonl"), proc)
-        flood.aim(store_port, STORE_FLOOD)
-        _await("store flood", lambda: flood.live[store_port] >= STORE_FLOOD, proc)
-        os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)  # the survivors regroup on the store
+    run_dir = tmp_path / "run"
+    with flooded_run_without_rank_2(tmp_path) as (proc, flood, control_port):
         out, _ = proc.communicate(timeout=180)
-    finally:
-        flood.stop()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["dead_ranks"] == [2], summary.get("message")
     assert [e["samples"] for e in summary["epochs"]] == [NUM_TRAIN] * EPOCHS

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -23,17 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support import Flood, _free_port, start_cli  # noqa: E402
-from tests.test_flood import (  # noqa: E402
-    CONTROL_FLOOD,
-    EPOCHS,
-    FILES,
-    STORE_FLOOD,
-    _await,
-    _listening_ports,
-    _rank_pid,
-    _started,
-)
+from tests.test_flood import flooded_run_without_rank_2  # noqa: E402
 
 HUNG_AFTER_S = 60.0
 
@@ -42,38 +31,20 @@ def one_run(folder: Path) -> str:
     """'completed' (or the run's other status), 'hung' (stacks dumped) or 'ended before the kill'."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    run_dir, store_port = folder / "run", _free_port()
-    proc = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=cpu", "cluster.num_ranks=3",
-                     "cluster.threads_per_rank=1", f"cluster.master_port={store_port}",
-                     f"num_epochs={EPOCHS}", "checkpoint_every=1", f"save_path={folder / 'bundle'}")
-    flood = Flood()
     try:
-        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (FILES, FILES))
-        (control_port,) = _await("control port", lambda: _listening_ports(proc.pid) - {store_port}, proc)
-        flood.aim(control_port, CONTROL_FLOOD)
-        _await("start event", lambda: _started(run_dir / "events.jsonl"), proc)
-        flood.aim(store_port, STORE_FLOOD)
-        _await("store flood", lambda: flood.live[store_port] >= STORE_FLOOD, proc)
-        try:
-            os.kill(_rank_pid(run_dir, 2), signal.SIGKILL)
-        except ProcessLookupError:
-            proc.communicate(timeout=120)
-            return "ended before the kill"
-        deadline = time.monotonic() + HUNG_AFTER_S
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGABRT)
-            out, _ = proc.communicate(timeout=30)
-            (folder / "launcher_out.txt").write_text(out)
-            return "hung"
-        proc.communicate(timeout=30)
-        return json.loads((run_dir / "summary.json").read_text())["status"]
-    finally:
-        flood.stop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        with flooded_run_without_rank_2(folder) as (proc, _, _):
+            deadline = time.monotonic() + HUNG_AFTER_S
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGABRT)
+                out, _ = proc.communicate(timeout=30)
+                (folder / "launcher_out.txt").write_text(out)
+                return "hung"
+            proc.communicate(timeout=30)
+    except ProcessLookupError:
+        return "ended before the kill"
+    return json.loads((folder / "run" / "summary.json").read_text())["status"]
 
 
 def main() -> int:
@@ -81,8 +52,6 @@ def main() -> int:
     parser.add_argument("runs", type=int)
     parser.add_argument("--out", default="/tmp/flood_loop")
     args = parser.parse_args()
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     tally: dict = {}
     for i in range(args.runs):
         outcome = one_run(Path(args.out) / str(i))
