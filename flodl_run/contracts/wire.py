@@ -471,7 +471,6 @@ def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
     gate.start()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a rank's reconnection takes its routing id over
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)
     sock.plain_server = True
@@ -487,15 +486,8 @@ def bind_router(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
 def connect_dealer(ctx: zmq.Context, address: str, secret: bytes,
                    linger_ms: Optional[int] = None) -> zmq.Socket:
     """A rank's DEALER to the coordinator at `address`, passing its handshake; `linger_ms`:
-    how long unsent messages are kept at close (zmq's default: forever).
-
-    Its routing id is its own and kept across reconnections: the coordinator addresses a rank
-    by the id it first heard from, and zmq gives a socket without one a new id at each
-    reconnection. A connection the coordinator's cap shut down (under a connection flood, one
-    that had not yet spoken) came back under a new id, and every order sent to the old one was
-    dropped: the rank waited for orders and the coordinator for its reports."""
+    how long unsent messages are kept at close (zmq's default: forever)."""
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, b"r" + secrets.token_bytes(15))  # no leading 0: zmq's own
     if linger_ms is not None:
         sock.setsockopt(zmq.LINGER, linger_ms)
     sock.plain_username = _ZAP_USER.encode()
