@@ -22,6 +22,7 @@ import zmq.utils.monitor
 from flodl_run.config.schema import Mode
 from flodl_run.contracts.admission import MAX_PENDING, PendingCap
 from flodl_run.contracts.wire import (
+    _ZAP_USER,
     Channel,
     Heartbeat,
     RankJoined,
@@ -160,6 +161,21 @@ def _await_closed(conns, count: int) -> list:
     return sorted(closed)
 
 
+def _flood(address: str, count: int) -> list:
+    """`count` idle TCP connections to `address`, 50 at a time, each accepted before the next
+    (never past the listener's backlog)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    idle: list = []
+    for _ in range(count // 50):
+        group = [socket.create_connection((host, int(port))) for _ in range(50)]
+        for conn in group:
+            conn.settimeout(30)  # a bound on a failure, not a synchronization
+            with contextlib.suppress(ConnectionResetError):
+                conn.recv(1)  # the greeting's first byte (or the end): it was accepted
+        idle += group
+    return idle
+
+
 def test_past_the_cap_the_oldest_connections_still_in_their_handshake_are_closed():
     """Pins the cap on connections still in their handshake (libzmq has none: before it, every
     idle connection held a launcher descriptor until its deadline, ~1,100 of them all it had).
@@ -168,19 +184,12 @@ def test_past_the_cap_the_oldest_connections_still_in_their_handshake_are_closed
     (it spoke) keeps its connection, and one connecting after them still gets through."""
     secret = new_secret()  # a deadline past the test's bound: only the cap closes connections
     sock, address, coordinator, gate = _coordinator_socket(secret, handshake_ms=120_000)
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
     early = connect_dealer(zmq.Context.instance(), address, secret)
     Channel(early, secret).send(Heartbeat(0))
     assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(0)
-    idle = []
+    idle: list = []
     try:
-        for _ in range(4):  # 50 at a time, each accepted before the next: never past the backlog
-            group = [socket.create_connection((host, int(port))) for _ in range(50)]
-            for conn in group:
-                conn.settimeout(30)  # a bound on a failure, not a synchronization
-                with contextlib.suppress(ConnectionResetError):
-                    conn.recv(1)  # the greeting's first byte (or the end): it was accepted
-            idle += group
+        idle = _flood(address, 200)
         assert _await_closed(idle, 200 - MAX_PENDING) == list(range(200 - MAX_PENDING))
         late = connect_dealer(zmq.Context.instance(), address, secret)
         for rank, dealer in ((0, early), (1, late)):
@@ -193,6 +202,39 @@ def test_past_the_cap_the_oldest_connections_still_in_their_handshake_are_closed
     finally:
         for conn in idle:
             conn.close()
+        sock.close()
+        gate.stop()
+
+
+def test_a_rank_connection_silent_after_its_handshake_is_never_shut_down_by_the_cap():
+    """Pins the flood test's hangs: a rank's connection that had passed its handshake but not
+    yet sent its first message (a rank builds its model meanwhile) was capped as a flood's idle
+    connection and shut down. libzmq reconnects, but what it had taken from the rank's queue
+    for the old connection is lost: a RankJoined (the run never started) or the other way, a
+    Train order. Here a rank's connection passes its handshake and stays silent while 200 idle
+    connections come: the cap shuts down only idle ones, the rank's connection never drops, and
+    its first message, sent after the flood, is read."""
+    secret = new_secret()  # a deadline past the test's bound: only the cap closes connections
+    sock, address, coordinator, gate = _coordinator_socket(secret, handshake_ms=120_000)
+    rank = zmq.Context.instance().socket(zmq.DEALER)  # connect_dealer's, watched from the start
+    rank.plain_username, rank.plain_password = _ZAP_USER.encode(), _zap_password(secret).encode()
+    monitor = rank.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    rank.connect(address)
+    idle: list = []
+    try:
+        assert monitor.poll(20_000), "the rank's handshake did not pass"
+        assert zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        idle = _flood(address, 200)
+        assert _await_closed(idle, 200 - MAX_PENDING) == list(range(200 - MAX_PENDING))
+        Channel(rank, secret).send(Heartbeat(0, batches=1))
+        assert coordinator.recv(timeout_ms=20_000).message == Heartbeat(0, batches=1)
+        assert not monitor.poll(0), "the rank's connection was shut down and came back"
+        assert gate.cap.shut_down == 200 - MAX_PENDING
+    finally:
+        for conn in idle:
+            conn.close()
+        rank.disable_monitor()
+        rank.close(linger=0)
         sock.close()
         gate.stop()
 
@@ -261,14 +303,14 @@ def test_a_rank_that_speaks_while_the_cap_shuts_a_flood_down_is_spared(idle_cap,
 
     cap, connections = idle_cap
     (first, _), (rank, rank_peer), (second, _), (newest, _) = connections(4)
-    real_shut_down = admission._shut_down
+    real_shut_down = admission._shut_down_if_silent
 
     def shut_down_while_the_rank_speaks(fd, inode):
         if fd == first.fileno():  # meanwhile the pump thread read the rank's hello and noted it
             cap._admitted[rank.fileno()] = os.fstat(rank.fileno()).st_ino
         return real_shut_down(fd, inode)
 
-    monkeypatch.setattr(admission, "_shut_down", shut_down_while_the_rank_speaks)
+    monkeypatch.setattr(admission, "_shut_down_if_silent", shut_down_while_the_rank_speaks)
     _accepted(cap, first, rank, second, newest)
     cap._settle()
     assert _still_connected(rank, rank_peer)

@@ -1,11 +1,16 @@
-"""A cap on the connections to the coordinator that have not yet shown they belong to the run.
+"""A cap on the connections to the coordinator that have sent nothing yet.
 
 Owns one thread per control socket that follows the socket's monitor events (zmq's documented
 socket monitor: ACCEPTED and DISCONNECTED carry the connection's descriptor) and, while more
 than `max_pending` accepted connections have sent no authentic message, shuts the oldest of
-them down. libzmq has no such option: without it, ~1,100 idle connections without the secret
-held ~1,100 of the launcher's descriptors for their handshake deadline, and the run failed on
-its next file. It does not own the handshake itself (`wire`'s gate) nor what a message says.
+them down, if their peer has sent nothing at all. libzmq has no such option: without it, ~1,100
+idle connections without the secret held ~1,100 of the launcher's descriptors for their
+handshake deadline, and the run failed on its next file. A connection whose peer has sent
+anything (a greeting: its handshake is under way or done) is left to the handshake's deadline
+and gate: a rank's connection is idle between its handshake and its first message (while the
+rank builds its model), and one shut down once its handshake is done loses what libzmq had
+taken from the rank's queue to send on it. It does not own the handshake itself (`wire`'s
+gate) nor what a message says.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPE
 _POLL_MS = 100  # how soon `stop` is noticed
 _BATCH = 4096  # events at most between two looks at the stop flag and the cap
 _EVENT_HEAD = struct.Struct("=HI")  # zmq's monitor event frame: event id, value (the fd)
+_BYTES_RECEIVED = struct.Struct("=Q")  # struct tcp_info's tcpi_bytes_received (Linux 4.1 on)
+_BYTES_RECEIVED_AT = 128
 
 
 class PendingCap:
     """Watch `sock` (a bound ROUTER) from a thread of its own; `admitted(fd)` (from the thread
     that reads `sock`) marks a connection whose message was authentic, which is never shut
-    down. Start once; stop before the socket's context terminates.
+    down, nor is one whose peer has sent any byte. Start once; stop before the socket's
+    context terminates.
 
     A descriptor is only ever shut down through a duplicate of it whose inode is the one seen
     when it was accepted: libzmq closes its descriptors on its own thread, and the number may
@@ -51,6 +59,7 @@ class PendingCap:
         self._monitor.connect(address)
         self.max_pending = max_pending
         self._pending: "OrderedDict[int, int]" = OrderedDict()  # fd -> inode, oldest first
+        self._heard: Dict[int, int] = {}  # fd -> inode: the peer sent bytes, no message read yet
         self._unverified: Dict[int, int] = {}  # inodes read after the last drain of events
         self._accepted: List[int] = []
         self._admitted: Dict[int, int] = {}  # fd -> inode of the connection that spoke there
@@ -128,6 +137,7 @@ class PendingCap:
     def _forget(self, fd: int) -> None:
         """The connection on `fd` is closed (its number may come back for another)."""
         self._pending.pop(fd, None)
+        self._heard.pop(fd, None)
         self._unverified.pop(fd, None)
         if fd in self._accepted:
             self._accepted.remove(fd)
@@ -135,18 +145,25 @@ class PendingCap:
     def _settle(self) -> None:
         """Shut down the oldest connections that have not spoken while too many are pending. A
         pending connection has spoken when its own inode was noted for its number: an admission
-        left by a closed connection does not cover the next one to get the number."""
+        left by a closed connection does not cover the next one to get the number. One whose
+        peer has sent bytes leaves the pending for good (a rank's, between its handshake and
+        its first message: shutting it down could lose that message)."""
         for fd in [fd for fd, inode in self._pending.items() if self._admitted.get(fd) == inode]:
             del self._pending[fd]
         self.most_pending = max(self.most_pending, len(self._pending) + len(self._unverified))
         while len(self._pending) > self.max_pending:
             fd, inode = self._pending.popitem(last=False)
             with self._admitting:  # it may have spoken since the look above: a flood takes a while
-                if self._admitted.get(fd) == inode or not _shut_down(fd, inode):
+                if self._admitted.get(fd) == inode:
                     continue
+                outcome = _shut_down_if_silent(fd, inode)
+            if outcome is _HEARD:
+                self._heard[fd] = inode
+            if outcome is not _SHUT:
+                continue
             if not self.shut_down:
-                log.warning("control plane: more than %d connections have not passed the "
-                            "handshake; closing the oldest (a connection flood?)", self.max_pending)
+                log.warning("control plane: more than %d connections have sent nothing; closing "
+                            "the oldest (a connection flood?)", self.max_pending)
             self.shut_down += 1
 
 
@@ -159,24 +176,42 @@ def _socket_inode(fd: int) -> Optional[int]:
     return info.st_ino if stat.S_ISSOCK(info.st_mode) else None
 
 
-def _shut_down(fd: int, inode: int) -> bool:
-    """Shut down the socket `fd` names if it is still the one with `inode`."""
+_SHUT, _HEARD, _GONE = "shut down", "heard from", "gone"
+
+
+def _shut_down_if_silent(fd: int, inode: int) -> str:
+    """Shut down the socket `fd` names if it is still the one with `inode` and its peer has sent
+    nothing (_SHUT); _HEARD if it has; _GONE if the number names another file now, or none."""
     try:
         copy = os.dup(fd)
     except OSError:  # closed meanwhile, or no descriptor left for the copy: next time
-        return False
+        return _GONE
     try:
         if os.fstat(copy).st_ino != inode:
-            return False
+            return _GONE
         sock = socket.socket(fileno=copy)
         copy = -1  # the socket object owns it now
         try:
+            if _has_received(sock):
+                return _HEARD
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
-        return True
+        return _SHUT
     except OSError:
-        return False
+        return _GONE
     finally:
         if copy >= 0:
             os.close(copy)
+
+
+def _has_received(sock: socket.socket) -> bool:
+    """Whether the TCP peer of `sock` has sent any byte; False where the kernel does not say
+    (not TCP, or a kernel before 4.1): such connections are capped as before."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except (OSError, AttributeError):
+        return False
+    if len(info) < _BYTES_RECEIVED_AT + _BYTES_RECEIVED.size:
+        return False
+    return _BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0] > 0

@@ -327,8 +327,8 @@ class Coordinator:
         cap = self._gate.cap
         if cap.shut_down:
             self.observer.on_event("connection_flood", (
-                f"the control plane closed {cap.shut_down} connections that had not passed the "
-                f"handshake (up to {cap.most_pending} at once, at most {cap.max_pending} kept)"))
+                f"the control plane closed {cap.shut_down} connections that had sent nothing "
+                f"(up to {cap.most_pending} at once, at most {cap.max_pending} kept)"))
 
 
 def samples_per_s(summary: Summary, ctx: RunContext) -> float:
