@@ -28,7 +28,8 @@ HUNG_AFTER_S = 60.0
 
 
 def one_run(folder: Path) -> str:
-    """'completed' (or the run's other status), 'hung' (stacks dumped) or 'ended before the kill'."""
+    """'completed' (or the run's other status), 'hung' (stacks dumped), 'hung: no start event'
+    (the ranks never all joined) or 'ended before the kill'."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:
@@ -44,6 +45,8 @@ def one_run(folder: Path) -> str:
             proc.communicate(timeout=30)
     except ProcessLookupError:
         return "ended before the kill"
+    except AssertionError as exc:  # a step of the run that never came (the launcher is killed)
+        return f"hung: {exc}"
     return json.loads((folder / "run" / "summary.json").read_text())["status"]
 
 
@@ -59,6 +62,7 @@ def main() -> int:
         print(f"run {i}: {outcome}", flush=True)
         if outcome == "hung":
             print(f"stacks: {Path(args.out) / str(i) / 'launcher_out.txt'}")
+        if outcome.startswith("hung"):
             break
     print(json.dumps(tally))
     return 0
