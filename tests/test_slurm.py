@@ -404,6 +404,10 @@ def test_probe_inside_an_allocation_asks_every_node_through_srun(slurm):
 
 # ---- sweeps: one allocation per job (hydra/launcher=slurm) -----------------------------------
 
+SWEEP_EPOCHS = 10
+"""Epochs of each sweep job: enough that job 0 is still training when the notice sent after
+its first epoch lands (the test's docstring says how much that leaves)."""
+
 
 def _array_task(env: dict, task: int) -> tuple:
     """(queue id `123_0`, state) of the sweep's array task `task`; (None, None) once it left."""
@@ -443,23 +447,27 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
     submitit requeues it and the requeued job resumes from that bundle; the comparison, written
     once both jobs ended, has both jobs completed and job 0's overrides without the resume. One
     rank a job: a step of several tasks is the sbatch test's (above), and each srun rank is a
-    fresh interpreter (~4 CPU-s of imports)."""
+    fresh interpreter (~4 CPU-s of imports). SWEEP_EPOCHS is what keeps job 0 running until the
+    notice lands: an epoch here takes ~0.2 s, and the notice stopped job 0 within 2 epochs of
+    the line the test waits for, even on a machine loaded 5 times over; 30 epochs cost ~4
+    CPU-s more for nothing the assertions read."""
     import mlflow
 
     sweep_dir = tmp_path / "multirun"
     launcher = start_cli("-m", "hydra/launcher=slurm", "elche=nccl_sync,nccl_cadence", "cluster=slurm",
-                         "cluster.num_ranks=1", "cluster.threads_per_rank=1", "num_epochs=30",
+                         "cluster.num_ranks=1", "cluster.threads_per_rank=1", f"num_epochs={SWEEP_EPOCHS}",
                          f"tracking.uri=sqlite:///{mlflow_db}", f"hydra.sweep.dir={sweep_dir}",
                          env=slurm)
-    wait_for("job 0 trained an epoch", lambda: "epoch 2/30" in text_of(sweep_dir / "0" / "cli.log"))
+    wait_for("job 0 trained an epoch",
+             lambda: f"epoch 1/{SWEEP_EPOCHS}" in text_of(sweep_dir / "0" / "cli.log"))
     task, _ = _array_task(slurm, 0)
     assert task is not None
     subprocess.run(["scancel", "--signal=USR2", task], env=slurm, check=True, timeout=30)
     seen: list = []
     pending_since: dict = {}
-    try:
+    try:  # once a second: each look is an squeue, and the requeue takes 10-20 s
         wait_for("job 0 requeued and resumed", lambda: _start_if_pending(slurm, task, seen, pending_since)
-                 or "resumed from" in text_of(sweep_dir / "0" / "cli.log"))
+                 or "resumed from" in text_of(sweep_dir / "0" / "cli.log"), interval_s=1.0)
     except AssertionError as failed:
         raise AssertionError(f"{failed}; job 0's states: {seen}") from None
     out, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
