@@ -449,8 +449,8 @@ def test_a_slurm_sweep_gives_each_job_its_allocation_and_a_requeued_job_resumes(
     rank a job: a step of several tasks is the sbatch test's (above), and each srun rank is a
     fresh interpreter (~4 CPU-s of imports). SWEEP_EPOCHS is what keeps job 0 running until the
     notice lands: an epoch here takes 0.1-0.3 s, and job 0 stopped after epoch 4 of 10 in
-    every run measured, one beside two CPU hogs on a machine loaded 6 times over; 30 epochs
-    cost ~8 CPU-s more for nothing the assertions read."""
+    both runs whose logs were read, one beside two CPU hogs on a machine loaded 6 times over;
+    30 epochs cost ~8 CPU-s more for nothing the assertions read."""
     import mlflow
 
     sweep_dir = tmp_path / "multirun"
