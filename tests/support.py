@@ -179,15 +179,16 @@ def start_cli(*args: str, env=None):
                                              dict(os.environ if env is None else env))
 
 
-def wait_for(what: str, condition, timeout_s: float = 240) -> None:
-    """Until `condition()` holds (polling a file or a queue); the bound is for a failure."""
+def wait_for(what: str, condition, timeout_s: float = 240, interval_s: float = 0.2) -> None:
+    """Until `condition()` holds, asked every `interval_s` (polling a file or a queue); the
+    bound is for a failure."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.2)
+        time.sleep(interval_s)
 
 
 def text_of(path: Path) -> str:

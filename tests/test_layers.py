@@ -9,6 +9,7 @@ count: a lazy import is still a dependency.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,53 @@ def test_hydra_stays_at_the_edge(graph) -> None:
             continue
         hydra = [n for n in external_imports(source(name)) if n.split(".")[0] in {"hydra", "omegaconf"}]
         assert not hydra, f"{name} imports {hydra}"
+
+
+def _loads_at_import(module: str) -> tuple[set[str], set[str]]:
+    """(the package's modules, the outside roots) that loading `module` imports at once: its
+    module-level imports and their packages' __init__s, not those inside functions or under
+    `if TYPE_CHECKING:`."""
+    ours: set[str] = set()
+    outside: set[str] = set()
+    body = list(ast.parse(source(module).read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            body += node.orelse
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.ClassDef)):
+            body += [n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+            ours |= {n for n in names if n.startswith("flodl_run")}
+            outside |= {n.split(".")[0] for n in names if not n.startswith("flodl_run")}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if not node.module.startswith("flodl_run"):
+                outside.add(node.module.split(".")[0])
+                continue
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            ours |= {sub for sub in subs if source(sub).exists()}  # `from pkg import module`
+            ours.add(node.module)
+    parents = {".".join(m.split(".")[:k]) for m in ours for k in range(1, m.count(".") + 1)}
+    return ours | parents, outside
+
+
+def test_a_rank_process_loads_no_hydra() -> None:
+    """Pins that `python -m flodl_run.rank` (a fresh interpreter for every srun, torchrun and SSH
+    rank) loads no Hydra: it reads run.yaml with OmegaConf alone, and Hydra's import cost each
+    such rank ~0.12 CPU-s (config.compose imported it at module level for the CLI's use)."""
+    seen, todo = set(), ["flodl_run.rank.__main__"]
+    chains = {"flodl_run.rank.__main__": "flodl_run.rank.__main__"}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        ours, outside = _loads_at_import(name)
+        assert "hydra" not in outside, f"{chains[name]} imports hydra at load"
+        for child in ours - seen:
+            chains.setdefault(child, f"{chains[name]} -> {child}")
+            todo.append(child)
+    assert "flodl_run.rank.process" in seen and "flodl_run.config.compose" in seen
 
 
 def test_no_test_module_imports_another() -> None:

@@ -2,7 +2,8 @@
 of a composed DictConfig into a typed ExperimentConfig.
 
 Owns every contact with hydra/omegaconf below the CLI. It does not validate values
-(`config.validate`) or import recipes (`config.materialize`).
+(`config.validate`) or import recipes (`config.materialize`). Hydra itself loads only to
+compose: a rank reads run.yaml (`experiment_from_yaml`) with OmegaConf alone.
 """
 
 from __future__ import annotations
@@ -12,10 +13,6 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -60,6 +57,8 @@ def conf_dir() -> Path:
 def register_schemas(extra: Sequence[tuple] = ()) -> None:
     """Store the schemas in Hydra's ConfigStore and the help page's resolver (idempotent; call
     before composing)."""
+    from hydra.core.config_store import ConfigStore  # here: a rank reads run.yaml without Hydra
+
     from flodl_run.config import helppage
 
     helppage.register(conf_dir)
@@ -89,6 +88,10 @@ def _without_recipe_module(node: Any) -> Any:
 def compose(overrides: Sequence[str] = (), config_dir: Optional[Path] = None,
             config_name: str = "config") -> DictConfig:
     """Compose the tree with command-line style overrides; raises ComposeError on bad input."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
     from flodl_run.config import overrides as checked
 
     register_schemas()
