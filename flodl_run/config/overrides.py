@@ -189,7 +189,9 @@ def _type_problem(key: str, value: Any, tree: DictConfig) -> Optional[Problem]:
 
     *path, leaf = key.split(".")
     parent = _node(tree, path)
-    node = _node(parent, [leaf])
+    if not isinstance(parent, DictConfig):  # below a free-form dict: the key's level is not there yet
+        parent, leaf = tree, key
+    node = _node(parent, leaf.split("."))
     try:  # on a copy of the key's own level: a copy of the whole tree cost 4 ms an override
         OmegaConf.update(parent.copy(), leaf, value, merge=True)
     except ValidationError as exc:
