@@ -6,6 +6,7 @@ file. Composition runs in-process (no subprocess): Hydra's compose API is what t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from pathlib import Path
@@ -42,6 +43,23 @@ def _options():
             yield pytest.param(group, path.stem, id=f"{group}={path.stem}")
 
 
+@pytest.fixture(scope="module")
+def composed():
+    """`compose(overrides)`, each distinct list composed once for the module (about 0.2
+    CPU-seconds each; 60 of the module's compositions repeated another's overrides): each call
+    gets its own deep copy (8 ms), so a test that changes its config changes no other's. Being
+    module-scoped puts the module's tests on one pytest worker."""
+    cache = {}
+
+    def compose_once(overrides):
+        key = tuple(overrides)
+        if key not in cache:
+            cache[key] = compose(list(overrides))
+        return copy.deepcopy(cache[key])
+
+    return compose_once
+
+
 @pytest.fixture(autouse=True)
 def _repo_recipes_importable(monkeypatch):
     """The recipe check imports `recipes.*` the way the CLI does from the repo root."""
@@ -50,29 +68,29 @@ def _repo_recipes_importable(monkeypatch):
 
 
 @pytest.mark.parametrize("group,option", list(_options()))
-def test_every_option_composes_and_materializes(group, option, tmp_path):
+def test_every_option_composes_and_materializes(group, option, tmp_path, composed):
     """Pins: an option of a group that no longer composes or fails validation on its own."""
     overrides = [f"{group}={option}", *REQUIRED_WITH.get((group, option), [])]
-    result = materialize(compose(overrides), run_dir=str(tmp_path))
+    result = materialize(composed(overrides), run_dir=str(tmp_path))
     assert result.config.save_path == str(tmp_path / "checkpoint")
     assert result.warnings == [], f"{group}={option} warns on its own: {result.warnings}"
 
 
 @pytest.mark.parametrize("group,option", list(_options()))
-def test_option_values_reach_the_composed_config(group, option):
+def test_option_values_reach_the_composed_config(group, option, composed):
     """Pins: a YAML value silently replaced by the schema default (OmegaConf keeps a default when
     `???` is merged over it, which once made `recipe=custom` train digits_mlp)."""
     written = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
     written.pop("defaults", None)
-    composed = OmegaConf.to_container(compose([f"{group}={option}"])[group])
+    values = OmegaConf.to_container(composed([f"{group}={option}"])[group])
     for key, value in written.items():
-        assert composed[key] == value, f"{group}/{option}.yaml {key}: {value!r} became {composed[key]!r}"
+        assert values[key] == value, f"{group}/{option}.yaml {key}: {value!r} became {values[key]!r}"
 
 
-def test_custom_recipe_without_module_is_a_config_error():
+def test_custom_recipe_without_module_is_a_config_error(composed):
     """Pins: `recipe=custom` without `recipe.module` must ask for the module, not train a default."""
     with pytest.raises(ConfigError) as err:
-        materialize(compose(["recipe=custom"]))
+        materialize(composed(["recipe=custom"]))
     assert "recipe.module: is required" in str(err.value)
 
 
@@ -84,21 +102,21 @@ def test_yaml_option_starts_with_a_comment(path):
 
 
 @pytest.mark.parametrize("mode", [m.value for m in Mode])
-def test_elche_preset_constructors_equal_yaml_presets(mode):
+def test_elche_preset_constructors_equal_yaml_presets(mode, composed):
     """Pins: `ElCheConfig.<mode>()` (Python API) drifting from conf/elche/<mode>.yaml (CLI)."""
-    typed, problems = to_experiment(compose([f"elche={mode}"]))
+    typed, problems = to_experiment(composed([f"elche={mode}"]))
     assert problems == []
     assert getattr(ElCheConfig, mode)() == typed.elche
     assert ElCheConfig.preset(mode) == typed.elche
 
 
-def test_default_composition_is_the_python_default():
+def test_default_composition_is_the_python_default(composed):
     """Pins: the CLI's no-override config and `ExperimentConfig()` (Python API) disagreeing.
 
     The recipe section is the one deliberate difference: conf/recipe/digits_mlp.yaml spells out
     params and a target the Python default leaves to the recipe's own function defaults.
     """
-    typed, problems = to_experiment(compose([]))
+    typed, problems = to_experiment(composed([]))
     assert problems == []
     assert typed.recipe.module == ExperimentConfig().recipe.module
     assert dataclasses.replace(typed, recipe=ExperimentConfig().recipe) == ExperimentConfig()
@@ -144,9 +162,9 @@ ROUND_TRIP_OVERRIDES = [
 
 
 @pytest.mark.parametrize("overrides", ROUND_TRIP_OVERRIDES, ids=lambda o: " ".join(o) or "default")
-def test_run_yaml_round_trip(overrides, tmp_path):
+def test_run_yaml_round_trip(overrides, tmp_path, composed):
     """Pins: ranks reading run.yaml (no Hydra) getting a different config than the launcher wrote."""
-    config = materialize(compose(overrides), run_dir=str(tmp_path)).config
+    config = materialize(composed(overrides), run_dir=str(tmp_path)).config
     back = experiment_from_yaml(experiment_to_yaml(config))
     assert back == config
     if "+scalar_reductions.acc=max" in overrides:

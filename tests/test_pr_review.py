@@ -3,7 +3,8 @@ lines under a diff, the workflow users copy and the pre-commit hook.
 
 Most tests compose in this process, on a temporary git repository (e2e: git runs) holding the
 project's conf/ with two named experiments (FLODL_RUN_CONF points at it); the sim and pre-commit
-run once each as subprocesses, because the real command's answer is what they pin.
+run once each as processes of their own, because the real command's answer is what they pin
+(the sim forked from the launch server, as the suite runs `python -m` commands).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from flodl_run.review import snapshots
 from flodl_run.review.cli import main
 from flodl_run.review.meaning import meaning_lines, rig_from
 from flodl_run.review.workflow import WORKFLOW
+from tests.support import run_module
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ("pair_cadence", "pair_exact")
@@ -190,9 +192,9 @@ def test_a_cluster_change_gives_the_sims_own_estimate(tmp_path):
     assert said and said[3].count("/") == 2, estimate
     command = shlex.split(estimate.split("; after: ")[1].strip("`"))
     assert command[:3] == [".venv/bin/python", "-m", "flodl_run.sim"] and "elche.anchor=20" in command
-    proc = subprocess.run([sys.executable, *command[1:], "sim.table=none", f"hydra.run.dir={tmp_path}"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "FLODL_RUN_CONF": str(REPO / "conf")})
+    assert command[1] == "-m"  # run as `python -m flodl_run.sim` runs, forked from the launch server
+    proc = run_module(command[2], *command[3:], "sim.table=none", f"hydra.run.dir={tmp_path}",
+                      cwd=REPO, timeout=120, env={**os.environ, "FLODL_RUN_CONF": str(REPO / "conf")})
     assert proc.returncode == 0, proc.stderr
     printed = re.search(r"simulated samples/s\s+\S\s+([\d,.]+)", proc.stdout)
     ratio = re.search(r"ratio to ideal\s+\S\s+([\d.]+)", proc.stdout)
