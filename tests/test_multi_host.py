@@ -53,9 +53,12 @@ def _conf_dir(tmp_path: Path, ssh: SshConfig, devices=(["cpu", "cpu"], ["cpu"]))
 
 def _command(tmp_path: Path, ssh: SshConfig, run_dir: Path, *overrides: str,
              tracking: str = "tracking=off", devices=(["cpu", "cpu"], ["cpu"])) -> List[str]:
+    # One intra-op thread a rank: both "hosts" are this machine, and each would otherwise size
+    # its ranks' thread pools from all of its cores (2 threads for a host's only rank), so
+    # the ranks oversubscribed the cores they share, their OpenMP threads spinning for each other.
     return [tracking, f"hydra.run.dir={run_dir}",
             f"hydra.searchpath=[file://{_conf_dir(tmp_path, ssh, devices)}]", "cluster=loopback_hosts",
-            *overrides]
+            "cluster.threads_per_rank=1", *overrides]
 
 
 def _processes(marker: str) -> List[int]:
@@ -161,9 +164,15 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     # heartbeat_timeout_secs=10 sets the survivors' group timeout (twice that) to 20 s instead of
     # 60, the backstop should a survivor again wait in a collective on a peer that failed the
     # round but kept its Gloo group open (4 runs of 8 did, before such a peer destroyed it).
+    # 30 epochs: rank 0 dies once epoch 1 is reported, and the run must not have ended by then
+    # (on a loaded machine the loss was noticed 0.8-0.9 s after epoch 1's line, while an epoch
+    # took 0.1-0.3 s); 50 only made the survivors and the launcher train and log on. The
+    # interval of 0.5 s still puts a sample of the surviving host on every heartbeat (one a
+    # second) while the launcher's own MLflow monitor samples and logs its node 2.5 times less
+    # often than at 0.2 s.
     db = mlflow_db
-    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=50",
-                                   "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.2",
+    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=30",
+                                   "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.5",
                                    devices=(["cpu"], ["cpu", "cpu"]), tracking=f"tracking.uri=sqlite:///{db}"),
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []

@@ -74,8 +74,9 @@ def test_job_logs_to_a_real_tracking_server(mlflow_server, tmp_path):
     import mlflow
 
     run_dir = tmp_path / "run"
+    # one intra-op thread: the solo run trains in the launcher, beside the server's process
     proc = run_cli(f"hydra.run.dir={run_dir}", "tracking=mlflow_server", f"tracking.uri={mlflow_server}",
-                   "cluster=solo", "num_epochs=2", "run_name=served")
+                   "cluster=solo", "cluster.threads_per_rank=1", "num_epochs=2", "run_name=served")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     client = mlflow.MlflowClient(mlflow_server)
