@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
-from tests.support import REPO, _run, run_cli, start_cli, user_recipe
+from tests.support import REPO, SLOW_STEPS, _run, run_cli, start_cli, user_recipe
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -208,16 +208,6 @@ def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, mo
     for key in views["spawn"][0]:
         assert [view[key] for view in views["zygote"]] == [view[key] for view in views["spawn"]], key
     assert views["spawn"][0]["threads"] == 1 and views["spawn"][0]["stdout"] == ["FileIO", True]
-
-
-SLOW_STEPS = (  # a step that mostly waits: the run lasts without spending the machine's CPU
-    "import time\n"
-    "from recipes import digits_mlp\n"
-    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
-    "def train_step(model, batch):\n"
-    "    time.sleep(0.02)\n"
-    "    return digits_mlp.train_step(model, batch)\n"
-)
 
 
 def _zygotes_of(pid: int) -> list[int]:
