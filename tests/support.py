@@ -89,8 +89,8 @@ SLOW_STEPS = (
     "    time.sleep(0.02)\n"
     "    return digits_mlp.train_step(model, batch)\n"
 )
-"""A user recipe (`user_recipe`) whose step mostly waits: a live run that lasts without
-spending the machine's CPU (a run that only needs to be alive trained flat out before)."""
+"""A user recipe (`user_recipe`) whose step mostly waits: a run that lasts without spending
+the machine's CPU."""
 
 
 def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,

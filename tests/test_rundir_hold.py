@@ -10,14 +10,9 @@ from typing import Dict
 
 import pytest
 
-from tests.support import SLOW_STEPS, run_cli, start_cli, text_of, user_recipe, wait_for
+from tests.support import run_cli, start_cli, text_of, wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-SLOW = ("recipe=custom", "recipe.module=slow_recipe")
-"""The live run's recipe: it only has to be alive while the second is refused; the default one
-trained flat out meanwhile (about 0.2 CPU-s a test)."""
 
 
 def _started(events: Path) -> bool:
@@ -46,8 +41,7 @@ def test_a_run_refused_for_a_live_runs_directory_leaves_its_files(tmp_path):
     exit 2 naming hydra.run.dir and the run that holds it, and every file of the live run is
     as it was."""
     run_dir = tmp_path / "run"
-    first = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=solo", "num_epochs=500",
-                      *SLOW, env=user_recipe(tmp_path, "slow_recipe", SLOW_STEPS))
+    first = start_cli("tracking=off", f"hydra.run.dir={run_dir}", "cluster=solo", "num_epochs=500")
     try:
         wait_for("the first run's start", lambda: _started(run_dir / "events.jsonl"))
         before = _snapshot(run_dir, "run.yaml", ".hydra")
@@ -71,8 +65,7 @@ def test_a_sweep_refused_for_a_live_sweeps_directory_leaves_its_files(tmp_path):
     they were, and no comparison appears while the first sweep runs."""
     sweep_dir = tmp_path / "sweep"
     first = start_cli("-m", "tracking=off", f"hydra.sweep.dir={sweep_dir}", "cluster=solo",
-                      "num_epochs=500", "seed=0,1", *SLOW,
-                      env=user_recipe(tmp_path, "slow_recipe", SLOW_STEPS))
+                      "num_epochs=500", "seed=0,1")
     try:
         wait_for("the first sweep's job 0", lambda: _started(sweep_dir / "0" / "events.jsonl"))
         before = _snapshot(sweep_dir, "multirun.yaml", "0/run.yaml", "0/.hydra")
