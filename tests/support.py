@@ -81,6 +81,18 @@ def user_recipe(tmp_path: Path, module: str, source: str, **env: str) -> Dict[st
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(REPO)]), **env)
 
 
+SLOW_STEPS = (
+    "import time\n"
+    "from recipes import digits_mlp\n"
+    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
+    "def train_step(model, batch):\n"
+    "    time.sleep(0.02)\n"
+    "    return digits_mlp.train_step(model, batch)\n"
+)
+"""A user recipe (`user_recipe`) whose step mostly waits: a run that lasts without spending
+the machine's CPU."""
+
+
 def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
          tracking: str = "off") -> tuple[subprocess.CompletedProcess, dict]:
     """`python -m flodl_run` with its run dir at `<tmp_path>/run` (`run_cli`): the finished

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flodl_run.launch.zygote import START_ENV, Zygote, fork_ranks
-from tests.support import REPO, _run, run_cli, start_cli, user_recipe
+from tests.support import REPO, SLOW_STEPS, _run, run_cli, run_module, start_cli, user_recipe
 
 RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FLODL_RUN_COORD",
              "FLODL_RUN_SECRET", "FLODL_RUN_FILE")
@@ -72,17 +72,18 @@ def test_a_forked_rank_draws_fresh_random_state_like_a_new_interpreter():
 def test_a_forked_rank_runs_the_rank_with_its_environment_and_its_output_and_exit_code(tmp_path):
     """The child runs flodl_run.rank under the environment it was sent (this one lacks keys,
     and the rank names exactly those), writes to the pipe passed with the request, and its exit
-    code comes back as Popen's returncode would. Sealed, the zygote exits after its last child."""
-    env = {**_base_env(), "RANK": "0", "WORLD_SIZE": "2"}
-    zygote = Zygote.start(env, tmp_path / "zygote.log")
-    rank = zygote.spawn(env)
-    zygote.seal()
-    output = rank.stdout.read()
+    code comes back as Popen's returncode would. Sealed, the zygote exits after its last child.
+    The zygote is the spare of a launcher forked from this worker's launch server
+    (tests/zygote_probe.py), as a forked test launcher's runs have it: started here as a new
+    interpreter it imported torch and the rank for about 4 CPU-s (the next test starts one)."""
+    probe = run_module("tests.zygote_probe", str(tmp_path / "zygote.log"), timeout=120)
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    seen = json.loads(probe.stdout.splitlines()[-1])
+    assert seen["spare"], seen
     assert ("missing environment: MASTER_ADDR, MASTER_PORT, FLODL_RUN_COORD, FLODL_RUN_SECRET, "
-            "FLODL_RUN_FILE") in output
-    assert _until(lambda: rank.poll() is not None)
-    assert rank.returncode == 1
-    assert zygote.process.wait(timeout=60) == 0
+            "FLODL_RUN_FILE") in seen["output"]
+    assert seen["code"] == 1
+    assert seen["zygote"] == 0
 
 
 @pytest.mark.e2e
@@ -208,16 +209,6 @@ def test_a_rank_forked_from_the_spare_sees_what_a_spawned_rank_sees(tmp_path, mo
     for key in views["spawn"][0]:
         assert [view[key] for view in views["zygote"]] == [view[key] for view in views["spawn"]], key
     assert views["spawn"][0]["threads"] == 1 and views["spawn"][0]["stdout"] == ["FileIO", True]
-
-
-SLOW_STEPS = (  # a step that mostly waits: the run lasts without spending the machine's CPU
-    "import time\n"
-    "from recipes import digits_mlp\n"
-    "from recipes.digits_mlp import *  # noqa: F401,F403\n"
-    "def train_step(model, batch):\n"
-    "    time.sleep(0.02)\n"
-    "    return digits_mlp.train_step(model, batch)\n"
-)
 
 
 def _zygotes_of(pid: int) -> list[int]:
