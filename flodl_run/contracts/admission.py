@@ -59,7 +59,6 @@ class PendingCap:
         self._monitor.connect(address)
         self.max_pending = max_pending
         self._pending: "OrderedDict[int, int]" = OrderedDict()  # fd -> inode, oldest first
-        self._heard: Dict[int, int] = {}  # fd -> inode: the peer sent bytes, no message read yet
         self._unverified: Dict[int, int] = {}  # inodes read after the last drain of events
         self._accepted: List[int] = []
         self._admitted: Dict[int, int] = {}  # fd -> inode of the connection that spoke there
@@ -137,7 +136,6 @@ class PendingCap:
     def _forget(self, fd: int) -> None:
         """The connection on `fd` is closed (its number may come back for another)."""
         self._pending.pop(fd, None)
-        self._heard.pop(fd, None)
         self._unverified.pop(fd, None)
         if fd in self._accepted:
             self._accepted.remove(fd)
@@ -156,11 +154,8 @@ class PendingCap:
             with self._admitting:  # it may have spoken since the look above: a flood takes a while
                 if self._admitted.get(fd) == inode:
                     continue
-                outcome = _shut_down_if_silent(fd, inode)
-            if outcome is _HEARD:
-                self._heard[fd] = inode
-            if outcome is not _SHUT:
-                continue
+                if _shut_down_if_silent(fd, inode) is not _SHUT:
+                    continue
             if not self.shut_down:
                 log.warning("control plane: more than %d connections have sent nothing; closing "
                             "the oldest (a connection flood?)", self.max_pending)
