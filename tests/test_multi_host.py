@@ -164,14 +164,17 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     # heartbeat_timeout_secs=10 sets the survivors' group timeout (twice that) to 20 s instead of
     # 60, the backstop should a survivor again wait in a collective on a peer that failed the
     # round but kept its Gloo group open (4 runs of 8 did, before such a peer destroyed it).
-    # 30 epochs: rank 0 dies once epoch 1 is reported, and the run must not have ended by then
-    # (on a loaded machine the loss was noticed 0.8-0.9 s after epoch 1's line, while an epoch
-    # took 0.1-0.3 s); 50 only made the survivors and the launcher train and log on. The
-    # interval of 0.5 s still puts a sample of the surviving host on every heartbeat (one a
-    # second) while the launcher's own MLflow monitor samples and logs its node 2.5 times less
-    # often than at 0.2 s.
+    # Rank 0 dies once epoch 1 is reported, and the run must not have ended by then (on a loaded
+    # machine the loss was noticed 0.8-0.9 s after epoch 1's line), and the surviving host must
+    # then send two samples, a heartbeat (one a second) each. Training alone does not last for
+    # that: on a quiet machine 30 epochs took about 2 s and logged one sample. So the callback
+    # rank's epoch_fn sleeps 0.3 s an epoch (tests/stopping_recipe.py): 12 epochs last at least
+    # 3.6 s, in wall time and not in CPU. The interval of 0.5 s still puts a sample of the
+    # surviving host on every heartbeat while the launcher's own MLflow monitor samples and logs
+    # its node 2.5 times less often than at 0.2 s.
     db = mlflow_db
-    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=30",
+    launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=12",
+                                   "recipe=custom", "recipe.module=tests.stopping_recipe", "+recipe.params.pause_s=0.3",
                                    "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.5",
                                    devices=(["cpu"], ["cpu", "cpu"]), tracking=f"tracking.uri=sqlite:///{db}"),
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
