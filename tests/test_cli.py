@@ -254,3 +254,59 @@ def test_an_empty_train_set_stops_both_ranks_with_one_line_naming_the_recipe(tmp
         assert f"rank {rank}: failed to start: {said}" in out, out
     assert f"failed: rank 0 failed: {said}" in out or f"failed: rank 1 failed: {said}" in out, out
     assert "Traceback" not in out and "epoch_splits" not in out
+
+
+def test_hydra_mode_is_composed_for_only_where_something_may_set_it(tmp_path):
+    """Pins skipping Hydra's second compose (`Hydra.get_mode`, only to read `hydra.mode`):
+    the shipped trees leave `hydra.mode` unset, composed as Hydra's get_mode composes (so the
+    skip changes nothing for them), and the check says so; an override of it, another config
+    tree or search path, or a conf/ file that sets it sends the run through Hydra's own read."""
+    import shutil
+
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from flodl_run.bench.run import SCHEMAS as BENCH_SCHEMAS
+    from flodl_run.config.app import _mode_may_be_set
+    from flodl_run.config.compose import conf_dir, register_schemas
+    from flodl_run.sim.cli import SCHEMA as SIM_SCHEMA
+
+    register_schemas(extra=[*BENCH_SCHEMAS, SIM_SCHEMA])
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir())):
+        for name in ("config", "bench", "sim"):
+            cfg = GlobalHydra.instance().hydra.compose_config(
+                name, [], run_mode=RunMode.MULTIRUN, with_log_configuration=False)
+            assert cfg.hydra.mode is None, name
+    assert not _mode_may_be_set(conf_dir(), ["elche=nccl_sync", "cluster.num_ranks=2"])
+    assert not _mode_may_be_set(conf_dir(), ["-m", "elche=nccl_sync,cpu_async"])
+    for argv in (["hydra.mode=MULTIRUN"], ["+hydra.searchpath=[file:///tmp]"], ["--config-dir", "/tmp"],
+                 ["--no-such-flag"]):
+        assert _mode_may_be_set(conf_dir(), argv), argv
+    conf = tmp_path / "conf"
+    shutil.copytree(conf_dir(), conf)
+    assert not _mode_may_be_set(conf, [])
+    primary = conf / "config.yaml"
+    primary.write_text(primary.read_text().replace("\nhydra:\n", "\nhydra:\n  mode: MULTIRUN\n", 1))
+    assert _mode_may_be_set(conf, [])
+
+
+@pytest.mark.e2e
+def test_a_conf_tree_that_sets_hydra_mode_multirun_sweeps_without_dash_m(tmp_path):
+    """Pins Hydra's own behaviour through the skip above: a primary config with
+    `hydra.mode: MULTIRUN` and a sweeper's params sweeps on a plain `python -m flodl_run`."""
+    import shutil
+
+    from flodl_run.config.compose import conf_dir
+
+    conf = tmp_path / "conf"
+    shutil.copytree(conf_dir(), conf)
+    primary = conf / "config.yaml"
+    primary.write_text(primary.read_text().replace(
+        "\nhydra:\n", "\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      seed: 3,4\n", 1))
+    sweep = tmp_path / "multirun"
+    proc = run("flodl_run", "cluster=solo", "num_epochs=1", "tracking=off", f"hydra.sweep.dir={sweep}",
+               env={"FLODL_RUN_CONF": str(conf)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()) == ["0", "1"]
+    assert [experiment_from_yaml((sweep / job / "run.yaml").read_text()).seed for job in ("0", "1")] == [3, 4]

@@ -174,7 +174,8 @@ def test_losing_rank_0s_host_is_survived_with_a_clear_message_and_no_remote_proc
     # its node 2.5 times less often than at 0.2 s.
     db = mlflow_db
     launcher = start_cli(*_command(tmp_path, sshd, run_dir, "elche=nccl_cadence", "num_epochs=12",
-                                   "recipe=custom", "recipe.module=tests.stopping_recipe", "+recipe.params.pause_s=0.3",
+                                   "recipe=custom", "recipe.module=tests.stopping_recipe",
+                                   "+recipe.params.pause_s=0.3",
                                    "heartbeat_timeout_secs=10", "tracking.system_metrics_interval_s=0.5",
                                    devices=(["cpu"], ["cpu", "cpu"]), tracking=f"tracking.uri=sqlite:///{db}"),
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
