@@ -19,6 +19,7 @@ batches a skewed pair's fast rank takes). It holds a lock that keeps every other
 running beside it; all other tests share that lock. One marked `apart` has a bound in seconds
 (a hang detected within 3-8 s, a stop within 10 s): a second lock keeps the other runs (e2e
 and coordinator tests) from running beside it, while unit tests, one light process, may.
+One marked `waits` mostly sleeps (a stop's grace running out): it takes no CPU slot.
 
 Starting processes: `support._run` forks each CLI run from a per-worker launch server that
 has imported torch, Hydra, MLflow and the runner (flodl_run/launch/launchserver.py says what that
@@ -199,17 +200,21 @@ def pytest_runtest_protocol(item, nextitem):
     share it as well: one beside a run whose bound is relative speed took the fast rank's
     share of a 2.5x-skewed pair from 0.71 to 0.58. Then runs (e2e and coordinator tests) take
     the runs lock, exclusive for `apart` ones, shared otherwise; unit tests leave it alone.
-    Last, every test but a coordinator-tier one takes one of the CPU slots, one per core."""
+    Last, every test but a coordinator-tier or `waits` one takes one of the CPU slots, one per
+    core: a `waits` test spends most of its time asleep (a Ctrl-C's 8 s grace running out on a
+    hung rank), and two of them side by side held both slots while both cores idled (13 of a
+    whole run's 145 idle core-seconds)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return (yield)
     root = _invocation_root(item.config._tmp_path_factory)
-    marked = {name for name in ("alone", "apart", "unit", "coordinator") if item.get_closest_marker(name)}
+    marked = {name for name in ("alone", "apart", "unit", "coordinator", "waits")
+              if item.get_closest_marker(name)}
     with contextlib.ExitStack() as held:
         held.enter_context(_held(root, "cores", exclusive="alone" in marked,
                                  gated=root not in _CORES_SHARED))
         if "unit" not in marked:
             held.enter_context(_held(root, "runs", exclusive="apart" in marked))
-        if "coordinator" not in marked:
+        if not marked & {"coordinator", "waits"}:
             held.enter_context(_cpu_slot(root))
         return (yield)
 

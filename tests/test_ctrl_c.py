@@ -455,6 +455,7 @@ def epoch_fn(epoch, model, marker):
 
 
 @pytest.mark.e2e
+@pytest.mark.waits  # the stop's 8 s grace runs out on the hung rank
 def test_sigint_while_a_ranks_epoch_fn_hangs_saves_the_finished_epochs(tmp_path):
     """Pins on real ranks: Ctrl-C while the callback rank's epoch_fn hung at epoch
     1's close ended `no save within 8s of the ranks' last batch: not saved`, exit 130, no
@@ -572,6 +573,7 @@ def eval_step(model, batch, marker):
 
 
 @pytest.mark.e2e
+@pytest.mark.waits  # the stop's 8 s grace runs out on the hung rank
 def test_sigint_while_an_in_process_eval_hangs_saves_the_epochs_trained(tmp_path):
     """Pins the in-process run (`cluster=solo`) whose eval hangs: a Ctrl-C waited for the eval
     forever, and a second one stopped it unsaved. Now the stop's grace lets the eval go as it
