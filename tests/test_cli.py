@@ -289,6 +289,8 @@ def test_hydra_mode_is_composed_for_only_where_something_may_set_it(tmp_path):
     primary = conf / "config.yaml"
     primary.write_text(primary.read_text().replace("\nhydra:\n", "\nhydra:\n  mode: MULTIRUN\n", 1))
     assert _mode_may_be_set(conf, [])
+    primary.write_text("hydra: {mode: [\n")  # malformed: Hydra's compose names the problem
+    assert _mode_may_be_set(conf, [])
 
 
 @pytest.mark.e2e

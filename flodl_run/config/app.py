@@ -137,7 +137,10 @@ def _mode_may_be_set(conf: Path, argv: Sequence[str]) -> bool:
             return True
         if "hydra" not in text:
             continue
-        node = yaml.safe_load(text)
+        try:
+            node = yaml.safe_load(text)
+        except yaml.YAMLError:  # Hydra's own compose says what is wrong with it
+            return True
         if isinstance(node, dict) and isinstance(node.get("hydra"), dict) and "mode" in node["hydra"]:
             return True
     return False
