@@ -51,20 +51,24 @@ def test_a_forked_launcher_sees_what_a_fresh_interpreter_sees(tmp_path, monkeypa
 @pytest.mark.e2e
 def test_a_module_that_does_not_import_is_left_out_of_the_preload_and_the_server_serves():
     """Pins the preload as a head start, never a condition: a server told to preload a module
-    that is not installed (as mlflow was not on a GPU host with tracking off) still forks
-    launchers, and one that imports the missing module itself fails in its own output.
-    The server is forked from a launcher of this worker's (tests/preload_probe.py), as the
-    bench forks its own, and preloads with the same `preload`: one spawned here imported torch
-    and the rank's modules for about 4 CPU-s before it read its first request."""
-    probe = run_module("tests.preload_probe", "flodl_missing_module_for_the_test", "platform", "--",
-                       "platform", "flodl_missing_module_for_the_test", timeout=120)
+    that is not installed (as mlflow was not on a GPU host with tracking off), or to call a
+    function that is not there, still forks launchers, and one that imports the missing module
+    itself fails in its own output; a `module:function` that is there was called before the
+    fork. The server is forked from a launcher
+    of this worker's (tests/preload_probe.py), as the bench forks its own, and preloads with
+    the same `preload`: one spawned here imported torch and the rank's modules for about 4
+    CPU-s before it read its first request."""
+    probe = run_module("tests.preload_probe", "flodl_missing_module_for_the_test", "platform",
+                       "platform:no_such_function", "tests.preload_mark:mark", "--",
+                       "platform", "flodl_missing_module_for_the_test", "tests.preload_mark", timeout=120)
     assert probe.returncode == 0, probe.stdout + probe.stderr
     seen = json.loads(probe.stdout.splitlines()[-1])
     assert seen["forked"], seen
-    served, missing = seen["runs"]
+    served, missing, marked = seen["runs"]
     assert served["code"] == 0 and served["out"].strip() and served["alive"], served
     assert missing["code"] == 1 and missing["alive"], missing
     assert "No module named flodl_missing_module_for_the_test" in missing["err"], missing
+    assert marked["code"] == 0 and marked["out"].strip() == "True", marked
 
 
 @pytest.mark.e2e

@@ -64,7 +64,8 @@ def can_fork() -> bool:
 
 def preload(modules: List[str]) -> None:
     """Import `modules` (the caller names them: what its launchers import, entry points
-    included, as multiprocessing's forkserver is told what to preload), then what the rank
+    included, as multiprocessing's forkserver is told what to preload; `module:function` also
+    calls the function, work each launcher would do first), then what the rank
     zygote imports, for the spare each launcher forks (the CUDA check and gc.freeze included:
     a child's collections leave these objects and their pages alone). A module that does not
     import here is left out: a launcher that needs it imports it itself and says why it cannot,
@@ -74,8 +75,11 @@ def preload(modules: List[str]) -> None:
     from flodl_run.launch.zygote import preload as preload_ranks
 
     for name in modules:
+        module, _, call = name.partition(":")
         try:
-            importlib.import_module(name)
+            loaded = importlib.import_module(module)
+            if call:
+                getattr(loaded, call)()
         except Exception:  # noqa: BLE001 - a preload is a head start, never a condition
             continue
     preload_ranks()
