@@ -154,7 +154,7 @@ class PendingCap:
             with self._admitting:  # it may have spoken since the look above: a flood takes a while
                 if self._admitted.get(fd) == inode:
                     continue
-                if _shut_down_if_silent(fd, inode) is not _SHUT:
+                if not _shut_down_if_silent(fd, inode):
                     continue
             if not self.shut_down:
                 log.warning("control plane: more than %d connections have sent nothing; closing "
@@ -171,30 +171,28 @@ def _socket_inode(fd: int) -> Optional[int]:
     return info.st_ino if stat.S_ISSOCK(info.st_mode) else None
 
 
-_SHUT, _HEARD, _GONE = "shut down", "heard from", "gone"
-
-
-def _shut_down_if_silent(fd: int, inode: int) -> str:
+def _shut_down_if_silent(fd: int, inode: int) -> bool:
     """Shut down the socket `fd` names if it is still the one with `inode` and its peer has sent
-    nothing (_SHUT); _HEARD if it has; _GONE if the number names another file now, or none."""
+    nothing; whether it did (not when the peer has sent bytes, or the number names another file
+    now, or none)."""
     try:
         copy = os.dup(fd)
     except OSError:  # closed meanwhile, or no descriptor left for the copy: next time
-        return _GONE
+        return False
     try:
         if os.fstat(copy).st_ino != inode:
-            return _GONE
+            return False
         sock = socket.socket(fileno=copy)
         copy = -1  # the socket object owns it now
         try:
             if _has_received(sock):
-                return _HEARD
+                return False
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
-        return _SHUT
+        return True
     except OSError:
-        return _GONE
+        return False
     finally:
         if copy >= 0:
             os.close(copy)
