@@ -62,3 +62,16 @@ def test_outer_replicas_stay_identical():
         a.step_(pa)
         b.step_(pb)
         assert torch.equal(pa[0], pb[0])
+
+
+def test_a_resumed_state_of_another_layout_starts_afresh(capsys):
+    """Pins that outer state from a bundle whose flat buffers had another length (written before
+    the views were aligned) is dropped with a warning instead of failing mid-step: the window
+    acts as a first one, then steps resume."""
+    opt = OuterOptimizer(OuterConfig(kind=OuterKind.slowmo, lr=1.0, momentum=0.9))
+    opt.load_state_dict({"prev": [torch.zeros(30)], "velocity": [torch.zeros(30)]})
+    params = [torch.ones(32)]
+    assert not opt.step_(params)
+    assert torch.equal(params[0], torch.ones(32)) and opt.prev[0].shape == (32,)
+    assert "another flat layout" in capsys.readouterr().err
+    assert opt.step_([torch.zeros(32)])

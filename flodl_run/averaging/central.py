@@ -15,7 +15,7 @@ import torch
 
 from flodl_run.averaging.collective import consensus_weight
 from flodl_run.averaging.flat import alignment, divergence_table, relative_distance, squared_norm
-from flodl_run.averaging.outer import OuterOptimizer
+from flodl_run.averaging.outer import OuterOptimizer, same_layout
 
 
 @dataclass
@@ -110,7 +110,7 @@ class CentralAverager:
 
     def _easgd(self, consensus: List[torch.Tensor]) -> List[torch.Tensor]:
         """center <- (1 - a) * center + a * m_t; replicas then blend toward the new center."""
-        if self.center is None:
+        if self.center is None or not same_layout(self.center, consensus):
             self.center = [c.clone() for c in consensus]
             return self.center
         for center, m in zip(self.center, consensus):

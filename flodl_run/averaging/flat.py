@@ -13,6 +13,22 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+# Each parameter's view starts on a 16-byte boundary, as a fresh allocation would: fused and
+# compiled kernels load 16 bytes at a time and fault on a view that starts between two (CUDA's
+# "misaligned address"). The gaps hold zeros, which every reduce and outer step keeps at zero.
+ALIGN_BYTES = 16
+
+
+def aligned_offsets(numels: List[int], dtype: torch.dtype) -> Tuple[List[int], int]:
+    """Where each of `numels` starts in a flat buffer of `dtype` with aligned views, and the
+    buffer's length (a multiple of the alignment, so a following buffer stays aligned too)."""
+    step = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    offsets, offset = [], 0
+    for n in numels:
+        offsets.append(offset)
+        offset += -(-n // step) * step
+    return offsets, offset
+
 
 class FlatParams:
     """The parameters of `model`, re-homed as views into flat per-dtype buffers.
@@ -27,18 +43,20 @@ class FlatParams:
         for p in model.parameters():
             by_dtype.setdefault(p.dtype, []).append(p)
         self.buffers: List[torch.Tensor] = []
-        for params in by_dtype.values():
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.data = flat[offset:offset + n].view_as(p)
-                offset += n
+        for dtype, params in by_dtype.items():
+            offsets, total = aligned_offsets([p.numel() for p in params], dtype)
+            flat = torch.zeros(total, dtype=dtype, device=params[0].device)
+            for p, offset in zip(params, offsets):
+                view = flat[offset:offset + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
             self.buffers.append(flat)
         self.float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.num_params = sum(p.numel() for params in by_dtype.values() for p in params)
 
     @property
     def numel(self) -> int:
+        """Elements of the flat buffers, the gaps included (what a reduce or a snapshot moves)."""
         return sum(b.numel() for b in self.buffers)
 
     def clone(self) -> List[torch.Tensor]:

@@ -7,7 +7,8 @@ Parameters only. Replicated bit-identically on every collective rank, or once on
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import sys
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -30,6 +31,11 @@ class OuterOptimizer:
         """Apply one outer step to `params` (the consensus); True when parameters moved."""
         if not self.active:
             return False
+        if self.prev is not None and not same_layout(self.prev, params):
+            print("warning: the outer optimizer's resumed state has another flat layout than "
+                  "this model's (a bundle written before parameter views were 16-byte aligned); "
+                  "it starts afresh from this window", file=sys.stderr, flush=True)
+            self.prev = None
         if self.prev is None:
             self.prev = [p.clone() for p in params]
             self.velocity = [torch.zeros_like(p) for p in params]
@@ -49,3 +55,8 @@ class OuterOptimizer:
     def load_state_dict(self, state: Dict[str, object]) -> None:
         self.prev = state["prev"]  # type: ignore[assignment]
         self.velocity = state["velocity"]  # type: ignore[assignment]
+
+
+def same_layout(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether two lists of flat buffers have the same count, lengths and dtypes."""
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

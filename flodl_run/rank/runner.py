@@ -124,7 +124,7 @@ class RankRunner:
                                lr_scale=lr_factor(self.env.world_size, config.lr_scale_ratio),
                                max_grad_norm=config.max_grad_norm, options=config.recipe)
         self.flat = FlatParams(self.replica.model)
-        warning = cpu_training_warning(config.recipe.module, self.flat.numel) \
+        warning = cpu_training_warning(config.recipe.module, self.flat.num_params) \
             if self.env.rank == 0 and self.device.type == "cpu" else None
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
