@@ -50,14 +50,18 @@ def _shares(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
 
 def test_bind_rehomes_the_moments_into_one_buffer_the_optimizer_keeps_stepping():
     """Pins the re-homing: every exp_avg/exp_avg_sq becomes a view of one flat buffer (two
-    tensors per parameter, the step counters left out), AdamW's next step updates that buffer
-    in place (so a reduce of the buffer is a reduce of the state), an unchanged state binds to
-    the same buffer again, and a cleared state binds to nothing, with another fingerprint."""
+    tensors per parameter, the step counters left out, each starting on a 16-byte boundary),
+    AdamW's next step updates that buffer in place (so a reduce of the buffer is a reduce of
+    the state), an unchanged state binds to the same buffer again, and a cleared state binds
+    to nothing, with another fingerprint."""
     model, optimizer = _trained(seed=1, steps=2)
     moments = FlatMoments(model, optimizer)
     (flat,) = moments.bind()
-    assert flat.numel() == 2 * sum(p.numel() for p in model.parameters())
-    assert all(_shares(optimizer.state[p][k], flat) for p in model.parameters() for k in KEYS)
+    views = [optimizer.state[p][k] for p in model.parameters() for k in KEYS]
+    assert sum(v.numel() for v in views) == 2 * sum(p.numel() for p in model.parameters())
+    assert all(_shares(v, flat) for v in views)
+    assert all(v.data_ptr() % 16 == 0 for v in views)  # as fused and compiled kernels need
+    assert flat.numel() == 8 + 8 + 4 + 4  # 6, 6, 2 and 2 floats, each rounded to 16 bytes
     layout = moments.fingerprint()
     assert layout != 0
     before = flat.clone()

@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from flodl_run.averaging.flat import aligned_offsets
+
 _COUNTERS = ("step",)
 """State keys never averaged: counters (AdamW's bias correction) stay each rank's own."""
 
@@ -90,15 +92,15 @@ def _rehome(entries: List[_Entry]) -> Tuple[List[torch.Tensor], List[_Entry]]:
         by_dtype.setdefault(entry[3].dtype, []).append(k)
     buffers: List[torch.Tensor] = []
     bound: List[_Entry] = list(entries)
-    for picks in by_dtype.values():
-        flat = torch.cat([entries[k][3].detach().reshape(-1) for k in picks])
-        offset = 0
-        for k in picks:
+    for dtype, picks in by_dtype.items():
+        offsets, total = aligned_offsets([entries[k][3].numel() for k in picks], dtype)
+        flat = torch.zeros(total, dtype=dtype, device=entries[picks[0]][3].device)
+        for k, offset in zip(picks, offsets):
             i, state, key, value = entries[k]
-            n = value.numel()
-            state[key] = flat[offset:offset + n].view_as(value)
+            view = flat[offset:offset + value.numel()]
+            view.copy_(value.detach().reshape(-1))
+            state[key] = view.view_as(value)
             bound[k] = (i, state, key, state[key])
-            offset += n
         buffers.append(flat)
     return buffers, bound
 
