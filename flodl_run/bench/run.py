@@ -203,10 +203,15 @@ def check(cfg: BenchRunConfig, rig: Optional[Rig]) -> List[Problem]:
                                 "must list at least one outer (none = plain averaging)"))
     if b.localsgd_period is not None and b.localsgd_period < 1:
         problems.append(Problem("bench.localsgd_period", b.localsgd_period, "must be >= 1"))
-    if rig is not None and rig.world_size < 2 and (b.modes or b.torch_ddp or b.torch_localsgd):
+    if rig is not None and rig.cluster.topology is Topology.solo and b.modes:
         problems.append(Problem("cluster", rig.choice,
-                                "must give 2+ ranks for modes and the torch peers (e.g. "
-                                "cluster=cpu_pair); it runs in-process here"))
+                                "must start rank processes for modes (e.g. cluster=cpu_pair, or "
+                                "cluster=local_gpus 'cluster.devices=[0]' for one GPU rank); it "
+                                "runs in-process here"))
+    elif rig is not None and rig.world_size < 2 and (b.torch_ddp or b.torch_localsgd):
+        problems.append(Problem("cluster", rig.choice,
+                                "must give 2+ ranks for the torch peers (e.g. cluster=cpu_pair), "
+                                "or set bench.torch_ddp=false bench.torch_localsgd=false"))
     for key, on in (("bench.torch_ddp", b.torch_ddp), ("bench.torch_localsgd", b.torch_localsgd)):
         if rig is not None and rig.cluster.topology is Topology.hosts and on:
             problems.append(Problem(key, True, "must be false on a multi-host rig (the peers "
