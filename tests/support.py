@@ -108,9 +108,13 @@ def _run(tmp_path: Path, *overrides: str, timeout: int = 180, env=None,
 
 _server: Optional[LaunchServer] = None
 
-TRACKED_PRELOAD = ["mlflow", "matplotlib.figure"]
+TRACKED_PRELOAD = ["mlflow", "mlflow.store.tracking.sqlalchemy_store",
+                   "mlflow.system_metrics.system_metrics_monitor", "matplotlib.figure"]
 """What the suite's runs import beyond a bench's (bench.run.PRELOAD): a tracked run's launcher
-MLflow, a sweep's comparison matplotlib."""
+MLflow, and the SQL store behind every `sqlite:` URI, which `import mlflow` leaves for the first
+client to import (SQLAlchemy, alembic, the table models: 1.26 CPU-s; a forked 2-rank launcher
+tracking to a migrated store took 1.58-1.70 CPU-s without it, 0.70-0.78 with it); a sweep's
+comparison matplotlib."""
 
 
 def launch_server() -> LaunchServer:
