@@ -4,15 +4,17 @@
 #   bash tools/device_run.sh bash tools/gpu_onerank.sh
 # The bench runs the bare loop (solo@1.0), flodl_run's in-process path (runner_solo@1.0) and the
 # one-rank nccl_sync run, 3 rounds each (the first one compiles on a cold inductor cache; the
-# median drops it). Run dirs stay in /tmp; bench.json and bench.md go to $OUT.
+# median drops it). Run dirs stay in /tmp; bench.json and bench.md go to $OUT, and the bench's
+# log goes there as it runs (a call cut at its time limit still returns it). On 2026-12-05 the
+# 10 MB default did not finish within 6.5 minutes of one H100; 3 MB is the default now.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m flodl_run.bench tracking=off hydra.run.dir=/tmp/onerank \
   cluster=local_gpus 'cluster.devices=[0]' 'bench.modes=[nccl_sync]' \
-  "bench.recipes=[{name:byte_lm,overrides:['recipe.params.max_bytes=${MAX_BYTES:-10000000}']}]" \
+  "bench.recipes=[{name:byte_lm,overrides:['recipe.params.max_bytes=${MAX_BYTES:-3000000}']}]" \
   bench.torch_ddp=false bench.torch_localsgd=false bench.batch_size=256 bench.epochs=3 \
-  bench.repeats=3 bench.timeout_s=400
-status=$?
+  bench.repeats=3 bench.timeout_s=400 2>&1 | tee "$OUT/onerank.log"
+status=${PIPESTATUS[0]}
 cp /tmp/onerank/bench.json /tmp/onerank/bench.md "$OUT/" 2>/dev/null
 exit $status
