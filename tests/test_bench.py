@@ -159,8 +159,8 @@ def test_check_reports_every_problem_with_its_key():
 
 def test_one_gpu_rank_may_run_modes_against_solo_but_not_the_torch_peers():
     """Pins what a one-rank rig may bench: the modes through rank processes (a mode's overhead
-    against the solo path, e.g. nccl_sync on one GPU), never in-process (cluster=solo), and
-    the torch peers only from two ranks on."""
+    against the solo path, e.g. nccl_sync on one GPU), never in-process (cluster=solo, or
+    cluster=auto on a host with one GPU), and the torch peers only from two ranks on."""
     one_gpu = Rig("local_gpus", ("cluster.devices=[0]",),
                   ClusterConfig(topology=Topology.local_gpus, devices=["0"]), 1)
     solo = Rig("solo", (), ClusterConfig(topology=Topology.solo), 1)
@@ -168,6 +168,8 @@ def test_one_gpu_rank_may_run_modes_against_solo_but_not_the_torch_peers():
                                                   torch_localsgd=False))
     assert check(modes_only, one_gpu) == []
     assert [(p.key, p.value) for p in check(modes_only, solo)] == [("cluster", "solo")]
+    auto_one_gpu = Rig("auto", (), ClusterConfig(), 1, ("GPU-0",), in_process=True)
+    assert [(p.key, p.value) for p in check(modes_only, auto_one_gpu)] == [("cluster", "auto")]
     with_ddp = BenchRunConfig(bench=BenchConfig(modes=[], torch_localsgd=False))
     (problem,) = check(with_ddp, one_gpu)
     assert problem.key == "cluster" and "bench.torch_ddp=false" in problem.rule

@@ -134,6 +134,8 @@ class Rig:
     """Resolved (threads per rank filled in)."""
     world_size: int
     gpu_uuids: Tuple[str, ...] = ()
+    in_process: bool = False
+    """Its runs train in the launcher's process (`solo`, or `auto` on a host with 0-1 GPUs)."""
 
     @property
     def speeds(self) -> List[float]:
@@ -203,7 +205,7 @@ def check(cfg: BenchRunConfig, rig: Optional[Rig]) -> List[Problem]:
                                 "must list at least one outer (none = plain averaging)"))
     if b.localsgd_period is not None and b.localsgd_period < 1:
         problems.append(Problem("bench.localsgd_period", b.localsgd_period, "must be >= 1"))
-    if rig is not None and rig.cluster.topology is Topology.solo and b.modes:
+    if rig is not None and (rig.in_process or rig.cluster.topology is Topology.solo) and b.modes:
         problems.append(Problem("cluster", rig.choice,
                                 "must start rank processes for modes (e.g. cluster=cpu_pair, or "
                                 "cluster=local_gpus 'cluster.devices=[0]' for one GPU rank); it "
@@ -315,7 +317,8 @@ def resolve_rig(cfg: BenchRunConfig, choice: str, overrides: Sequence[str],
     if topology and topology.in_process:
         visible = topology.gpus or (visible_gpus() if gpus is None else gpus)
         uuids = tuple(g.uuid for g in visible[:1])
-    return Rig(choice, tuple(overrides), config.cluster, world_size, uuids)
+    return Rig(choice, tuple(overrides), config.cluster, world_size, uuids,
+               in_process=bool(topology and topology.in_process))
 
 
 # ---- running ----------------------------------------------------------------------------------
