@@ -22,12 +22,25 @@ ALIGN_BYTES = 16
 def aligned_offsets(numels: List[int], dtype: torch.dtype) -> Tuple[List[int], int]:
     """Where each of `numels` starts in a flat buffer of `dtype` with aligned views, and the
     buffer's length (a multiple of the alignment, so a following buffer stays aligned too)."""
-    step = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    step = max(1, ALIGN_BYTES // dtype.itemsize)
     offsets, offset = [], 0
     for n in numels:
         offsets.append(offset)
         offset += -(-n // step) * step
     return offsets, offset
+
+
+def pack_aligned(tensors: List[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """One zero-gapped flat buffer holding `tensors` (one dtype and device) at aligned offsets,
+    and a view of it shaped like each tensor; the caller re-homes its tensors onto the views."""
+    offsets, total = aligned_offsets([t.numel() for t in tensors], tensors[0].dtype)
+    flat = torch.zeros(total, dtype=tensors[0].dtype, device=tensors[0].device)
+    views = []
+    for t, offset in zip(tensors, offsets):
+        view = flat[offset:offset + t.numel()]
+        view.copy_(t.detach().reshape(-1))
+        views.append(view.view_as(t))
+    return flat, views
 
 
 class FlatParams:
@@ -43,13 +56,10 @@ class FlatParams:
         for p in model.parameters():
             by_dtype.setdefault(p.dtype, []).append(p)
         self.buffers: List[torch.Tensor] = []
-        for dtype, params in by_dtype.items():
-            offsets, total = aligned_offsets([p.numel() for p in params], dtype)
-            flat = torch.zeros(total, dtype=dtype, device=params[0].device)
-            for p, offset in zip(params, offsets):
-                view = flat[offset:offset + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
+        for params in by_dtype.values():
+            flat, views = pack_aligned(params)
+            for p, view in zip(params, views):
+                p.data = view
             self.buffers.append(flat)
         self.float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.num_params = sum(p.numel() for params in by_dtype.values() for p in params)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from flodl_run.averaging.flat import aligned_offsets
+from flodl_run.averaging.flat import pack_aligned
 
 _COUNTERS = ("step",)
 """State keys never averaged: counters (AdamW's bias correction) stay each rank's own."""
@@ -92,15 +92,12 @@ def _rehome(entries: List[_Entry]) -> Tuple[List[torch.Tensor], List[_Entry]]:
         by_dtype.setdefault(entry[3].dtype, []).append(k)
     buffers: List[torch.Tensor] = []
     bound: List[_Entry] = list(entries)
-    for dtype, picks in by_dtype.items():
-        offsets, total = aligned_offsets([entries[k][3].numel() for k in picks], dtype)
-        flat = torch.zeros(total, dtype=dtype, device=entries[picks[0]][3].device)
-        for k, offset in zip(picks, offsets):
-            i, state, key, value = entries[k]
-            view = flat[offset:offset + value.numel()]
-            view.copy_(value.detach().reshape(-1))
-            state[key] = view.view_as(value)
-            bound[k] = (i, state, key, state[key])
+    for picks in by_dtype.values():
+        flat, views = pack_aligned([entries[k][3] for k in picks])
+        for k, view in zip(picks, views):
+            i, state, key, _ = entries[k]
+            state[key] = view
+            bound[k] = (i, state, key, view)
         buffers.append(flat)
     return buffers, bound
 
