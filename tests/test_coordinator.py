@@ -200,6 +200,18 @@ def test_exact_sync_windows_hand_out_every_step_split_by_speed():
 
 
 @pytest.mark.coordinator
+def test_a_lone_exact_rank_runs_its_windows_to_the_cap():
+    """Pins nccl_sync with one member: no shares to re-plan, so after its first (untimed)
+    window each window runs to the compute cap or the epoch's end, not ElChe's anchor of one
+    step (each boundary is a round trip to the coordinator, and on a GPU a wait for the
+    device); every sample is still trained once."""
+    summary, ranks = _run("nccl_sync", [4.0], epochs=2)
+    assert summary.status == "completed", summary.message
+    assert set(_positions(ranks, 2).values()) == {1} and len(_positions(ranks, 2)) == 2 * NUM_SAMPLES
+    assert summary.syncs <= 3, summary.syncs  # 1 + 1, then 1 for the second epoch
+
+
+@pytest.mark.coordinator
 def test_epochs_are_aggregated_in_order_with_eval():
     """Pins per-epoch records (ascending epochs, eval from the callback rank, shares sum to 1)."""
     summary, _ = _run("nccl_cadence", [5.0, 5.0], epochs=2)

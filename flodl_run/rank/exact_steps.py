@@ -29,6 +29,7 @@ class ExactSteps(CollectiveWindows):
 
     emulates_slowdown = False  # the step sleeps itself, before its gradient goes out
     cuts_windows = False  # its steps are collective: a window is never cut short
+    times_fill = False  # no fill: the first step is a step (window_counts)
 
     def __init__(self, parts: RankParts):
         super().__init__(parts)

@@ -84,6 +84,10 @@ class RankMode:
     cuts_windows = True
     """A CutWindow ends the window in hand after its batch (an exact window's steps are
     collective: the coordinator sends no cut on that path)."""
+    times_fill = True
+    """A window's first batch is timed on its own (the host waits for the device after it):
+    its fill cost, the one-time work after a reduce. An exact window has none (its first step
+    is a step like the others), so the host queues on past it."""
 
     def __init__(self, parts: RankParts):
         self.parts = parts

@@ -300,7 +300,8 @@ class RankRunner:
             job.loss_sum = loss if job.loss_sum is None else job.loss_sum + loss
             job.loss_batches += 1
         # a deadline window reads the clock after every batch, so each waits for the device
-        timed = job.done == 0 or job.done + 1 == len(job.batches) or bool(job.order.deadline_ms)
+        timed = (job.done == 0 and self.part.times_fill) or job.done + 1 == len(job.batches) \
+            or bool(job.order.deadline_ms)
         self._settle_step(began, timed=timed, emulate=self.part.emulates_slowdown)
         job.step_ms.append((time.perf_counter() - began) * 1000.0)
         self.recorder.batch(began_ns, data_ns, self._batches_total)
@@ -316,8 +317,8 @@ class RankRunner:
 
     def _settle_step(self, began: float, timed: bool, emulate: bool = True) -> None:
         """Wait for the device only where a clock reading needs it: the first batch of a window
-        (its fill cost), the last (the window's compute time) and every batch of an emulated
-        slower rank (its sleep is a multiple of the step time). In between the host queues
+        (its fill cost, where the mode has one), the last (the window's compute time) and every
+        batch of an emulated slower rank (its sleep is a multiple of the step time). In between the host queues
         batches ahead of the GPU, so a step's host time is its launch cost and the wait at the
         window's end carries the rest: the window's total stays exact. An exact step emulates
         its slowdown itself, before its gradient goes out (`emulate` False)."""
