@@ -2,6 +2,7 @@
 # nccl_sync with one rank on one H200 against the solo path, compiled byte_lm (bf16, fused AdamW,
 # batch 256), for the device tool (carry .whl):
 #   bash tools/device_run.sh bash tools/gpu_onerank.sh
+#   SPLIT=1 bash tools/device_run.sh bash tools/gpu_onerank.sh    # and a timeline of each path
 # The bench runs the bare loop (solo@1.0), flodl_run's in-process path (runner_solo@1.0) and the
 # one-rank nccl_sync run, 3 rounds each (the first one compiles on a cold inductor cache; the
 # median drops it). Run dirs stay in /tmp; bench.json and bench.md go to $OUT, and the bench's
@@ -17,4 +18,18 @@ python3 -m flodl_run.bench tracking=off hydra.run.dir=/tmp/onerank \
   bench.repeats=3 bench.timeout_s=400 2>&1 | tee "$OUT/onerank.log"
 status=${PIPESTATUS[0]}
 cp /tmp/onerank/bench.json /tmp/onerank/bench.md "$OUT/" 2>/dev/null
+# SPLIT=1: then one run of each path with the timeline on (the rank's first epoch part, which
+# holds the compile, took 1.1-1.3 s more than in process on 2026-12-05): timeline.json,
+# summary.json and the rank's log of each go to $OUT/split-<path>/.
+if [ "${SPLIT:-0}" = 1 ]; then
+  for path in solo nccl_sync; do
+    if [ $path = solo ]; then rig="cluster=solo"; else rig="cluster=local_gpus cluster.devices=[0] elche=nccl_sync"; fi
+    FLODL_RUN_WAITS=1 python3 -m flodl_run recipe=byte_lm "recipe.params.max_bytes=${MAX_BYTES:-3000000}" \
+      batch_size=256 num_epochs=1 data.epoch_splits=4 timeline=true tracking=off $rig \
+      hydra.run.dir=/tmp/split-$path > /tmp/split-$path.log 2>&1
+    mkdir -p "$OUT/split-$path"
+    cp /tmp/split-$path.log /tmp/split-$path/timeline.json /tmp/split-$path/summary.json "$OUT/split-$path/" 2>/dev/null
+    cp /tmp/split-$path/ranks/*.log "$OUT/split-$path/" 2>/dev/null
+  done
+fi
 exit $status
