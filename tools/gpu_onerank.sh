@@ -23,9 +23,10 @@ cp /tmp/onerank/bench.json /tmp/onerank/bench.md "$OUT/" 2>/dev/null
 # summary.json and the rank's log of each go to $OUT/split-<path>/.
 if [ "${SPLIT:-0}" = 1 ]; then
   for path in solo nccl_sync; do
-    if [ $path = solo ]; then rig="cluster=solo"; else rig="cluster=local_gpus cluster.devices=[0] elche=nccl_sync"; fi
+    rig=(cluster=solo)
+    [ $path = solo ] || rig=(cluster=local_gpus 'cluster.devices=[0]' elche=nccl_sync)
     FLODL_RUN_WAITS=1 python3 -m flodl_run recipe=byte_lm "recipe.params.max_bytes=${MAX_BYTES:-3000000}" \
-      batch_size=256 num_epochs=1 data.epoch_splits=4 timeline=true tracking=off $rig \
+      batch_size=256 num_epochs=1 data.epoch_splits=4 timeline=true tracking=off "${rig[@]}" \
       hydra.run.dir=/tmp/split-$path > /tmp/split-$path.log 2>&1
     mkdir -p "$OUT/split-$path"
     cp /tmp/split-$path.log /tmp/split-$path/timeline.json /tmp/split-$path/summary.json "$OUT/split-$path/" 2>/dev/null

@@ -123,13 +123,10 @@ class ExactSteps:
 
     def _cut_window(self, pool: EpochPool) -> List[Step]:
         """ElChe's anchor of global steps, at most WINDOW_CAP_MS of compute (fewer at the epoch's
-        end); a last step too small to give every member a sample joins the one before it. A
-        lone member has no shares to re-plan: its windows run to the cap, since each boundary
-        is a control round trip and a wait for the device that its steps do not need."""
+        end; a lone member's run to the cap); a last step too small to give every member a
+        sample joins the one before it."""
         balance = self.ctx.balance
-        alive = self.members.alive
-        anchor = balance.plan.anchor if len(alive) > 1 else -(-pool.remaining // self.global_batch)
-        count = window_steps(anchor, balance.smoothed_ms(), alive)
+        count = window_steps(balance.plan.anchor, balance.smoothed_ms(), self.members.alive)
         steps = [pool.take(self.global_batch) for _ in range(count) if pool.remaining]
         if len(steps) > 1 and sum(s[2] for s in steps[-1]) < len(self.members.alive):
             steps[-2] = steps[-2] + steps.pop()

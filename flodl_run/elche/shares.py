@@ -25,10 +25,12 @@ speeds differ by noise only, and an equal split is exactly torch DDP's."""
 
 def window_steps(anchor: int, ms_per_batch: Sequence[Optional[float]], members) -> int:
     """Steps of the next window: ElChe's anchor, at most WINDOW_CAP_MS of the slowest member's
-    smoothed compute (one step until a member has a timing)."""
+    smoothed compute (one step until a member has a timing). A lone member has no shares to
+    re-plan, so its windows run to the cap: each boundary is a control round trip and, on a
+    GPU, a wait for the device that its steps do not need."""
     known = [ms for r, ms in enumerate(ms_per_batch) if ms and r in members]
     cap = max(1, int(WINDOW_CAP_MS / max(known))) if known else 1
-    return max(1, min(anchor, cap))
+    return cap if len(members) == 1 else max(1, min(anchor, cap))
 
 
 def step_shares(total: int, ms_per_batch: Sequence[Optional[float]], members: Sequence[int],

@@ -318,9 +318,9 @@ class RankRunner:
     def _settle_step(self, began: float, timed: bool, emulate: bool = True) -> None:
         """Wait for the device only where a clock reading needs it: the first batch of a window
         (its fill cost, where the mode has one), the last (the window's compute time) and every
-        batch of an emulated slower rank (its sleep is a multiple of the step time). In between the host queues
-        batches ahead of the GPU, so a step's host time is its launch cost and the wait at the
-        window's end carries the rest: the window's total stays exact. An exact step emulates
+        batch of an emulated slower rank (its sleep is a multiple of the step time). In between
+        the host queues batches ahead of the GPU, so a step's host time is its launch cost and
+        the wait at the window's end carries the rest: the window's total stays exact. An exact step emulates
         its slowdown itself, before its gradient goes out (`emulate` False)."""
         if self.device.type == "cuda" and (timed or (emulate and self.slowdown.active)):
             torch.cuda.synchronize(self.device)
