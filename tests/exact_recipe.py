@@ -17,8 +17,11 @@ def train_dataset(**_: object) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def build_model(device: torch.device, **_: object) -> nn.Module:
-    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3)).to(device)
+def build_model(device: torch.device, hidden: int = 32, middle: bool = False, **_: object) -> nn.Module:
+    """`middle`: one more hidden layer (hidden x hidden): at 600 it is past DDP's first 1 MiB
+    bucket, so the model's gradients come in two buckets."""
+    inner = [nn.Linear(hidden, hidden), nn.Tanh()] if middle else []
+    return nn.Sequential(nn.Linear(12, hidden), nn.Tanh(), *inner, nn.Linear(hidden, 3)).to(device)
 
 
 def build_optimizer(parameters, optimizer: str = "sgd", lr: float = 0.05, **_: object):

@@ -83,3 +83,55 @@ def test_a_survivor_behind_by_a_step_adopts_the_leaders_state(tmp_path):
     zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert zero["steps"] == one["steps"] == 3
     assert all(torch.equal(a, b) for a, b in zip(zero["params"], one["params"]))
+
+
+def _compiled_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Two exact steps of a compiled model (aot_eager) big enough for two of DDP's buckets,
+    this rank's half of each 32-sample step; what dynamo built and the parameters after."""
+    import os
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from flodl_run.config.schema import RecipeConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    params = {"hidden": 600, "middle": True}
+    recipe = load_recipe("tests.exact_recipe", params, None, None)
+    replica = Replica(recipe, torch.device("cpu"), seed=0, options=RecipeConfig(compile="aot_eager"))
+    group = RankGroup(rank, torch.device("cpu"), 30.0)
+    exact = ExactSync(replica, None, group, Slowdown(1.0))
+    exact.rebuild()
+    exact.reset_window()
+    data = recipe.call("train_dataset")
+    for step in range(2):
+        rows = torch.arange(step * 32 + rank * 16, step * 32 + rank * 16 + 16)
+        exact.begin(Micro(0, 1, 16, 16, 32))
+        exact.step(data[rows])
+    torch.save({"graphs": counters["stats"]["unique_graphs"], "pieces": counters["aot_autograd"]["total"],
+                "params": [p.detach().clone() for p in replica.module.parameters()]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_a_compiled_model_is_split_at_ddps_buckets_and_stays_exact(tmp_path):
+    """Pins the overlap of a compiled model's backward with its all-reduce: the step marks DDP
+    active, so dynamo cuts the one graph it captures into one compiled piece per bucket (a
+    bucket's reduce can start while the pieces before it still run backward), and the two
+    ranks' halves still make exactly the plain step over the whole batch."""
+    from tests.support import _free_port, start_ranks
+
+    start_ranks(_compiled_worker, (2, _free_port(), str(tmp_path)), 2)
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert zero["graphs"] == 1 and zero["pieces"] >= 2, (zero["graphs"], zero["pieces"])
+    recipe = load_recipe("tests.exact_recipe", {"hidden": 600, "middle": True}, None, None)
+    plain = Replica(recipe, torch.device("cpu"), seed=0)
+    data = recipe.call("train_dataset")
+    for step in range(2):
+        plain.step(data[torch.arange(step * 32, step * 32 + 32)])
+    for ours, theirs, reference in zip(zero["params"], one["params"], plain.module.parameters()):
+        assert torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, reference.detach(), rtol=1e-5, atol=1e-6)

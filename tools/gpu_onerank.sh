@@ -3,6 +3,7 @@
 # batch 256), for the device tool (carry .whl):
 #   bash tools/device_run.sh bash tools/gpu_onerank.sh
 #   SPLIT=1 bash tools/device_run.sh bash tools/gpu_onerank.sh    # and a timeline of each path
+#   BENCH=0 SPLIT=1 bash tools/device_run.sh bash tools/gpu_onerank.sh   # the timelines only
 # The bench runs the bare loop (solo@1.0), flodl_run's in-process path (runner_solo@1.0) and the
 # one-rank nccl_sync run, 3 rounds each (the first one compiles on a cold inductor cache; the
 # median drops it). Run dirs stay in /tmp; bench.json and bench.md go to $OUT, and the bench's
@@ -11,13 +12,16 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m flodl_run.bench tracking=off hydra.run.dir=/tmp/onerank \
-  cluster=local_gpus 'cluster.devices=[0]' 'bench.modes=[nccl_sync]' \
-  "bench.recipes=[{name:byte_lm,overrides:['recipe.params.max_bytes=${MAX_BYTES:-3000000}']}]" \
-  bench.torch_ddp=false bench.torch_localsgd=false bench.batch_size=256 bench.epochs=3 \
-  bench.repeats=3 bench.timeout_s=400 2>&1 | tee "$OUT/onerank.log"
-status=${PIPESTATUS[0]}
-cp /tmp/onerank/bench.json /tmp/onerank/bench.md "$OUT/" 2>/dev/null
+status=0
+if [ "${BENCH:-1}" = 1 ]; then
+  python3 -m flodl_run.bench tracking=off hydra.run.dir=/tmp/onerank \
+    cluster=local_gpus 'cluster.devices=[0]' 'bench.modes=[nccl_sync]' \
+    "bench.recipes=[{name:byte_lm,overrides:['recipe.params.max_bytes=${MAX_BYTES:-3000000}']}]" \
+    bench.torch_ddp=false bench.torch_localsgd=false bench.batch_size=256 bench.epochs=3 \
+    bench.repeats=3 bench.timeout_s=400 2>&1 | tee "$OUT/onerank.log"
+  status=${PIPESTATUS[0]}
+  cp /tmp/onerank/bench.json /tmp/onerank/bench.md "$OUT/" 2>/dev/null
+fi
 # SPLIT=1: then one run of each path with the timeline on (the rank's first epoch part, which
 # holds the compile, took 1.1-1.3 s more than in process on 2026-12-05): timeline.json,
 # summary.json and the rank's log of each go to $OUT/split-<path>/.

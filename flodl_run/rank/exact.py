@@ -96,15 +96,17 @@ def _through(ddp: Optional[DistributedDataParallel], state: _Hook) -> Iterator[N
     (its pre-forward prepares the reducer, its post-forward tells it what backward will see),
     as torch's composable `replicate` does it with hooks. So train_step receives the model
     itself (`model.config`, the model's own methods) and the reducer still sees every step.
-    Only for the step: an eval or a callback calls the model with no collective behind it."""
+    Only for the step: an eval or a callback calls the model with no collective behind it.
+
+    DDP is also marked active for the step, as its own forward does: a compiled model's graph,
+    built in a step, is then split by dynamo at the reducer's bucket boundaries (torch's
+    DDPOptimizer; `torch._dynamo.config.optimize_ddp` turns it off, as for any compiled DDP), so
+    a bucket's all-reduce starts while the rest of the backward runs. Unmarked, the graph's
+    gradients all reached the reducer as its backward ended (docs/decisions.md)."""
     if ddp is None:
         yield
         return
 
-    # DDP's own forward also marks itself active, which has dynamo split a compiled model's
-    # graph at bucket boundaries; on one H200 that split failed a compiled ResNet's backward
-    # (a stride check in convolution_backward). Unmarked, a compiled model is one graph whose
-    # gradients reach the reducer as its backward ends (no overlap: docs/decisions.md).
     def before(module, args, kwargs):
         state.forwarded = True
         return ddp._pre_forward(*args, **kwargs)
@@ -115,7 +117,8 @@ def _through(ddp: Optional[DistributedDataParallel], state: _Hook) -> Iterator[N
     handles = [ddp.module.register_forward_pre_hook(before, with_kwargs=True),
                ddp.module.register_forward_hook(after)]
     try:
-        yield
+        with ddp._inside_ddp_forward():
+            yield
     finally:
         for handle in handles:
             handle.remove()
