@@ -85,9 +85,10 @@ def test_a_survivor_behind_by_a_step_adopts_the_leaders_state(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(zero["params"], one["params"]))
 
 
-def _compiled_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _compiled_worker(rank: int, world: int, port: int, out_dir: str, split: bool) -> None:
     """Two exact steps of a compiled model (aot_eager) big enough for two of DDP's buckets,
-    this rank's half of each 32-sample step; what dynamo built and the parameters after."""
+    this rank's half of each 32-sample step, split at the buckets or not (recipe.optimize_ddp);
+    what dynamo built and the parameters after."""
     import os
 
     import torch.distributed as dist
@@ -102,7 +103,7 @@ def _compiled_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     recipe = load_recipe("tests.exact_recipe", params, None, None)
     replica = Replica(recipe, torch.device("cpu"), seed=0, options=RecipeConfig(compile="aot_eager"))
     group = RankGroup(rank, torch.device("cpu"), 30.0)
-    exact = ExactSync(replica, None, group, Slowdown(1.0))
+    exact = ExactSync(replica, None, group, Slowdown(1.0), optimize_ddp=split)
     exact.rebuild()
     exact.reset_window()
     data = recipe.call("train_dataset")
@@ -117,16 +118,18 @@ def _compiled_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.e2e
-def test_a_compiled_model_is_split_at_ddps_buckets_and_stays_exact(tmp_path):
-    """Pins the overlap of a compiled model's backward with its all-reduce: the step marks DDP
-    active, so dynamo cuts the one graph it captures into one compiled piece per bucket (a
-    bucket's reduce can start while the pieces before it still run backward), and the two
-    ranks' halves still make exactly the plain step over the whole batch."""
+@pytest.mark.parametrize("split", [True, False], ids=["optimize_ddp", "one_graph"])
+def test_a_compiled_model_is_split_at_ddps_buckets_when_asked_and_stays_exact(tmp_path, split):
+    """Pins recipe.optimize_ddp: the step marks DDP active, so dynamo cuts the one graph it
+    captures into one compiled piece per bucket (a bucket's reduce can start while the pieces
+    before it still run backward); without it the graph stays whole. Either way the two ranks'
+    halves make exactly the plain step over the whole batch."""
     from tests.support import _free_port, start_ranks
 
-    start_ranks(_compiled_worker, (2, _free_port(), str(tmp_path)), 2)
+    start_ranks(_compiled_worker, (2, _free_port(), str(tmp_path), split), 2)
     zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert zero["graphs"] == 1 and zero["pieces"] >= 2, (zero["graphs"], zero["pieces"])
+    assert zero["graphs"] == 1, zero["graphs"]
+    assert (zero["pieces"] >= 2) if split else (zero["pieces"] == 1), zero["pieces"]
     recipe = load_recipe("tests.exact_recipe", {"hidden": 600, "middle": True}, None, None)
     plain = Replica(recipe, torch.device("cpu"), seed=0)
     data = recipe.call("train_dataset")

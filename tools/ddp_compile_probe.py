@@ -4,12 +4,12 @@ copy of the recipe's model (the same initial weights), the same batches, interle
 round (A B C D E, A B C D E, ...) since a GPU's speed drifts within a call.
 
 - solo: torch.compile(model), the plain step (zero_grad, forward, loss, backward, step).
-- ddp_after: nccl_sync until 2026-12-05 (flodl_run/rank/exact.py): DDP around the compiled module, the step
+- ddp_after: nccl_sync's default (flodl_run/rank/exact.py): DDP around the compiled module, the step
   calling the compiled module itself through `_through`'s pre/post-forward hooks, the weighted
   hook. Dynamo sees no active DDP: one graph, every bucket goes out once the backward has ended.
 - ddp_split: ddp_after with the step's forward inside `DistributedDataParallel._inside_ddp_forward()`
   (as DDP's own forward runs it), so dynamo's DDPOptimizer splits the graph at bucket boundaries:
-  nccl_sync since 2026-12-05.
+  nccl_sync with recipe.optimize_ddp=true.
 - ddp_native: DDP(torch.compile(model)) called through DDP's own forward, the same hook
   (`--native compiled_ddp`: torch.compile(DDP(model))): what torch users do. train_step gets a
   callable that calls the wrapper and answers attributes from the model (`model.config`).
@@ -415,7 +415,7 @@ class Builder:
 
         def step(batch: Any) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
-            with _through(ddp, probe.hook), marked(), self.autocast():
+            with _through(ddp, probe.hook, False), marked(), self.autocast():
                 loss = self.recipe.train_step(compiled, batch)
             probe.backward(loss)
             optimizer.step()

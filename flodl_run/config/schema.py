@@ -408,6 +408,10 @@ class RecipeConfig:
     find_unused_parameters: bool = False
     """nccl_sync: some parameters get no gradient in some steps (a branch not taken), as torch
     DDP's flag of that name; costs a walk of the autograd graph per step."""
+    optimize_ddp: bool = False
+    """nccl_sync with a compiled model: dynamo splits the graph at DDP's gradient buckets, so a
+    bucket's all-reduce overlaps the rest of the backward (torch's DDPOptimizer, named as torch's
+    switch). Off: one graph, all-reduced once its backward ends (a compiled ResNet failed split)."""
 
 
 @dataclass

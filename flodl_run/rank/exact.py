@@ -91,18 +91,19 @@ def _grad_versions(model: torch.nn.Module) -> Dict[str, int]:
 
 
 @contextlib.contextmanager
-def _through(ddp: Optional[DistributedDataParallel], state: _Hook) -> Iterator[None]:
+def _through(ddp: Optional[DistributedDataParallel], state: _Hook, split: bool) -> Iterator[None]:
     """While train_step runs, a call of the user's own model goes through `ddp`'s forward
     (its pre-forward prepares the reducer, its post-forward tells it what backward will see),
     as torch's composable `replicate` does it with hooks. So train_step receives the model
     itself (`model.config`, the model's own methods) and the reducer still sees every step.
     Only for the step: an eval or a callback calls the model with no collective behind it.
 
-    DDP is also marked active for the step, as its own forward does: a compiled model's graph,
-    built in a step, is then split by dynamo at the reducer's bucket boundaries (torch's
-    DDPOptimizer; `torch._dynamo.config.optimize_ddp` turns it off, as for any compiled DDP), so
-    a bucket's all-reduce starts while the rest of the backward runs. Unmarked, the graph's
-    gradients all reached the reducer as its backward ended (docs/decisions.md)."""
+    With `split` (recipe.optimize_ddp) DDP is also marked active for the step, as its own
+    forward does: a compiled model's graph, built in a step, is then split by dynamo at the
+    reducer's bucket boundaries (torch's DDPOptimizer), so a bucket's all-reduce starts while
+    the rest of the backward runs. Unmarked, the one graph's gradients reach the reducer as its
+    backward ends. Not the default: on one H100 the split failed a compiled ResNet's backward in
+    a two-rank run (a stride check in convolution_backward; docs/decisions.md)."""
     if ddp is None:
         yield
         return
@@ -117,7 +118,7 @@ def _through(ddp: Optional[DistributedDataParallel], state: _Hook) -> Iterator[N
     handles = [ddp.module.register_forward_pre_hook(before, with_kwargs=True),
                ddp.module.register_forward_hook(after)]
     try:
-        with ddp._inside_ddp_forward():
+        with ddp._inside_ddp_forward() if split else contextlib.nullcontext():
             yield
     finally:
         for handle in handles:
@@ -129,9 +130,9 @@ class ExactSync:
     micro-batch the loop trains, whose `step(batch)` is what `worker.step` runs."""
 
     def __init__(self, replica: Replica, flat: FlatParams, group: RankGroup, slowdown: Slowdown,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, optimize_ddp: bool = False):
         self.replica, self.flat, self.group, self.slowdown = replica, flat, group, slowdown
-        self.find_unused_parameters = find_unused_parameters
+        self.find_unused_parameters, self.optimize_ddp = find_unused_parameters, optimize_ddp
         self.device = replica.device
         self._hook = _Hook()
         self._grouped = _by_device_and_dtype(replica.model)  # the gradients' check, per group
@@ -188,7 +189,7 @@ class ExactSync:
         sync = self.ddp is None or micro.last
         self._hook.forwarded = self._hook.reduced = False
         with (contextlib.nullcontext() if sync else self.ddp.no_sync()):
-            with _through(self.ddp, self._hook), precision.autocast():
+            with _through(self.ddp, self._hook, self.optimize_ddp), precision.autocast():
                 loss = self.replica.recipe.train_step(self.replica.model, batch)
             scaled = loss * (micro.samples / micro.share) if micro.count > 1 else loss
             self._hook.weight = micro.share / micro.total

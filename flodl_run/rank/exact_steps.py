@@ -34,7 +34,7 @@ class ExactSteps(CollectiveWindows):
     def __init__(self, parts: RankParts):
         super().__init__(parts)
         self.sync = ExactSync(parts.replica, parts.flat, parts.group, parts.slowdown,
-                               parts.find_unused_parameters)
+                               parts.find_unused_parameters, parts.optimize_ddp)
 
     def _options(self) -> ReduceOptions:
         """One optimizer steps on the same gradient everywhere: no moments to average."""

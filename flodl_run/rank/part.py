@@ -54,6 +54,8 @@ class RankParts:
     elche: ElCheConfig
     find_unused_parameters: bool
     """recipe.find_unused_parameters (DDP's flag, for the exact step)."""
+    optimize_ddp: bool
+    """recipe.optimize_ddp (a compiled graph split at DDP's buckets, for the exact step)."""
     shm_prefix: Optional[str]
     """The launcher's shared-memory prefix when it runs on this host (snapshots through slabs)."""
 

@@ -111,6 +111,7 @@ class RankRunner:
             env=env, ctx=self.ctx, channel=self.channel, replica=self.replica, flat=self.flat,
             outer=self.outer, group=self.group, recorder=self.recorder, slowdown=self.slowdown,
             elche=config.elche, find_unused_parameters=config.recipe.find_unused_parameters,
+            optimize_ddp=config.recipe.optimize_ddp,
             shm_prefix=os.environ.get(PREFIX_ENV)))
         self._handlers: Dict[type, Callable[[Any, List[memoryview]], None]] = {
             Train: self._train, SyncNow: self._reduce, Update: self._apply_update,
