@@ -10,6 +10,12 @@ Prints one JSON line last: ours_ms and own_loop_ms (medians of the rounds' media
 (own / ours, the median of the rounds' ratios: 1.0 is as fast as the own loop), every round's
 figures, and Python's collections during each loop. With --profile, one
 more epoch-run of each under cProfile first prints where the host's time went in each.
+
+--split adds two halfway loops to each round, to tell which half of the solo path costs what it
+costs over the own loop: `plane` is the own loop fed by the solo path's data plane
+(DataPlane.batches, resident on the device after the first batch), `replica` is the own loop's
+feed with the solo path's step (Replica.step: autocast, the scaler, the optimizer). Their
+figures join the JSON line as plane_ms and replica_ms (medians of the rounds) and own over each.
 """
 
 from __future__ import annotations
@@ -48,8 +54,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[str]) -> List[float]:
-    """A careful user's loop over the recipe; its ms per epoch (training only)."""
+def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[str],
+             half: str = "") -> List[float]:
+    """A careful user's loop over the recipe; its ms per epoch (training only). `half`: "plane"
+    takes its batches from the solo path's data plane, "replica" steps through its Replica."""
     cfg = config.recipe
     recipe = import_recipe(cfg.module, cfg.params)
     torch.manual_seed(config.seed)
@@ -60,6 +68,10 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.amp.value)
     scaler = torch.amp.GradScaler(device.type) if cfg.amp.value == "fp16" else None
     data = recipe.call("train_dataset")
+    if half == "plane":
+        return _plane_fed(config, recipe, data, model, optimizer, dtype, scaler, device)
+    if half == "replica":
+        return _replica_stepped(config, recipe, data, device)
     rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
     if isinstance(rows, dict):
         rows = {k: v.to(device) for k, v in rows.items()}
@@ -91,6 +103,60 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
         _sync(device)
         times.append((time.perf_counter() - began) * 1000.0)
     return times
+
+
+def _timed_epochs(config: ExperimentConfig, device: torch.device, n: int,
+                  epoch: Callable[[torch.Tensor], None]) -> List[float]:
+    times = []
+    for _ in range(config.num_epochs):
+        order = torch.randperm(n)
+        _sync(device)
+        began = time.perf_counter()
+        epoch(order)
+        _sync(device)
+        times.append((time.perf_counter() - began) * 1000.0)
+    return times
+
+
+def _plane_fed(config, recipe, data, model, optimizer, dtype, scaler, device) -> List[float]:
+    """The own loop's step on the batches of the solo path's data plane."""
+    from flodl_run.data.dataplane import DataPlane
+
+    plane = DataPlane(data, device, config, recipe.transform)
+    model.train()
+
+    def epoch(order: torch.Tensor) -> None:
+        for batch in plane.batches(order, config.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = recipe.train_step(model, batch)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+
+    return _timed_epochs(config, device, len(data), epoch)
+
+
+def _replica_stepped(config, recipe, data, device) -> List[float]:
+    """The own loop's batches (rows on the device, indexed) through the solo path's step."""
+    from flodl_run.rank.replica import Replica
+
+    replica = Replica(recipe, device, config.seed, max_grad_norm=config.max_grad_norm, options=config.recipe)
+    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
+    rows = [v.to(device) for v in rows]
+    replica.model.train()
+
+    def epoch(order: torch.Tensor) -> None:
+        order = order.to(device)
+        for start in range(0, len(data), config.batch_size):
+            index = order[start:start + config.batch_size]
+            replica.step([v[index] for v in rows])
+
+    return _timed_epochs(config, device, len(data), epoch)
 
 
 DELIVERY: List[str] = []
@@ -160,6 +226,7 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/zoo_speed")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--split", action="store_true", help="also the plane-fed and replica-stepped halves")
     parser.add_argument("overrides", nargs="*", help="more overrides (recipe.params.hidden=8)")
     args = parser.parse_intermixed_args()
     device = torch.device(args.device)
@@ -173,11 +240,19 @@ def main() -> None:
         traced("own loop", lambda: own_loop(config, device, backend), device)
         traced("solo path", lambda: ours(config, f"{run_dir}/trace"), device)
     mine, theirs = [], []
+    halves: Dict[str, List[List[float]]] = {"plane": [], "replica": []} if args.split else {}
     gc_ours, gc_own = Collections(), Collections()
     for k in range(args.rounds):  # A B A B: the machine's speed drifts within a call
         theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
+        for half, runs in halves.items():
+            runs.append(own_loop(config, device, backend, half))
         mine.append(gc_ours.during(lambda: ours(config, f"{run_dir}/{k}")))
-    print(json.dumps(summary(mine, theirs) | {
+    split = {}
+    for half, runs in halves.items():
+        part = summary(runs, theirs)
+        split |= {f"{half}_ms": part["ours_ms"], f"own_over_{half}": part["ratio"],
+                  f"{half}_rounds_ms": part["ours_rounds_ms"]}
+    print(json.dumps(summary(mine, theirs) | split | {
         "delivery": DELIVERY, "gc_ours": {"count": gc_ours.count, "ms": gc_ours.ms},
         "gc_own": {"count": gc_own.count, "ms": gc_own.ms}}))
 
