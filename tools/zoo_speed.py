@@ -90,19 +90,25 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
         _sync(device)
         began = time.perf_counter()
         for start in range(0, len(data), config.batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = recipe.train_step(model, take(order[start:start + config.batch_size]))
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+            _own_step(recipe, model, optimizer, dtype, scaler, device,
+                      take(order[start:start + config.batch_size]))
         _sync(device)
         times.append((time.perf_counter() - began) * 1000.0)
     return times
+
+
+def _own_step(recipe, model, optimizer, dtype, scaler, device: torch.device, batch) -> None:
+    """The careful user's step: torch's AMP recipe when a scaler is given."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        loss = recipe.train_step(model, batch)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
 
 
 def _timed_epochs(config: ExperimentConfig, device: torch.device, n: int,
@@ -127,16 +133,7 @@ def _plane_fed(config, recipe, data, model, optimizer, dtype, scaler, device) ->
 
     def epoch(order: torch.Tensor) -> None:
         for batch in plane.batches(order, config.batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = recipe.train_step(model, batch)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+            _own_step(recipe, model, optimizer, dtype, scaler, device, batch)
 
     return _timed_epochs(config, device, len(data), epoch)
 
