@@ -118,18 +118,16 @@ def _compiled_worker(rank: int, world: int, port: int, out_dir: str, split: bool
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("split", [True, False], ids=["optimize_ddp", "one_graph"])
-def test_a_compiled_model_is_split_at_ddps_buckets_when_asked_and_stays_exact(tmp_path, split):
+def test_with_optimize_ddp_a_compiled_model_is_split_at_ddps_buckets_and_stays_exact(tmp_path):
     """Pins recipe.optimize_ddp: the step marks DDP active, so dynamo cuts the one graph it
     captures into one compiled piece per bucket (a bucket's reduce can start while the pieces
-    before it still run backward); without it the graph stays whole. Either way the two ranks'
-    halves make exactly the plain step over the whole batch."""
+    before it still run backward), and the two ranks' halves still make exactly the plain step
+    over the whole batch. (Unmarked, the same run compiles one piece: checked when this landed.)"""
     from tests.support import _free_port, start_ranks
 
-    start_ranks(_compiled_worker, (2, _free_port(), str(tmp_path), split), 2)
+    start_ranks(_compiled_worker, (2, _free_port(), str(tmp_path), True), 2)
     zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert zero["graphs"] == 1, zero["graphs"]
-    assert (zero["pieces"] >= 2) if split else (zero["pieces"] == 1), zero["pieces"]
+    assert zero["graphs"] == 1 and zero["pieces"] >= 2, (zero["graphs"], zero["pieces"])
     recipe = load_recipe("tests.exact_recipe", {"hidden": 600, "middle": True}, None, None)
     plain = Replica(recipe, torch.device("cpu"), seed=0)
     data = recipe.call("train_dataset")
@@ -138,3 +136,46 @@ def test_a_compiled_model_is_split_at_ddps_buckets_when_asked_and_stays_exact(tm
     for ours, theirs, reference in zip(zero["params"], one["params"], plain.module.parameters()):
         assert torch.equal(ours, theirs)
         torch.testing.assert_close(ours, reference.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _MarkedDdp:
+    """What `_through` uses of torch's DDP, noting whether the step ran with DDP marked active."""
+
+    def __init__(self):
+        self.module = torch.nn.Linear(2, 1)
+        self.marked = []
+        self._active = False
+
+    def _pre_forward(self, *args, **kwargs):
+        self.marked.append(self._active)
+        return args, kwargs
+
+    def _post_forward(self, output):
+        return output
+
+    def _inside_ddp_forward(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def active():
+            self._active = True
+            try:
+                yield
+            finally:
+                self._active = False
+        return active()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_step_marks_ddp_active_only_with_optimize_ddp(split):
+    """Pins recipe.optimize_ddp's default off: a compiled model stays one graph unless asked
+    (torch's split failed a compiled ResNet's backward on a GPU), and the config's default is off."""
+    from flodl_run.config.schema import RecipeConfig
+    from flodl_run.rank.exact import _Hook, _through
+
+    ddp = _MarkedDdp()
+    with _through(ddp, _Hook(), split):
+        ddp.module(torch.ones(1, 2))
+    ddp.module(torch.ones(1, 2))  # after the step: no hook, no marker
+    assert ddp.marked == [split]
+    assert RecipeConfig().optimize_ddp is False
