@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from zoo_speed import experiment  # noqa: E402  (the same config as the speed rounds)
+
 from flodl_run.contracts.recipe import import_recipe  # noqa: E402
 from flodl_run.data import dataplane  # noqa: E402
 from flodl_run.data.dataplane import DataPlane  # noqa: E402
-from zoo_speed import experiment  # noqa: E402  (the same config as the speed rounds)
 
 
 def _sync(device: torch.device) -> None:
