@@ -25,16 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zoo_speed import experiment  # noqa: E402  (the same config as the speed rounds)
+from zoo_speed import _sync, experiment  # noqa: E402  (the same config as the speed rounds)
 
 from flodl_run.contracts.recipe import import_recipe  # noqa: E402
 from flodl_run.data import dataplane  # noqa: E402
 from flodl_run.data.dataplane import DataPlane  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Parts:
