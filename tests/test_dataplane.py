@@ -66,6 +66,49 @@ def test_a_cpu_rank_with_a_tensor_dataset_is_resident_without_a_copy():
     assert torch.equal(torch.cat([b[0] for b in batches]), X[indices])
 
 
+class _Gathers:
+    """Counts index_select calls on the resident set's tensors while it is on."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        original = torch.Tensor.index_select
+
+        def counted(tensor, dim, index):
+            self.count += 1
+            return original(tensor, dim, index)
+        monkeypatch.setattr(torch.Tensor, "index_select", counted)
+
+
+def test_a_resident_epoch_is_gathered_in_few_calls_and_sliced_into_the_same_batches(monkeypatch):
+    """Pins the gather ahead: a resident plane gathers an epoch's next batches at once
+    (GATHER_AHEAD_BYTES of them) and hands each batch out as a slice, one index_select per field
+    per gather instead of per batch; the rows, the short last batch and the stats are those of
+    gathering each batch alone."""
+    monkeypatch.setattr(dp.mb, "GATHER_AHEAD_BYTES", 4 * BATCH * SAMPLE_BYTES)
+    plane = _plane()
+    indices = plane.picks.picks(0, 0, N)[:N - 5]  # 15 batches, the last of 11 rows
+    gathers = _Gathers(monkeypatch)
+    batches = list(plane.batches(indices, BATCH, epoch=0))
+    assert plane._per_gather == 4 and gathers.count == 2 * 4  # two fields, 15 batches in 4 gathers
+    expected = [(X[i], Y[i]) for i in indices.split(BATCH)]
+    assert [len(b[0]) for b in batches] == [BATCH] * 14 + [11]
+    assert all(torch.equal(b[0], x) and torch.equal(b[1], y) for b, (x, y) in zip(batches, expected))
+    assert all(b[0].is_contiguous() for b in batches)
+    assert plane.take_stats()["data_hits"]["ram"] == N - 5
+
+
+def test_a_batch_that_a_slice_would_misalign_is_gathered_alone():
+    """Pins the alignment rule: when batch_size rows of a field are not a multiple of 16 bytes,
+    a slice of a gather would start off a 16-byte boundary (inductor copies such an input), so
+    the plane gathers each batch alone."""
+    odd = TensorDataset(X[:, :1].contiguous(), Y)  # 4 bytes a row: 16 rows are 64 bytes, fine
+    assert _plane(odd)._per_gather > 1
+    config = ExperimentConfig(batch_size=BATCH + 1, seed=7, data=DataConfig())
+    plane = dp.DataPlane(odd, CPU, config, None, environ={})  # 17 rows of 4 bytes: 68
+    assert plane._per_gather == 1
+    assert torch.equal(torch.cat([b[0] for b in plane.batches(torch.arange(N), BATCH + 1)]), X[:, :1])
+
+
 def test_simulated_device_sizes_choose_the_mode_after_the_first_step():
     """Pins the choice: batch 1 streams at the bootstrap depth 4; at batch 2 (the model and a
     step exist) a device the set fits goes resident, a small one keeps streaming with a measured

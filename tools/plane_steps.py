@@ -87,7 +87,7 @@ def main() -> None:
     plane.settle()
     parts = Parts()
     parts.wrap(plane, "_at_step", "_at_step")
-    parts.wrap(plane, "_from_resident", "_from_resident (gather)")
+    parts.wrap(plane, "_resident_batch", "_resident_batch (gather or slice)")
     parts.wrap(dataplane._OrderOnDevice, "rows", "order slice")
 
     rows = torch.utils.data.default_collate([data[i] for i in range(n)])

@@ -1,7 +1,7 @@
 """The solo path (`flodl_run.train`, `cluster=solo`, in this process) against a careful user's
 own loop over the same zoo recipe: the same model, optimizer, train_step and autocast, every
-sample on the device once, batches by index. The two alternate (A B A B ...) in one process,
-since a machine's speed drifts within a call, and each one's median training ms per epoch is
+sample on the device once, batches by index. The two alternate in one process (A B, then B A,
+...), since a machine's speed drifts within a call, and each one's median training ms per epoch is
 compared (the first epoch, warm-up and compile, left out; our eval left out).
 
     python3 tools/zoo_speed.py zoo_frozen --device cuda --epochs 6 --rounds 3 [--compiled] [--profile]
@@ -239,11 +239,15 @@ def main() -> None:
     mine, theirs = [], []
     halves: Dict[str, List[List[float]]] = {"plane": [], "replica": []} if args.split else {}
     gc_ours, gc_own = Collections(), Collections()
-    for k in range(args.rounds):  # A B A B: the machine's speed drifts within a call
-        theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
+    for k in range(args.rounds):  # the machine's speed drifts within a call: A B B A A B ...
+        own_first = k % 2 == 0  # which loop runs first alternates, so neither always runs second
+        if own_first:
+            theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
         for half, runs in halves.items():
             runs.append(own_loop(config, device, backend, half))
         mine.append(gc_ours.during(lambda: ours(config, f"{run_dir}/{k}")))
+        if not own_first:
+            theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
     split = {}
     for half, runs in halves.items():
         part = summary(runs, theirs)

@@ -82,6 +82,8 @@ class DataPlane:
         self.depth = self.data.prefetch or mb.BOOTSTRAP_DEPTH
         self.batch_bytes = self.batch_size * self.layout.sample_bytes if self.layout else 0
         self._resident: Optional[Rows] = None
+        self._per_gather = 1  # batches of an epoch's order gathered at once, once resident
+        self._gather_room = mb.GATHER_AHEAD_BYTES  # device bytes beside the set: _decide measures
         self._filling: Optional[Future] = None
         self._pool: Optional[SlotStore] = None
         self._prefetcher: Optional[Prefetcher] = None
@@ -134,8 +136,7 @@ class DataPlane:
         began = time.perf_counter()
         self._at_step(work)
         if self._resident is not None:
-            index = order.rows(offset, len(work.indices)) if order else self._upload(work.indices)
-            batch = self._from_resident(index)
+            batch = self._resident_batch(work, order, offset)
         else:
             batch = self._stream(work, ahead)
         self.stats.starve_ms += (time.perf_counter() - began) * 1000.0
@@ -164,10 +165,16 @@ class DataPlane:
         self._poll_fill()
         self.stats.delivery = self.delivery.value
 
-    def _from_resident(self, index: torch.Tensor) -> Any:
-        """The rows at `index` (on the device) of the resident set."""
-        rows = tuple(field.index_select(0, index) for field in self._resident)
-        self.stats.add(self.device_tier, len(index))
+    def _resident_batch(self, work: Work, order: Optional[_OrderOnDevice], offset: int) -> Any:
+        """The rows of `work` from the resident set: with the epoch's `order` (solo), a slice of
+        one gather of the next batches; else (a rank's plan) gathered for this batch alone."""
+        count = len(work.indices)
+        if order is None:
+            index = self._upload(work.indices)
+            rows = tuple(field.index_select(0, index) for field in self._resident)
+        else:
+            rows = order.gathered(self._resident, offset, count, self._per_gather * self.batch_size)
+        self.stats.add(self.device_tier, count)
         return self.layout.pack(rows) if self.layout is not None else rows
 
     def _stream(self, work: Work, ahead: List[Work]) -> Any:
@@ -247,6 +254,7 @@ class DataPlane:
         budget = self._budget()
         dataset_bytes = self.num_samples * self.layout.sample_bytes if self.layout else None
         if dataset_bytes is not None and mb.fits_resident(dataset_bytes, self.batch_bytes, budget):
+            self._gather_room = budget - dataset_bytes - self.batch_bytes
             self._start_fill()
         else:
             self._plan_streaming(budget)
@@ -325,6 +333,11 @@ class DataPlane:
 
     def _go_resident(self, rows: Rows) -> None:
         self._resident, self._pool = rows, None
+        # a batch sliced from a gather starts batch_size rows on from the last: keep it 16-byte
+        # aligned (inductor copies an input that is not), else gather each batch alone
+        aligned = all(self.batch_size * t.element_size() * (t.numel() // max(len(t), 1)) % 16 == 0
+                      for t in rows)
+        self._per_gather = mb.batches_per_gather(self.batch_bytes, self._gather_room) if aligned else 1
         if self._prefetcher is not None:
             self._prefetcher.retain([])
         self.stats.delivery = mb.Delivery.resident.value
@@ -407,8 +420,21 @@ class _OrderOnDevice:
     def __init__(self, order: torch.Tensor, upload: IndexUpload):
         self.order, self.upload = order, upload
         self._on_device: Optional[torch.Tensor] = None
+        self._held: Optional[Tuple[Rows, int, int, Rows]] = None  # (of fields, start, end, rows)
 
     def rows(self, start: int, count: int) -> torch.Tensor:
         if self._on_device is None:
             self._on_device = self.upload(self.order)
         return self._on_device[start:start + count]
+
+    def gathered(self, fields: Rows, start: int, count: int, ahead: int) -> Rows:
+        """Rows `start` to `start + count` of the order, taken from `fields`: slices of the
+        gather that holds them, else of a new gather of `ahead` rows from `start` (fewer at the
+        order's end). Each slice is contiguous; a caller that keeps one keeps its gather."""
+        held = self._held
+        if held is None or held[0] is not fields or start < held[1] or start + count > held[2]:
+            end = min(len(self.order), start + max(count, ahead))
+            index = self.rows(start, end - start)
+            held = self._held = (fields, start, end, tuple(f.index_select(0, index) for f in fields))
+        first = start - held[1]
+        return tuple(rows[first:first + count] for rows in held[3])

@@ -22,6 +22,10 @@ PREFETCH_HEADROOM = 0.25
 """Share of the data budget the prefetch ring may take; the rest is for the device pool."""
 RESIDENT_SLACK_BATCHES = 2
 """A resident rank still materializes the gathered batch and the one in use beside the set."""
+GATHER_AHEAD_BYTES = 8 * 2**20
+"""Most bytes of an epoch's next batches a resident plane gathers in one go (one index_select a
+field), then hands out as slices: a gather a batch is a launch and its bookkeeping per field and
+step, host time a small model's step feels."""
 DISK_MARGIN_BYTES = 256 * 2**20
 """Free space a disk stage leaves on its file system (logs, checkpoints, other jobs' temp files)."""
 
@@ -67,6 +71,14 @@ def data_budget(mem: DeviceMemory, vram_max_usage: float, own_bytes: int = 0) ->
 def fits_resident(dataset_bytes: int, batch_bytes: int, budget: int) -> bool:
     """The whole set fits with room for the gathered batch and the one in use."""
     return dataset_bytes + RESIDENT_SLACK_BATCHES * batch_bytes <= budget
+
+
+def batches_per_gather(batch_bytes: int, headroom: int) -> int:
+    """Whole batches a resident plane gathers at once: as many as GATHER_AHEAD_BYTES and the
+    `headroom` beside the resident set allow, at least one."""
+    if batch_bytes <= 0:
+        return 1
+    return max(1, min(GATHER_AHEAD_BYTES, headroom) // batch_bytes)
 
 
 def choose_delivery(dataset_bytes: int, batch_bytes: int, budget: int) -> Delivery:
