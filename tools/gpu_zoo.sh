@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The zoo on one H200, for the device tool (carry .whl):
 #   bash tools/device_run.sh bash tools/gpu_zoo.sh [speed] [profile] [matrix] [compiled] [unused]
-# speed:    the solo path against a careful user's own loop, 4 epochs x 8 paired rounds each;
+# speed:    the solo path against a careful user's own loop, 4 epochs x 8 paired rounds each (which
+#           runs first alternates; --phases: the median delivery and step calls of each);
 #           every zoo model (or $SPEED_MODELS), each build of $SPEED_BUILDS (default eager)
 # profile:  where the host's time goes in both loops (torch.profiler), zoo_frozen and zoo_gpt2, eager
 # matrix:   every zoo model in solo and the five modes, two ranks sharing GPU 0, eager (and
@@ -44,7 +45,7 @@ if [[ $ARGS == *" speed "* ]]; then
   for m in ${SPEED_MODELS:-$MODELS}; do
     for b in ${SPEED_BUILDS:-eager}; do
       flag=""; [ "$b" = compiled ] && flag="--compiled"
-      line=$(python3 tools/zoo_speed.py "$m" --device cuda --epochs 4 --rounds 8 $flag --out /tmp/zs 2>/tmp/zs.err | tail -1)
+      line=$(python3 tools/zoo_speed.py "$m" --device cuda --epochs 4 --rounds 8 --phases $flag --out /tmp/zs 2>/tmp/zs.err | tail -1)
       [ -n "$line" ] || { line=null; tail -5 /tmp/zs.err; }
       echo "{\"model\": \"$m\", \"build\": \"$b\", \"result\": $line}" >> "$OUT/speed.jsonl"
       python3 -c "import json,sys; d=json.loads(sys.argv[1]); r=d['result'] or {}; print(d['model'], d['build'], 'ratio', r.get('ratio'), r.get('ratios'))" "$(tail -1 "$OUT/speed.jsonl")"

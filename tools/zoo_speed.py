@@ -16,6 +16,11 @@ costs over the own loop: `plane` is the own loop fed by the solo path's data pla
 (DataPlane.batches, resident on the device after the first batch), `replica` is the own loop's
 feed with the solo path's step (Replica.step: autocast, the scaler, the optimizer). Their
 figures join the JSON line as plane_ms and replica_ms (medians of the rounds) and own over each.
+
+--phases clocks each call of the solo path's delivery (DataPlane._deliver) and step
+(Replica.step) and of the own loop's step, and adds their median calls (ours_delivery_us,
+ours_step_us, own_step_us) to the JSON line: what a step of each costs the host, and what the
+feed adds (the own loop's index is the rest of its epoch).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -168,6 +174,42 @@ def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
     return [e.epoch_ms - (e.eval_ms or 0.0) for e in result.summary.epochs]
 
 
+class Phases:
+    """A clock around a few calls while on: the solo path's delivery (DataPlane._deliver) and
+    step (Replica.step), the own loop's step. Each call's seconds are kept per name; `report`
+    gives the median call in microseconds, so the first epoch's compile does not weigh in."""
+
+    def __init__(self):
+        self.calls: Dict[str, List[float]] = {}
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.calls.setdefault(label, []).append(time.perf_counter() - began)
+
+        setattr(owner, name, timed)
+
+    def report(self) -> Dict[str, float]:
+        return {f"{label}_us": round(statistics.median(calls) * 1e6, 1)
+                for label, calls in sorted(self.calls.items())}
+
+
+def clock_phases() -> Phases:
+    from flodl_run.data.dataplane import DataPlane
+    from flodl_run.rank.replica import Replica
+
+    phases = Phases()
+    phases.wrap(DataPlane, "_deliver", "ours_delivery")
+    phases.wrap(Replica, "step", "ours_step")
+    phases.wrap(sys.modules[__name__], "_own_step", "own_step")
+    return phases
+
+
 class Collections:
     """Python's garbage collections while it is on: count and ms by generation."""
 
@@ -224,6 +266,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--split", action="store_true", help="also the plane-fed and replica-stepped halves")
+    parser.add_argument("--phases", action="store_true",
+                        help="also the median call of our delivery and step and of the own step (us)")
     parser.add_argument("overrides", nargs="*", help="more overrides (recipe.params.hidden=8)")
     args = parser.parse_intermixed_args()
     device = torch.device(args.device)
@@ -236,6 +280,7 @@ def main() -> None:
     if args.trace:
         traced("own loop", lambda: own_loop(config, device, backend), device)
         traced("solo path", lambda: ours(config, f"{run_dir}/trace"), device)
+    phases = clock_phases() if args.phases else None
     mine, theirs = [], []
     halves: Dict[str, List[List[float]]] = {"plane": [], "replica": []} if args.split else {}
     gc_ours, gc_own = Collections(), Collections()
@@ -255,7 +300,7 @@ def main() -> None:
                   f"{half}_rounds_ms": part["ours_rounds_ms"]}
     print(json.dumps(summary(mine, theirs) | split | {
         "delivery": DELIVERY, "gc_ours": {"count": gc_ours.count, "ms": gc_ours.ms},
-        "gc_own": {"count": gc_own.count, "ms": gc_own.ms}}))
+        "gc_own": {"count": gc_own.count, "ms": gc_own.ms}} | (phases.report() if phases else {})))
 
 
 def summary(mine: List[List[float]], theirs: List[List[float]]) -> Dict:
