@@ -217,6 +217,30 @@ def test_rank_queue_feeds_the_prefetcher_and_a_changed_plan_drops_stale_batches(
     assert not any(plane._prefetcher.is_scheduled(b) for b in job.batches)
 
 
+def test_a_resident_rank_gathers_its_planned_batches_at_once_and_a_changed_plan_still_gets_its_rows(
+        monkeypatch):
+    """Pins the rank's gather ahead: a resident rank gathers the batch asked for and the next
+    ones its queue plans (whole batches, GATHER_AHEAD_BYTES of them) in one index_select a
+    field, and hands the later ones out as views of it; a plan that changed (the batches asked
+    for are not in the gather) gets its rows gathered afresh, the same rows as indexing the set."""
+    monkeypatch.setattr(dp.mb, "GATHER_AHEAD_BYTES", 3 * BATCH * SAMPLE_BYTES)
+    plane = _plane()
+    jobs = _fake_jobs(plane, [(0, 0, 100)])  # 7 batches, the last of 4 rows
+    job = jobs[0]
+    gathers = _Gathers(monkeypatch)
+    for _ in range(5):
+        picked = job.batches[job.done]
+        rows = plane.gather(picked, jobs)
+        assert torch.equal(rows[0], X[picked]) and torch.equal(rows[1], Y[picked])
+        job.done += 1
+    assert plane._per_gather == 3 and gathers.count == 2 * 2  # batches 1-3, then 4-6
+    other = _fake_jobs(plane, [(0, 160, 80)])
+    rows = plane.gather(other[0].batches[0], other)
+    assert torch.equal(rows[0], X[other[0].batches[0]]) and gathers.count == 2 * 3
+    rows = plane.gather(job.batches[job.done], jobs)  # no longer held: gathered again
+    assert torch.equal(rows[0], X[job.batches[job.done]]) and gathers.count == 2 * 4
+
+
 def _jitter(rows, keys):
     """A deterministic augmentation: noise seeded by each pick's key."""
     x, y = rows

@@ -93,6 +93,7 @@ class DataPlane:
         self._plan = JobPlan(self.batch_size, mb.MAX_DEPTH)
         self._warned: set = set()
         self._upload = IndexUpload(device)
+        self._planned = _PlannedGather(self._upload)
         if device.type == "cpu" and not self.probe.is_simulated and \
                 isinstance(dataset, TensorDataset):
             self._go_resident(dataset.tensors)  # already in this device's memory: no copy
@@ -136,7 +137,7 @@ class DataPlane:
         began = time.perf_counter()
         self._at_step(work)
         if self._resident is not None:
-            batch = self._resident_batch(work, order, offset)
+            batch = self._resident_batch(work, ahead, order, offset)
         else:
             batch = self._stream(work, ahead)
         self.stats.starve_ms += (time.perf_counter() - began) * 1000.0
@@ -165,15 +166,16 @@ class DataPlane:
         self._poll_fill()
         self.stats.delivery = self.delivery.value
 
-    def _resident_batch(self, work: Work, order: Optional[_OrderOnDevice], offset: int) -> Any:
-        """The rows of `work` from the resident set: with the epoch's `order` (solo), a slice of
-        one gather of the next batches; else (a rank's plan) gathered for this batch alone."""
+    def _resident_batch(self, work: Work, ahead: List[Work], order: Optional[_OrderOnDevice],
+                        offset: int) -> Any:
+        """The rows of `work` from the resident set, views of one gather of the next batches:
+        with the epoch's `order` (solo), its next rows; else (a rank) the batches its plan
+        names next (`ahead`), as far as they stay whole batch_size batches."""
         count = work.indices.shape[0]
-        if order is None:
-            index = self._upload(work.indices)
-            rows = tuple(field.index_select(0, index) for field in self._resident)
-        else:
+        if order is not None:
             rows = order.gathered(self._resident, offset, count, self._per_gather * self.batch_size)
+        else:
+            rows = self._planned.rows(self._resident, work, ahead, self._per_gather, self.batch_size)
         self.stats.add(self.device_tier, count)
         return self.layout.pack(rows) if self.layout is not None else rows
 
@@ -436,6 +438,37 @@ class _OrderOnDevice:
             end = min(self.order.shape[0], start + max(count, ahead))
             held = self._held = _Gather(fields, start, end, count, self.rows(start, end - start))
         return held.batch(start, count)
+
+
+class _PlannedGather:
+    """A rank's planned batches gathered from the resident set in one go: the batch asked for
+    and the ones its plan names after it (up to `most`, and only while each is a whole
+    batch_size batch, so every view after the first starts where a whole batch ended), their
+    indices joined and uploaded once. A later batch of the gather is its views, found by its
+    indices tensor (the plan hands the same tensor again); a plan that changed asks for
+    indices the gather does not hold, which are gathered afresh."""
+
+    def __init__(self, upload: IndexUpload):
+        self.upload = upload
+        self._fields: Optional[Rows] = None
+        self._held: Dict[int, Tuple[torch.Tensor, Rows]] = {}  # id(indices): (indices, views)
+
+    def rows(self, fields: Rows, work: Work, ahead: Sequence[Work], most: int,
+             batch_size: int) -> Rows:
+        hit = self._held.get(id(work.indices)) if fields is self._fields else None
+        if hit is not None and hit[0] is work.indices:
+            return hit[1]
+        chosen = [work]
+        for nxt in ahead[:most - 1]:
+            if chosen[-1].indices.shape[0] != batch_size:
+                break
+            chosen.append(nxt)
+        indices = [w.indices for w in chosen]
+        index = self.upload(torch.cat(indices) if len(indices) > 1 else indices[0])
+        sizes = [i.shape[0] for i in indices]
+        cut = list(zip(*(f.index_select(0, index).split(sizes) for f in fields)))
+        self._fields, self._held = fields, {id(i): (i, views) for i, views in zip(indices, cut)}
+        return cut[0]
 
 
 class _Gather:
