@@ -402,6 +402,7 @@ class DataPlane:
         if self._prefetcher is not None:
             self._prefetcher.close()
         self._resident, self._pool, self._prefetcher, self._host = None, None, None, None
+        self._planned = _PlannedGather(self._upload)  # it refers to the set and holds a gather
 
 
 def _merge(hit: torch.Tensor, pooled: Rows, moved: Rows, device: torch.device) -> Rows:

@@ -24,7 +24,7 @@ RESIDENT_SLACK_BATCHES = 2
 """A resident rank still materializes the gathered batch and the one in use beside the set."""
 GATHER_AHEAD_BYTES = 8 * 2**20
 """Most bytes of an epoch's next batches a resident plane gathers in one go (one index_select a
-field), then hands out as slices: a gather a batch is a launch and its bookkeeping per field and
+field), then hands out as views: a gather a batch is a launch and its bookkeeping per field and
 step, host time a small model's step feels."""
 DISK_MARGIN_BYTES = 256 * 2**20
 """Free space a disk stage leaves on its file system (logs, checkpoints, other jobs' temp files)."""
