@@ -59,6 +59,14 @@ def test_resident_needs_room_for_two_batches_beside_the_set() -> None:
     assert mb.fits_resident(980, 10, 1000)
 
 
+def test_a_resident_gather_takes_whole_batches_within_its_cap_and_the_room_left() -> None:
+    """Pins the gather ahead's size: whole batches within GATHER_AHEAD_BYTES and the device
+    room beside the set, never fewer than one (nor for a batch of unknown size)."""
+    assert mb.batches_per_gather(100, 350) == 3
+    assert mb.batches_per_gather(100, 10**12) == mb.GATHER_AHEAD_BYTES // 100
+    assert mb.batches_per_gather(100, 50) == 1 and mb.batches_per_gather(0, 10**6) == 1
+
+
 @pytest.mark.parametrize("budget,batch,override,depth", [
     (100 * GB, 1 * 2**20, None, 16),   # plenty of room: the ceiling
     (10 * 2**20, 8 * 2**20, None, 2),  # barely anything: the floor
