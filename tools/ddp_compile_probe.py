@@ -387,6 +387,22 @@ class Builder:
         ddp.register_comm_hook(probe, _recorded_all_reduce)
         return probe
 
+    def stepper(self, called: Any, optimizer: Any, backward: Callable[[torch.Tensor], None],
+                around: Callable[[], Tuple[Any, ...]] = tuple) -> Callable[[Any], torch.Tensor]:
+        """One step of a trial: train_step on `called` under autocast (inside the contexts
+        `around` makes for each step), `backward` on the loss, the optimizer's step."""
+        def step(batch: Any) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            with contextlib.ExitStack() as stack:
+                for context in around():
+                    stack.enter_context(context)
+                with self.autocast():
+                    loss = self.recipe.train_step(called, batch)
+            backward(loss)
+            optimizer.step()
+            return loss.detach()
+        return step
+
     def build(self, name: str) -> Trial:
         return getattr(self, name)(_compiler(self.args.backend, self.isolation))
 
@@ -394,15 +410,8 @@ class Builder:
         model = self.model()
         compiled, optimizer = compile_(model), self.optimizer(model)
 
-        def step(batch: Any) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            with self.autocast():
-                loss = self.recipe.train_step(compiled, batch)
-            loss.backward()
-            optimizer.step()
-            return loss.detach()
-
-        return Trial(model, step, {"optimize_ddp": True})
+        return Trial(model, self.stepper(compiled, optimizer, lambda loss: loss.backward()),
+                     {"optimize_ddp": True})
 
     def _after(self, compile_: Callable[..., Any], split: bool) -> Trial:
         model = self.model()
@@ -413,14 +422,8 @@ class Builder:
         # (train_step's loss outside the compiled frame changes nothing: no frame of its own)
         marked = ddp._inside_ddp_forward if split else contextlib.nullcontext
 
-        def step(batch: Any) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            with _through(ddp, probe.hook, False), marked(), self.autocast():
-                loss = self.recipe.train_step(compiled, batch)
-            probe.backward(loss)
-            optimizer.step()
-            return loss.detach()
-
+        step = self.stepper(compiled, optimizer, probe.backward,
+                            lambda: (_through(ddp, probe.hook, False), marked()))
         return Trial(model, step, {"optimize_ddp": True}, probe)
 
     def ddp_after(self, compile_: Callable[..., Any]) -> Trial:
@@ -442,15 +445,8 @@ class Builder:
             called = _Called(ddp, model)
         probe = self.hooked(ddp)
 
-        def step(batch: Any) -> torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            with self.autocast():
-                loss = self.recipe.train_step(called, batch)
-            probe.backward(loss)
-            optimizer.step()
-            return loss.detach()
-
-        return Trial(model, step, {"optimize_ddp": True}, probe)
+        return Trial(model, self.stepper(called, optimizer, probe.backward), {"optimize_ddp": True},
+                     probe)
 
     def compiled_autograd(self, compile_: Callable[..., Any]) -> Trial:
         missing = _compiled_autograd_missing()
