@@ -1,6 +1,7 @@
 """The solo path (`flodl_run.train`, `cluster=solo`, in this process) against a careful user's
 own loop over the same zoo recipe: the same model, optimizer, train_step and autocast, every
-sample on the device once, batches by index. The two alternate in one process (A B, then B A,
+sample on the device once, batches by index, each epoch in the solo path's order (a model whose
+work depends on its batches, zoo_unused's auxiliary head, then does the same work in both). The two alternate in one process (A B, then B A,
 ...), since a machine's speed drifts within a call, and each one's median training ms per epoch is
 compared (the first epoch, warm-up and compile, left out; our eval left out).
 
@@ -42,6 +43,7 @@ import flodl_run
 from flodl_run.config.compose import compose, to_experiment
 from flodl_run.config.schema import ExperimentConfig
 from flodl_run.contracts.recipe import import_recipe
+from flodl_run.data.passes import permutation
 
 
 def experiment(name: str, device: torch.device, epochs: int, backend: Optional[str],
@@ -91,8 +93,8 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
             return [v[i] for v in rows]
     model.train()
     times = []
-    for _ in range(config.num_epochs):
-        order = torch.randperm(len(data), device=device)
+    for epoch in range(config.num_epochs):
+        order = permutation(len(data), config.seed, epoch).to(device)
         _sync(device)
         began = time.perf_counter()
         for start in range(0, len(data), config.batch_size):
@@ -120,8 +122,8 @@ def _own_step(recipe, model, optimizer, dtype, scaler, device: torch.device, bat
 def _timed_epochs(config: ExperimentConfig, device: torch.device, n: int,
                   epoch: Callable[[torch.Tensor], None]) -> List[float]:
     times = []
-    for _ in range(config.num_epochs):
-        order = torch.randperm(n)
+    for k in range(config.num_epochs):
+        order = permutation(n, config.seed, k)
         _sync(device)
         began = time.perf_counter()
         epoch(order)
