@@ -1,9 +1,10 @@
-"""The solo path (`flodl_run.train`, `cluster=solo`, in this process) against a careful user's
-own loop over the same zoo recipe: the same model, optimizer, train_step and autocast, every
-sample on the device once, batches by index, each epoch in the solo path's order (a model whose
-work depends on its batches, zoo_unused's auxiliary head, then does the same work in both). The two alternate in one process (A B, then B A,
-...), since a machine's speed drifts within a call, and each one's median training ms per epoch is
-compared (the first epoch, warm-up and compile, left out; our eval left out).
+"""The solo path (`flodl_run.train`, `cluster=solo`, in this process) against a careful user's own
+loop over the same zoo recipe: the same model, optimizer, train_step and autocast, every sample
+on the device once, batches by index, each epoch in the solo path's order (a model whose work
+depends on its batches, zoo_unused's auxiliary head, then does the same work in both). The two
+alternate in one process (A B, then B A, ...), since a machine's speed drifts within a call, and
+each one's median training ms per epoch is compared (the first epoch, warm-up and compile, left
+out; our eval left out).
 
     python3 tools/zoo_speed.py zoo_frozen --device cuda --epochs 6 --rounds 3 [--compiled] [--profile]
 
@@ -20,8 +21,9 @@ figures join the JSON line as plane_ms and replica_ms (medians of the rounds) an
 
 --phases clocks each call of the solo path's delivery (DataPlane._deliver) and step
 (Replica.step) and of the own loop's step, and adds their median calls (ours_delivery_us,
-ours_step_us, own_step_us) to the JSON line: what a step of each costs the host, and what the
-feed adds (the own loop's index is the rest of its epoch).
+ours_step_us, own_step_us; with _mean_us and _p95_us of the calls after the first tenth) to the
+JSON line: what a step of each costs the host, and what the feed adds (the own loop's index is
+the rest of its epoch).
 """
 
 from __future__ import annotations
@@ -179,7 +181,9 @@ def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
 class Phases:
     """A clock around a few calls while on: the solo path's delivery (DataPlane._deliver) and
     step (Replica.step), the own loop's step. Each call's seconds are kept per name; `report`
-    gives the median call in microseconds, so the first epoch's compile does not weigh in."""
+    gives the median call in microseconds, so the first epoch's compile does not weigh in, and
+    the mean and 95th percentile of the calls after the first tenth (a slow call now and then
+    weighs on an epoch as much as on the mean, and is missed by the median)."""
 
     def __init__(self):
         self.calls: Dict[str, List[float]] = {}
@@ -197,8 +201,13 @@ class Phases:
         setattr(owner, name, timed)
 
     def report(self) -> Dict[str, float]:
-        return {f"{label}_us": round(statistics.median(calls) * 1e6, 1)
-                for label, calls in sorted(self.calls.items())}
+        out = {}
+        for label, calls in sorted(self.calls.items()):
+            later = sorted(calls[len(calls) // 10:])
+            out |= {f"{label}_us": round(statistics.median(calls) * 1e6, 1),
+                    f"{label}_mean_us": round(statistics.fmean(later) * 1e6, 1),
+                    f"{label}_p95_us": round(later[int(0.95 * (len(later) - 1))] * 1e6, 1)}
+        return out
 
 
 def clock_phases() -> Phases:
@@ -253,7 +262,7 @@ def traced(label: str, fn: Callable[[], List[float]], device: torch.device) -> N
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         epochs = fn()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=48)
     print(f"---- {label}: torch.profiler, epochs {[round(t, 1) for t in epochs]} ----\n{table}")
 
 
