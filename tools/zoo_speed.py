@@ -37,7 +37,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -180,15 +180,27 @@ def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
 
 class Phases:
     """A clock around a few calls while on: the solo path's delivery (DataPlane._deliver) and
-    step (Replica.step), the own loop's step. Each call's seconds are kept per name; `report`
-    gives the median call in microseconds, so the first epoch's compile does not weigh in, and
-    the mean and 95th percentile of the calls after the first tenth (a slow call now and then
-    weighs on an epoch as much as on the mean, and is missed by the median)."""
+    step (Replica.step), the own loop's step. `tag` names the loop running now (ours, own,
+    plane, replica), so a call is kept as `<tag>_<what>` (ours_step, own_step, plane_delivery).
+    `report` gives, in microseconds, per kept name:
+
+    - `_us`: the median call (the first epoch's compile does not weigh in);
+    - `_mean_us`, `_p95_us`: over the calls after the first tenth (a slow call now and then
+      weighs on an epoch as much as on the mean, and the median misses it);
+    - `_gap_us`, `_gap_mean_us`: from a call's end to the next one's start within an epoch
+      (every loop makes `per_epoch` calls of each an epoch): for a step, what the loop does
+      between two steps (its feed and bookkeeping);
+    - `_head_us`: the mean of an epoch's first HEAD calls, against `_mean_us`: whether an
+      epoch's first steps cost more (after our eval and epoch close, say).
+    """
+
+    HEAD = 5
 
     def __init__(self):
-        self.calls: Dict[str, List[float]] = {}
+        self.tag = "ours"
+        self.calls: Dict[str, List[Tuple[float, float]]] = {}
 
-    def wrap(self, owner, name: str, label: str) -> None:
+    def wrap(self, owner, name: str, what: str) -> None:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -196,17 +208,21 @@ class Phases:
             try:
                 return original(*args, **kwargs)
             finally:
-                self.calls.setdefault(label, []).append(time.perf_counter() - began)
+                self.calls.setdefault(f"{self.tag}_{what}", []).append((began, time.perf_counter()))
 
         setattr(owner, name, timed)
 
-    def report(self) -> Dict[str, float]:
+    def report(self, per_epoch: int) -> Dict[str, float]:
         out = {}
         for label, calls in sorted(self.calls.items()):
-            later = sorted(calls[len(calls) // 10:])
-            out |= {f"{label}_us": round(statistics.median(calls) * 1e6, 1),
-                    f"{label}_mean_us": round(statistics.fmean(later) * 1e6, 1),
-                    f"{label}_p95_us": round(later[int(0.95 * (len(later) - 1))] * 1e6, 1)}
+            durations = [end - began for began, end in calls]
+            later = sorted(durations[len(durations) // 10:])
+            inner = [calls[k][0] - calls[k - 1][1] for k in range(1, len(calls)) if k % per_epoch]
+            head = [d for k, d in enumerate(durations) if k % per_epoch < self.HEAD]
+            us = {"": statistics.median(durations), "_mean": statistics.fmean(later),
+                  "_p95": later[int(0.95 * (len(later) - 1))], "_gap": statistics.median(inner or [0.0]),
+                  "_gap_mean": statistics.fmean(inner or [0.0]), "_head": statistics.fmean(head)}
+            out |= {f"{label}{key}_us": round(v * 1e6, 1) for key, v in us.items()}
         return out
 
 
@@ -215,9 +231,9 @@ def clock_phases() -> Phases:
     from flodl_run.rank.replica import Replica
 
     phases = Phases()
-    phases.wrap(DataPlane, "_deliver", "ours_delivery")
-    phases.wrap(Replica, "step", "ours_step")
-    phases.wrap(sys.modules[__name__], "_own_step", "own_step")
+    phases.wrap(DataPlane, "_deliver", "delivery")
+    phases.wrap(Replica, "step", "step")
+    phases.wrap(sys.modules[__name__], "_own_step", "step")
     return phases
 
 
@@ -291,19 +307,28 @@ def main() -> None:
     if args.trace:
         traced("own loop", lambda: own_loop(config, device, backend), device)
         traced("solo path", lambda: ours(config, f"{run_dir}/trace"), device)
-    phases = clock_phases() if args.phases else None
+    phases = clock_phases() if args.phases else Phases()  # unwrapped: its tag is all it keeps
+    samples = len(import_recipe(config.recipe.module, config.recipe.params).call("train_dataset"))
+    per_epoch = -(-samples // config.batch_size)  # each loop's steps (and deliveries) an epoch
     mine, theirs = [], []
     halves: Dict[str, List[List[float]]] = {"plane": [], "replica": []} if args.split else {}
     gc_ours, gc_own = Collections(), Collections()
+
+    def own() -> List[float]:
+        phases.tag = "own"
+        return gc_own.during(lambda: own_loop(config, device, backend))
+
     for k in range(args.rounds):  # the machine's speed drifts within a call: A B B A A B ...
         own_first = k % 2 == 0  # which loop runs first alternates, so neither always runs second
         if own_first:
-            theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
+            theirs.append(own())
         for half, runs in halves.items():
+            phases.tag = half
             runs.append(own_loop(config, device, backend, half))
+        phases.tag = "ours"
         mine.append(gc_ours.during(lambda: ours(config, f"{run_dir}/{k}")))
         if not own_first:
-            theirs.append(gc_own.during(lambda: own_loop(config, device, backend)))
+            theirs.append(own())
     split = {}
     for half, runs in halves.items():
         part = summary(runs, theirs)
@@ -311,7 +336,7 @@ def main() -> None:
                   f"{half}_rounds_ms": part["ours_rounds_ms"]}
     print(json.dumps(summary(mine, theirs) | split | {
         "delivery": DELIVERY, "gc_ours": {"count": gc_ours.count, "ms": gc_ours.ms},
-        "gc_own": {"count": gc_own.count, "ms": gc_own.ms}} | (phases.report() if phases else {})))
+        "gc_own": {"count": gc_own.count, "ms": gc_own.ms}} | phases.report(per_epoch)))
 
 
 def summary(mine: List[List[float]], theirs: List[List[float]]) -> Dict:

@@ -152,8 +152,12 @@ class DataPlane:
         return batch
 
     def _at_step(self, work: Work) -> None:
-        """Decide after the first step; re-probe at each new epoch; adopt a finished fill."""
+        """Decide after the first step; re-probe at each new epoch; adopt a finished fill. A
+        resident plane stays so until closed: nothing is left to decide, re-probe or adopt (on
+        a small model's step, the checks below cost more host time than the batch's views)."""
         self._delivered += 1
+        if self._resident is not None:
+            return
         epoch = None if work.pass_index is None else epoch_of(
             work.start, work.pass_index, self.picks.picks_per_pass, self.data.epoch_splits)
         if self._delivered == 2 and self._resident is None:

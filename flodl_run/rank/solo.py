@@ -277,16 +277,19 @@ class SoloTrainer:
         indices = self._epoch_indices(epoch)
         losses = _LossReader(self.observer, epoch, self._batches_before(epoch))
         began = time.perf_counter()
-        trained = 0
+        trained, total, batch_size = 0, indices.shape[0], self.config.batch_size
+        # what runs between two steps is host time a small model's step feels: kept to a minimum
+        slowdown = self.slowdown if self.slowdown.active else None
         self.closing = None  # from here a batch may be in hand
-        for batch in self.train_source.batches(indices, self.config.batch_size, epoch=epoch):
+        for batch in self.train_source.batches(indices, batch_size, epoch=epoch):
             step_began = time.perf_counter()
             self._reported = None
             yield batch
             if self._reported is not None:
                 losses.add(self._reported)
-            self.slowdown.after_step(step_began, self.device)
-            trained = min(trained + self.config.batch_size, len(indices))
+            if slowdown is not None:
+                slowdown.after_step(step_began, self.device)
+            trained = min(trained + batch_size, total)
             if self.stop_reason is not None:  # between two batches: the replica is whole
                 raise _Stopped(epoch, trained)
         losses.flush()
