@@ -160,10 +160,10 @@ class DataPlane:
             return
         epoch = None if work.pass_index is None else epoch_of(
             work.start, work.pass_index, self.picks.picks_per_pass, self.data.epoch_splits)
-        if self._delivered == 2 and self._resident is None:
+        if self._delivered == 2:
             self._decide()
         elif epoch is not None and self._epoch is not None and epoch != self._epoch \
-                and self._delivered > 2 and self._resident is None and self._filling is None:
+                and self._delivered > 2 and self._filling is None:
             self._reprobe()
         if epoch is not None:
             self._epoch = epoch
