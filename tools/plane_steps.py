@@ -25,33 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zoo_speed import _sync, experiment  # noqa: E402  (the same config as the speed rounds)
+from zoo_speed import Phases, _sync, experiment  # noqa: E402  (the same config and clock as the speed rounds)
 
 from flodl_run.contracts.recipe import import_recipe  # noqa: E402
 from flodl_run.data import dataplane  # noqa: E402
 from flodl_run.data.dataplane import DataPlane  # noqa: E402
-
-
-class Parts:
-    """Wraps a few of the plane's calls with a clock; microseconds summed per name."""
-
-    def __init__(self) -> None:
-        self.us: Dict[str, float] = defaultdict(float)
-        self.on = False
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            if not self.on:
-                return original(*args, **kwargs)
-            began = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.us[label] += (time.perf_counter() - began) * 1e6
-
-        setattr(owner, name, timed)
 
 
 def _per_batch(epochs: int, n: int, batch_size: int, device: torch.device,
@@ -85,7 +63,8 @@ def main() -> None:
     for _ in plane.batches(torch.randperm(n), size):  # past the first step's decision
         pass
     plane.settle()
-    parts = Parts()
+    parts = Phases()  # only the plane's feed calls what it wraps (the own feeds call none of it)
+    parts.tag = "plane"
     parts.wrap(plane, "_at_step", "_at_step")
     parts.wrap(plane, "_resident_batch", "_resident_batch (gather or slice)")
     parts.wrap(dataplane._OrderOnDevice, "rows", "order slice")
@@ -121,13 +100,12 @@ def main() -> None:
     for _ in range(args.rounds):
         figures["own index"].append(_per_batch(args.epochs, n, size, device, own_feed))
         figures["own index_select"].append(_per_batch(args.epochs, n, size, device, own_select))
-        parts.us.clear()
-        parts.on = True
+        parts.calls.clear()
         figures["data plane"].append(_per_batch(args.epochs, n, size, device, plane_feed))
-        parts.on = False
         batches = args.epochs * -(-n // size)
-        for label, us in parts.us.items():
-            figures[f"  plane: {label}"].append(us / batches)
+        for label, calls in parts.calls.items():
+            figures[f"  {label.replace('plane_', 'plane: ', 1)}"].append(
+                sum(end - began for began, end in calls) * 1e6 / batches)
     medians = {label: statistics.median(values) for label, values in figures.items()}
     print(f"{args.name} on {device}: host us per batch, median of {args.rounds} rounds "
           f"({args.epochs} epochs of {-(-n // size)} batches each; delivery {plane.delivery.value})")
