@@ -21,9 +21,9 @@ figures join the JSON line as plane_ms and replica_ms (medians of the rounds) an
 
 --phases clocks each call of the solo path's delivery (DataPlane._deliver) and step
 (Replica.step) and of the own loop's step, and adds their median calls (ours_delivery_us,
-ours_step_us, own_step_us; with _mean_us and _p95_us of the calls after the first tenth) to the
-JSON line: what a step of each costs the host, and what the feed adds (the own loop's index is
-the rest of its epoch).
+ours_step_us, own_step_us; with their mean, 95th percentile, the gap between two calls and an
+epoch's first calls: see Phases) to the JSON line: what a step of each costs the host, and what
+the loop does between two steps.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -82,17 +82,7 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
         return _plane_fed(config, recipe, data, model, optimizer, dtype, scaler, device)
     if half == "replica":
         return _replica_stepped(config, recipe, data, device)
-    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
-    if isinstance(rows, dict):
-        rows = {k: v.to(device) for k, v in rows.items()}
-
-        def take(i):
-            return {k: v[i] for k, v in rows.items()}
-    else:
-        rows = [v.to(device) for v in rows]
-
-        def take(i):
-            return [v[i] for v in rows]
+    take = _rows_on_device(data, device)
     model.train()
     times = []
     for epoch in range(config.num_epochs):
@@ -105,6 +95,17 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
         _sync(device)
         times.append((time.perf_counter() - began) * 1000.0)
     return times
+
+
+def _rows_on_device(data, device: torch.device) -> Callable[[torch.Tensor], Any]:
+    """The careful user's feed: every sample collated and moved to the device once; the
+    returned function indexes a batch out of it (a dict or a list of fields, as collated)."""
+    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
+    if isinstance(rows, dict):
+        rows = {k: v.to(device) for k, v in rows.items()}
+        return lambda i: {k: v[i] for k, v in rows.items()}
+    rows = [v.to(device) for v in rows]
+    return lambda i: [v[i] for v in rows]
 
 
 def _own_step(recipe, model, optimizer, dtype, scaler, device: torch.device, batch) -> None:
@@ -153,15 +154,13 @@ def _replica_stepped(config, recipe, data, device) -> List[float]:
     from flodl_run.rank.replica import Replica
 
     replica = Replica(recipe, device, config.seed, max_grad_norm=config.max_grad_norm, options=config.recipe)
-    rows = torch.utils.data.default_collate([data[i] for i in range(len(data))])
-    rows = [v.to(device) for v in rows]
+    take = _rows_on_device(data, device)
     replica.model.train()
 
     def epoch(order: torch.Tensor) -> None:
         order = order.to(device)
         for start in range(0, len(data), config.batch_size):
-            index = order[start:start + config.batch_size]
-            replica.step([v[index] for v in rows])
+            replica.step(take(order[start:start + config.batch_size]))
 
     return _timed_epochs(config, device, len(data), epoch)
 
@@ -179,8 +178,8 @@ def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
 
 
 class Phases:
-    """A clock around a few calls while on: the solo path's delivery (DataPlane._deliver) and
-    step (Replica.step), the own loop's step. `tag` names the loop running now (ours, own,
+    """A clock around a few calls: the solo path's delivery (DataPlane._deliver) and step
+    (Replica.step), the own loop's step. `tag` names the loop running now (ours, own,
     plane, replica), so a call is kept as `<tag>_<what>` (ours_step, own_step, plane_delivery).
     `report` gives, in microseconds, per kept name:
 
@@ -294,7 +293,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--split", action="store_true", help="also the plane-fed and replica-stepped halves")
     parser.add_argument("--phases", action="store_true",
-                        help="also the median call of our delivery and step and of the own step (us)")
+                        help="also our delivery and step calls and the own step's, and the gaps between (us)")
     parser.add_argument("overrides", nargs="*", help="more overrides (recipe.params.hidden=8)")
     args = parser.parse_intermixed_args()
     device = torch.device(args.device)
