@@ -4,7 +4,7 @@ on the device once, batches by index, each epoch in the solo path's order (a mod
 depends on its batches, zoo_unused's auxiliary head, then does the same work in both). The two
 alternate in one process (A B, then B A, ...), since a machine's speed drifts within a call, and
 each one's median training ms per epoch is compared (the first epoch, warm-up and compile, left
-out; our eval left out).
+out; the eval, which both run after the epochs the config evaluates, left out of both).
 
     python3 tools/zoo_speed.py zoo_frozen --device cuda --epochs 6 --rounds 3 [--compiled] [--profile]
 
@@ -83,6 +83,7 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
     if half == "replica":
         return _replica_stepped(config, recipe, data, device)
     take = _rows_on_device(data, device)
+    evaluate = _own_eval(config, recipe, model, device)
     model.train()
     times = []
     for epoch in range(config.num_epochs):
@@ -94,7 +95,34 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
                       take(order[start:start + config.batch_size]))
         _sync(device)
         times.append((time.perf_counter() - began) * 1000.0)
+        evaluate(epoch)
     return times
+
+
+def _own_eval(config: ExperimentConfig, recipe, model, device: torch.device) -> Callable[[int], None]:
+    """The careful user's eval after the epochs the solo path evaluates (untimed in both, as the
+    solo path's eval is left out of its epochs): the eval set on the device once, the recipe's
+    eval_step under no_grad in eval mode, then back to training. Without it the own loop would
+    skip work whose wake (a GPU that idled through the eval) the solo path's next steps feel."""
+    every = config.eval_every_epochs
+    if every is None or recipe.eval_dataset is None:
+        return lambda epoch: None
+    from flodl_run.rank.replica import EVAL_BATCH_SIZE
+
+    data = recipe.call("eval_dataset")
+    take = _rows_on_device(data, device)
+    step = recipe.eval_step or recipe.eval_fn
+
+    def evaluate(epoch: int) -> None:
+        if (epoch + 1) % every:
+            return
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, len(data), EVAL_BATCH_SIZE):
+                step(model, take(slice(start, start + EVAL_BATCH_SIZE)))
+        model.train()
+
+    return evaluate
 
 
 def _rows_on_device(data, device: torch.device) -> Callable[[torch.Tensor], Any]:
@@ -166,13 +194,13 @@ def _replica_stepped(config, recipe, data, device) -> List[float]:
 
 
 DELIVERY: List[str] = []
-"""The solo path's delivery and data wait per epoch, last run (resident after the first step)."""
+"""The solo path's delivery, data wait and eval per epoch, last run (resident after the first step)."""
 
 
 def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
     """The solo path's ms per epoch (its training, its eval left out)."""
     result = flodl_run.train(config, run_dir=run_dir)
-    DELIVERY[:] = [f"{e.per_rank_delivery[0]} {e.per_rank_data_starve_ms[0]:.1f} ms"
+    DELIVERY[:] = [f"{e.per_rank_delivery[0]} {e.per_rank_data_starve_ms[0]:.1f} ms, eval {e.eval_ms or 0:.1f} ms"
                    for e in result.summary.epochs]
     return [e.epoch_ms - (e.eval_ms or 0.0) for e in result.summary.epochs]
 
