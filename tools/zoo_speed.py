@@ -102,10 +102,10 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
 def _own_eval(config: ExperimentConfig, recipe, model, device: torch.device) -> Callable[[int], None]:
     """The careful user's eval after the epochs the solo path evaluates (untimed in both, as the
     solo path's eval is left out of its epochs): the eval set on the device once, the recipe's
-    eval_step under no_grad in eval mode, then back to training. Without it the own loop would
+    eval_step (or eval_fn) under no_grad in eval mode, then back to training. Without it the own loop would
     skip work whose wake (a GPU that idled through the eval) the solo path's next steps feel."""
     every = config.eval_every_epochs
-    if every is None or recipe.eval_dataset is None:
+    if every is None or not recipe.has_eval:  # as the solo path decides
         return lambda epoch: None
     from flodl_run.rank.replica import EVAL_BATCH_SIZE
 
