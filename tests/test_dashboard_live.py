@@ -75,7 +75,10 @@ def live_run(tmp_path_factory, cores_held):
             url = match and match.group(1)
         assert url, "".join(output)
         # Both ranks have reported a window: the page has something per rank to show.
-        _await(lambda: all(r["windows"] for r in _state(url)["ranks"]) and _state(url)["world_size"] == 2,
+        # One poll judges both: a window may come before the run's start sets the world size,
+        # when the ranks listed are only those that reported.
+        _await(lambda: (lambda s: s["world_size"] == len(s["ranks"]) == 2
+                        and all(r["windows"] for r in s["ranks"]))(_state(url)),
                "both ranks' first windows")
         yield {"url": url, "proc": proc, "run_dir": run_dir, "output": output}
     finally:
