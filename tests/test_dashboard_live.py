@@ -75,8 +75,9 @@ def live_run(tmp_path_factory, cores_held):
             url = match and match.group(1)
         assert url, "".join(output)
         # Both ranks have reported a window: the page has something per rank to show.
-        # One poll judges both: a window may come before the run's start sets the world size,
-        # when the ranks listed are only those that reported.
+        # One poll judges both: before the run's start sets the world size, the state lists
+        # only the ranks that reported a window (none at first: `all` of nothing is true), and
+        # a second poll may then see the world size of a run whose slow rank has no window yet.
         _await(lambda: (lambda s: s["world_size"] == len(s["ranks"]) == 2
                         and all(r["windows"] for r in s["ranks"]))(_state(url)),
                "both ranks' first windows")
