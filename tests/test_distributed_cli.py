@@ -25,11 +25,12 @@ pytestmark = pytest.mark.e2e
 def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_share, max_drop):
     """Pins the headline promise: on a 2.5x-skewed pair the cadence and async modes give the
     fast rank >= 0.6 of the batches (the median of the epochs after the first) and reach the
-    solo run's held-out accuracy within 2 points (same recipe and epochs). cpu_sync splits each epoch equally, so the slow rank trains the
-    epoch's tail alone (docs/benchmarks.md: 1-2 points of eval by design on this rig), and a
-    reduce waits for the ranks that have not stepped while the others step on, so its
-    trajectory follows the timing: six runs of this config on the 2-core machine ended at
-    0.931-0.972 against the solo run's 0.953. Its bound is 3.5 points."""
+    solo run's held-out accuracy within 2 points (same recipe and epochs). cpu_sync splits each
+    epoch equally, so the slow rank trains the epoch's tail alone (docs/benchmarks.md: 1-2
+    points of eval by design on this rig), and a reduce waits for the ranks that have not
+    stepped while the others step on, so its trajectory follows the timing: six runs of this
+    config on the 2-core machine ended at 0.931-0.972 against the solo run's 0.953. Its bound
+    is 3.5 points."""
     proc, summary = _run(tmp_path, "cluster=cpu_pair", f"elche={mode}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert summary["status"] == "completed" and summary["mode"] == mode
@@ -39,7 +40,7 @@ def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_
         # The balance is judged over the epochs after the first (its timings are the first the
         # balancer sees), by their median: one epoch's share swings with the machine's load
         # (0.56 in one epoch after 0.78 in the others on a busy 2-core machine).
-        settled = statistics.median(s[0] for s in shares[1:])
+        settled = statistics.median(share[0] for share in shares[1:])
         assert settled >= min_fast_share, f"the fast rank's share by epoch: {shares}"
     assert summary["final_eval"] >= solo_eval - max_drop, \
         f"final eval {summary['final_eval']:.4f}, solo {solo_eval:.4f}; shares by epoch {shares}"

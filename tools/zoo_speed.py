@@ -102,8 +102,9 @@ def own_loop(config: ExperimentConfig, device: torch.device, backend: Optional[s
 def _own_eval(config: ExperimentConfig, recipe, model, device: torch.device) -> Callable[[int], None]:
     """The careful user's eval after the epochs the solo path evaluates (untimed in both, as the
     solo path's eval is left out of its epochs): the eval set on the device once, the recipe's
-    eval_step (or eval_fn) under no_grad in eval mode, then back to training. Without it the own loop would
-    skip work whose wake (a GPU that idled through the eval) the solo path's next steps feel."""
+    eval_step (or eval_fn) under no_grad in eval mode, then back to training. Without it the own
+    loop would skip work whose wake (a GPU that idled through the eval) the solo path's next
+    steps feel."""
     every = config.eval_every_epochs
     if every is None or not recipe.has_eval:  # as the solo path decides
         return lambda epoch: None
@@ -200,8 +201,8 @@ DELIVERY: List[str] = []
 def ours(config: ExperimentConfig, run_dir: str) -> List[float]:
     """The solo path's ms per epoch (its training, its eval left out)."""
     result = flodl_run.train(config, run_dir=run_dir)
-    DELIVERY[:] = [f"{e.per_rank_delivery[0]} {e.per_rank_data_starve_ms[0]:.1f} ms, eval {e.eval_ms or 0:.1f} ms"
-                   for e in result.summary.epochs]
+    DELIVERY[:] = [f"{e.per_rank_delivery[0]} {e.per_rank_data_starve_ms[0]:.1f} ms, "
+                   f"eval {e.eval_ms or 0:.1f} ms" for e in result.summary.epochs]
     return [e.epoch_ms - (e.eval_ms or 0.0) for e in result.summary.epochs]
 
 
