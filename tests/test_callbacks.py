@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -179,8 +180,12 @@ class _NotingObserver(Observer):
         self.events.append(message)
 
 
-def _coordinate(recipe: Recipe, tmp_path: Path, mode: str = "nccl_sync", batch_size: int = 32, **run):
-    config = ExperimentConfig(elche=ElCheConfig.preset(mode), batch_size=batch_size,
+def _coordinate(recipe: Recipe, tmp_path: Path, mode: str = "nccl_sync", batch_size: int = 32,
+                max_anchor: Optional[int] = None, **run):
+    elche = ElCheConfig.preset(mode)
+    if max_anchor is not None:
+        elche = replace(elche, max_anchor=max_anchor)
+    config = ExperimentConfig(elche=elche, batch_size=batch_size,
                               save_path=str(tmp_path / "ck"), epoch_callback_policy="rank:0", **run)
     secret = new_secret()
     coord = Coordinator(config, 2, secret)
@@ -213,10 +218,13 @@ def test_epoch_fn_is_ordered_every_epoch_even_without_an_eval(tmp_path):
 def test_checkpoint_fn_gets_the_last_epoch_the_saved_weights_include(tmp_path):
     """Rule: checkpoint_fn's epoch is the last epoch the bundle's weights include: the epoch in
     progress for a mid-epoch checkpoint_at_epoch save, the epoch just closed for
-    checkpoint_every and the end of the run."""
+    checkpoint_every and the end of the run. The anchor is held at its start (10 batches) so
+    every epoch has several windows: on a loaded machine the reduces' cost grows it, and a
+    first window that hands out the whole epoch makes the mid-epoch save an epoch's end (the
+    next test's rule)."""
     summary, ranks = _coordinate(_bare(checkpoint_fn=lambda epoch, model: None), tmp_path,
-                                 mode="nccl_cadence", batch_size=4, num_epochs=3, checkpoint_every=2,
-                                 checkpoint_at_epoch=1)
+                                 mode="nccl_cadence", batch_size=4, max_anchor=10, num_epochs=3,
+                                 checkpoint_every=2, checkpoint_at_epoch=1)
     assert summary.status == "completed" and summary.syncs > 3 * 2  # several reduces per epoch
     saves = [o for o in ranks[0].callback_orders if isinstance(o, SaveCheckpoint)]
     assert [o.epoch for o in saves] == [1, 1, 2]  # at epoch 1 (mid), after epoch 1, at the end
