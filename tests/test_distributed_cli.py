@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.alone
 def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_share, max_drop):
     """Pins the headline promise: on a 2.5x-skewed pair the cadence and async modes give the
-    fast rank >= 0.6 of the batches (the median of the epochs after the first) and reach the
+    fast rank >= 0.6 of the batches (pooled over the epochs after the first) and reach the
     solo run's held-out accuracy within 2 points (same recipe and epochs). cpu_sync splits each
     epoch equally, so the slow rank trains the epoch's tail alone (docs/benchmarks.md: 1-2
     points of eval by design on this rig), and a reduce waits for the ranks that have not
@@ -38,9 +37,12 @@ def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_
     shares = [e["per_rank_batch_share"] for e in summary["epochs"]]
     if min_fast_share is not None:
         # The balance is judged over the epochs after the first (its timings are the first the
-        # balancer sees), by their median: one epoch's share swings with the machine's load
-        # (0.56 in one epoch after 0.78 in the others on a busy 2-core machine).
-        settled = statistics.median(share[0] for share in shares[1:])
+        # balancer sees), pooled: the fast rank's batches over all their batches. One epoch's
+        # share is not the balance: cpu_async hands out whole chunks across epoch boundaries,
+        # so which epoch a chunk lands in alternates (0.56, 0.78, 0.56, ... on CI, 0.65 pooled).
+        later = summary["epochs"][1:]
+        settled = sum(e["per_rank_batch_share"][0] * e["samples"] for e in later) / \
+            sum(e["samples"] for e in later)
         assert settled >= min_fast_share, f"the fast rank's share by epoch: {shares}"
     assert summary["final_eval"] >= solo_eval - max_drop, \
         f"final eval {summary['final_eval']:.4f}, solo {solo_eval:.4f}; shares by epoch {shares}"
