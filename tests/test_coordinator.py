@@ -46,13 +46,18 @@ def _positions(ranks, epochs):
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
 def test_progressive_modes_cover_every_sample_once_and_favour_the_fast_rank(mode):
     """Pins progressive dispatch: each sample of each epoch trained exactly once (async too,
-    across epoch boundaries), and a rank 2.5x faster ends with the larger batch share."""
+    across epoch boundaries), and a rank 2.5x faster takes the larger batch share once the
+    balancer has its first epoch's timings. The share is pooled over the later epochs: cpu_async's
+    whole chunks move batches between epochs (0.75 then 0.625 of the fast rank's, or 0.625 twice,
+    on a loaded 2-core machine), the cadence modes' 0.71 each."""
     summary, ranks = _run(mode, [4.0, 10.0], epochs=3)
     assert summary.status == "completed", summary.message
     seen = _positions(ranks, 3)
     assert set(seen.values()) == {1}
     assert len(seen) == 3 * NUM_SAMPLES
-    assert summary.epochs[-1].per_rank_batch_share[0] > 0.6
+    later = summary.epochs[1:]
+    fast = sum(e.per_rank_batch_share[0] * e.samples for e in later) / sum(e.samples for e in later)
+    assert fast > 0.6, [e.per_rank_batch_share for e in summary.epochs]
 
 
 @pytest.mark.coordinator
