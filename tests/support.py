@@ -239,6 +239,14 @@ def _live_ranks(run_dir: Path) -> list[int]:
     return found
 
 
+def pooled_share(epochs, rank: int = 0) -> float:
+    """`rank`'s share of the batches over `epochs` (EpochRecords or summary.json's dicts),
+    each epoch weighted by its samples: the balance over several epochs. One epoch's share is
+    not the balance under cpu_async, whose whole chunks move batches between epochs."""
+    rows = [e if isinstance(e, dict) else vars(e) for e in epochs]
+    return sum(r["per_rank_batch_share"][rank] * r["samples"] for r in rows) / sum(r["samples"] for r in rows)
+
+
 def make(**dotted) -> ExperimentConfig:
     """A default config with `a__b=v` meaning `cfg.a.b = v` (nested dataclasses are mutable)."""
     cfg = ExperimentConfig()

@@ -78,9 +78,12 @@ def live_run(tmp_path_factory, cores_held):
         # One poll judges both: before the run's start sets the world size, the state lists
         # only the ranks that reported a window (none at first: `all` of nothing is true), and
         # a second poll may then see the world size of a run whose slow rank has no window yet.
-        _await(lambda: (lambda s: s["world_size"] == len(s["ranks"]) == 2
-                        and all(r["windows"] for r in s["ranks"]))(_state(url)),
-               "both ranks' first windows")
+        def both_ranks_windowed() -> bool:
+            state = _state(url)
+            ranks = state["ranks"]
+            return state["world_size"] == len(ranks) == 2 and all(r["windows"] for r in ranks)
+
+        _await(both_ranks_windowed, "both ranks' first windows")
         yield {"url": url, "proc": proc, "run_dir": run_dir, "output": output}
     finally:
         if proc.poll() is None:

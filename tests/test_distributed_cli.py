@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, _free_port, _live_ranks, _run, start_cli, start_controller
+from tests.support import REPO, _free_port, _live_ranks, _run, pooled_share, start_cli, start_controller
 
 pytestmark = pytest.mark.e2e
 
@@ -40,9 +40,7 @@ def test_cpu_pair_balances_and_matches_solo(tmp_path, solo_eval, mode, min_fast_
         # balancer sees), pooled: the fast rank's batches over all their batches. One epoch's
         # share is not the balance: cpu_async hands out whole chunks across epoch boundaries,
         # so which epoch a chunk lands in alternates (0.56, 0.78, 0.56, ... on CI, 0.65 pooled).
-        later = summary["epochs"][1:]
-        settled = sum(e["per_rank_batch_share"][0] * e["samples"] for e in later) / \
-            sum(e["samples"] for e in later)
+        settled = pooled_share(summary["epochs"][1:])
         assert settled >= min_fast_share, f"the fast rank's share by epoch: {shares}"
     assert summary["final_eval"] >= solo_eval - max_drop, \
         f"final eval {summary['final_eval']:.4f}, solo {solo_eval:.4f}; shares by epoch {shares}"
